@@ -1,0 +1,29 @@
+"""Shared fixtures: the real models (fetched once into the cache) and a per-session temp folder."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def have_llama_cpp() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+requires_llama_cpp = pytest.mark.skipif(not have_llama_cpp(), reason="llama-cpp-python is not installed")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from luce_compile.models import fetch
+
+    return fetch("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    from luce_compile.models import fetch
+
+    return fetch("gemma3-270m")
