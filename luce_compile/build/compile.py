@@ -1,0 +1,143 @@
+"""The build stage: GGUF → graph → Relax module → tvm.compile for one target → artifact on disk.
+
+Every step before writing can fail (an unsupported op, a type without a kernel); the artifact is written to a
+temporary directory and renamed into place only when all of it succeeded. A content-addressed cache keyed by the
+GGUF's sha256, the target and the compiler's own source makes a second compile of the same model instant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+import luce_compile
+from luce_compile.artifact.writer import write_artifact
+from luce_compile.build.pipeline import relax_pipeline
+from luce_compile.gguf.reader import GGUFFile, read_gguf
+from luce_compile.graph import build_graph
+from luce_compile.graph.ir import Graph
+from luce_compile.lower.quant_layout import repack
+from luce_compile.lower.relax_model import PLANE_SEP, lower_graph
+from luce_compile.models import cache_dir
+from luce_compile.targets import TargetInfo, get_target
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str], None]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def compiler_fingerprint() -> str:
+    """A hash of the compiler's own source and TVM's version: a cached artifact is reused only by the same compiler."""
+    import tvm
+
+    digest = hashlib.sha256(tvm.__version__.encode())
+    roots = [Path(luce_compile.__file__).parent, Path(luce_compile.__file__).parent.parent / "schedules"]
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, use_cache: bool = True,
+                  progress: Progress | None = None) -> Path:
+    """Compile a GGUF model for a target into an artifact directory at out_dir (replaced if it exists)."""
+    say = progress or (lambda _msg: None)
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    info = get_target(target)
+    say("hashing the model")
+    gguf_sha = file_sha256(gguf_path)
+    key = f"{gguf_sha[:24]}-{info.name}-{compiler_fingerprint()}"
+    cached = cache_dir() / "artifacts" / key
+    if use_cache and (cached / "manifest.json").is_file():
+        say(f"reusing the cached build {cached}")
+        _copy_tree(cached, out_dir)
+        return out_dir
+    gguf = read_gguf(gguf_path)
+    graph = build_graph(gguf)  # refuses unsupported models before any work
+    built = _build(gguf, graph, info, gguf_sha, say)
+    if use_cache:
+        _copy_tree(built, cached)
+    _copy_tree(built, out_dir)
+    shutil.rmtree(built.parent, ignore_errors=True)
+    return out_dir
+
+
+def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: Progress) -> Path:
+    import tvm
+
+    target = info.tvm_target()
+    say(f"lowering {len(graph.ops)} ops")
+    mod, params = lower_graph(graph, target)
+    say(f"compiling for {info.name} ({target.kind.name})")
+    start = time.perf_counter()
+    with target:
+        executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+    compile_s = time.perf_counter() - start
+    log.info("tvm.compile took %.1f s", compile_s)
+    work = Path(tempfile.mkdtemp(prefix="luce-build-"))
+    say("writing the artifact (weights repacked into kernel planes)")
+    functions = ["create_kv_cache", "prefill", "decode"]
+    manifest = {
+        "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},
+        "config": graph.config.to_dict(),
+        "target": _target_fields(info, target),
+        "kernels": {"module": "model.so", "functions": functions, "compile_seconds": round(compile_s, 2)},
+        "runtime": {"page_size": 16, "prefill_chunk": 512},
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    return write_artifact(work / "artifact", manifest_fields=manifest, weights=_weights(gguf, params),
+                          export_fn=executable.export_library, tokenizer_metadata=_tokenizer_metadata(gguf))
+
+
+def _target_fields(info: TargetInfo, target) -> dict:
+    from luce_compile.targets import host_cpu
+
+    fields = {"name": info.name, "kind": info.kind, "tvm_target": target.export()}
+    if info.kind == "llvm":
+        fields["host_cpu"] = host_cpu()
+    return fields
+
+
+def _weights(gguf: GGUFFile, params: list[tuple[str, tuple[int, ...], str]]) -> Iterator[tuple[str, np.ndarray, dict]]:
+    """Each parameter, in the order the VM functions take them: a plane of a repacked GGUF tensor."""
+    planes_of: dict[str, dict[str, np.ndarray]] = {}
+    for name, shape, dtype in params:
+        tensor, plane = name.split(PLANE_SEP)
+        if tensor not in planes_of:  # repack once per tensor; the planes of one tensor are consecutive
+            planes_of.clear()
+            info = gguf.tensor(tensor)
+            raw = gguf.raw(tensor)
+            planes_of[tensor] = repack(raw.reshape(-1, raw.shape[-1]), info.ggml_type)
+        array = planes_of[tensor][plane].reshape(shape)
+        if str(array.dtype) != dtype and not (dtype == "uint16" and array.dtype == np.uint16):
+            raise AssertionError(f"plane {name} is {array.dtype}, the kernel expects {dtype}")
+        info = gguf.tensor(tensor)
+        yield name, array, {"source_tensor": tensor, "ggml_type": info.ggml_type.name, "plane": plane}
+
+
+def _tokenizer_metadata(gguf: GGUFFile) -> dict:
+    return {k: v for k, v in gguf.metadata.items() if k.startswith("tokenizer.")} | {
+        "general.architecture": gguf.arch}
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.replace(dst)

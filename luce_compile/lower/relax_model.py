@@ -1,0 +1,248 @@
+"""Lower a Graph to a Relax module: one nn.Module that interprets the graph's ops, and TVM's paged KV cache.
+
+The module exports four functions, the runtime's whole contract (names and argument order are recorded in the
+artifact's manifest):
+  create_kv_cache(max_batch, max_total_len, prefill_chunk, page_size, support_sliding) → PagedKVCache
+  prefill(tokens (1, S) int32, logit_rows (N,) int32, kv, params) → (logits (N, V) f32, kv)
+      S tokens of one or several sequences laid end to end (the cache's begin_forward says which); logits only for
+      the rows asked (the last token of each sequence in a prefill; every token in a verify).
+  decode(tokens (B, 1) int32, kv, params) → (logits (B, V) f32, kv): one token for each of B sequences.
+Weights are parameters in the planes layout of `lower/quant_layout.py` (never dequantized in memory); each matmul
+and the embedding are our fused dequantizing TIR kernels; attention and RoPE'd keys live in TIRPagedKVCache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op, spec
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+
+from luce_compile.errors import UnsupportedError
+from luce_compile.gguf.reader import TensorInfo
+from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, Op, OpKind
+from luce_compile.lower.quant_layout import plane_specs
+from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul
+from luce_compile.lower.rope import rope_func
+
+PLANE_SEP = "::"
+OPAQUE = 8  # relax.OpPatternKind.kOpaque  # parameter name = GGUF tensor name + "::" + plane name
+
+
+def param_name(tensor: str, plane: str) -> str:
+    return f"{tensor}{PLANE_SEP}{plane}"
+
+
+@dataclass(frozen=True)
+class LowerOptions:
+    dtype: str = "float32"  # activations and the KV cache
+
+
+def weight_specs(info: TensorInfo) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The parameters one GGUF tensor becomes: the planes of a matrix, or a 1-D vector (norms, biases) as is."""
+    if len(info.shape) == 1:
+        (shape, dtype), = plane_specs(info.ggml_type, 1, info.shape[0]).values()
+        if len(plane_specs(info.ggml_type, 1, info.shape[0])) != 1:
+            raise UnsupportedError(f"lower: 1-D tensor {info.name} is {info.ggml_type.name}; vectors must be F32/F16.")
+        return {"w": (info.shape, dtype)}
+    return plane_specs(info.ggml_type, *info.shape)
+
+
+class GraphModule(nn.Module):
+    """The graph as an nn.Module: parameters are the weight planes, `_forward` walks the ops in order."""
+
+    def __init__(self, graph: Graph, target: tvm.target.Target, options: LowerOptions = LowerOptions()):
+        self.graph, self.target, self.options = graph, target, options
+        self.planes: dict[str, list[str]] = {}
+        params = {}
+        for name, info in graph.weights.items():
+            specs = weight_specs(info)
+            self.planes[name] = list(specs)
+            for plane, (shape, dtype) in specs.items():
+                params[param_name(name, plane)] = nn.Parameter(shape, dtype)
+        self.params = nn.ParameterDict(params)
+        self._kernels: dict[tuple, tirx.PrimFunc] = {}
+
+    # ---- exported functions -------------------------------------------------------------------------------------
+    def create_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var, prefill_chunk_size: tirx.Var,
+                        page_size: tirx.Var, support_sliding_window: tirx.Var) -> PagedKVCache:
+        c = self.graph.config
+        kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
+        return TIRPagedKVCache(
+            attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+            support_sliding_window=support_sliding_window, layer_partition=relax.ShapeExpr([0, c.n_layer]),
+            num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head_kv,
+            qk_head_dim=c.head_dim, v_head_dim=c.head_dim_v, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
+            # RoPE is the graph's own op (both layouts, per-layer bases): the cache stores keys already rotated.
+            rope_mode=RopeMode.NONE, rope_scale=1, rope_theta=int(c.rope_base), rope_scaling={},
+            rope_ext_factors=relax.prim_value(0), rotary_dim=c.rope_dim, enable_disaggregation=False,
+            dtype=self.options.dtype, target=self.target, layer_sliding_window_size=c.sliding_window or 1024,
+        )
+
+    def prefill(self, tokens: nn.Tensor, logit_rows: nn.Tensor, kv: PagedKVCache):
+        return self._forward(tokens, kv, logit_rows), kv
+
+    def decode(self, tokens: nn.Tensor, kv: PagedKVCache):
+        return self._forward(tokens, kv, None), kv
+
+    # ---- the interpreter ----------------------------------------------------------------------------------------
+    def _forward(self, tokens: nn.Tensor, kv: PagedKVCache, logit_rows: nn.Tensor | None) -> nn.Tensor:
+        b, s = tokens.shape
+        positions = op.reshape(kv.get_query_positions(b * s), (b, s))
+        env: dict[str, nn.Tensor] = {TOKENS: tokens, POSITIONS: positions}
+        for o in self.graph.ops:
+            lower = _LOWER.get(o.kind)
+            if lower is None:
+                raise UnsupportedError(f"lower: op kind {o.kind} has no lowering yet.")
+            env[o.outputs[0]] = lower(self, o, [env[i] for i in o.inputs], kv=kv, logit_rows=logit_rows)
+        logits = env[LOGITS]
+        return op.reshape(logits, (-1, logits.shape[-1])) if len(logits.shape) == 3 else logits
+
+    def _kernel(self, key: tuple, make: Callable[[], tirx.PrimFunc]) -> tirx.PrimFunc:
+        """Our hand-defined kernels, made once per shape. Marked opaque so that Relax's FuseOps leaves them whole:
+        the schedule rules recognize them as written (fusing a bias or residual add in is a later optimisation)."""
+        if key not in self._kernels:
+            self._kernels[key] = make().with_attr("op_pattern", OPAQUE)
+        return self._kernels[key]
+
+    def _planes(self, tensor: str) -> list[nn.Tensor]:
+        return [self.params[param_name(tensor, p)] for p in self.planes[tensor]]
+
+    def linear(self, x: nn.Tensor, tensor: str, bias: str | None) -> nn.Tensor:
+        """x (..., K) @ W.T (+ bias) with W read in its quantized planes by a fused dequantizing kernel."""
+        info = self.graph.weights[tensor]
+        n, k = info.shape
+        lead = x.shape[:-1]
+        x2 = op.reshape(x, (-1, k))
+        func = self._kernel(("mm", info.ggml_type, n, k), lambda: quant_matmul(
+            info.ggml_type, n, k, batch="dynamic", x_dtype=self.options.dtype, out_dtype=self.options.dtype,
+            name=f"mm_{info.ggml_type.name.lower()}_{n}x{k}"))
+        out = nn.Tensor.placeholder((x2.shape[0], n), self.options.dtype)
+        y = op.tensor_ir_op(func, func.attrs["global_symbol"], [x2, *self._planes(tensor)], out)
+        if bias is not None:
+            y = y + self._vector(bias)
+        return op.reshape(y, (*lead, n))
+
+    def _vector(self, tensor: str) -> nn.Tensor:
+        """A 1-D F32/F16 weight (norms, biases) as an activation-dtype vector."""
+        (plane,) = self._planes(tensor)
+        return plane if plane.dtype == self.options.dtype else op.astype(plane, self.options.dtype)
+
+
+def _embedding(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
+    tokens = ins[0]
+    b, s = tokens.shape
+    tensor = o.weights["weight"]
+    info = m.graph.weights[tensor]
+    v, e = info.shape
+    func = m._kernel(("embed", info.ggml_type, v, e), lambda: quant_embedding(
+        info.ggml_type, v, e, out_dtype=m.options.dtype, name=f"embed_{info.ggml_type.name.lower()}_{v}x{e}"))
+    flat = op.reshape(tokens, (b * s,))
+    out = nn.Tensor.placeholder((b * s, e), m.options.dtype)
+    x = op.tensor_ir_op(func, func.attrs["global_symbol"], [flat, *m._planes(tensor)], out)
+    x = op.reshape(x, (b, s, e))
+    return x * o.attrs["scale"] if o.attrs.get("scale", 1.0) != 1.0 else x
+
+
+def _rms_norm(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
+    return op.rms_norm(ins[0], m._vector(o.weights["weight"]), axes=-1, epsilon=o.attrs["eps"])
+
+
+def _matmul(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
+    return m.linear(ins[0], o.weights["weight"], o.weights.get("bias"))
+
+
+def _lm_head(m: GraphModule, o: Op, ins: list, logit_rows: nn.Tensor | None, **_) -> nn.Tensor:
+    x = ins[0]
+    x = op.reshape(x, (-1, x.shape[-1]))  # (B·S, E)
+    if logit_rows is not None:  # prefill/verify: only the rows whose logits are wanted reach the LM head
+        x = op.take(x, logit_rows, axis=0)
+    return m.linear(x, o.weights["weight"], o.weights.get("bias"))
+
+
+def _reshape(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
+    x = ins[0]
+    b, s = x.shape[0], x.shape[1]
+    shape = [b if d == "B" else s if d == "S" else d for d in o.attrs["shape"]]
+    return op.reshape(x, shape)
+
+
+def _rope(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
+    x, positions = ins
+    if o.weights:
+        raise UnsupportedError("lower: RoPE frequency factors (rope_freqs.weight) are not lowered yet.")
+    _, _, h, d = x.shape
+    a = o.attrs
+    func = m._kernel(("rope", a["layout"], h, d, a["dim"], a["base"], a["freq_scale"]), lambda: rope_func(
+        a["layout"], h, d, a["dim"], a["base"], a["freq_scale"], dtype=m.options.dtype,
+        name=f"rope_{a['layout']}_{h}x{d}_{int(a['base'])}"))
+    out = nn.Tensor.placeholder(x.shape, m.options.dtype)
+    return op.tensor_ir_op(func, func.attrs["global_symbol"], [x, positions], out)
+
+
+def _attention(m: GraphModule, o: Op, ins: list, kv: PagedKVCache, **_) -> nn.Tensor:
+    q, k, v, _positions = ins
+    a = o.attrs
+    if a.get("softcap"):
+        raise UnsupportedError("lower: attention logit softcapping is not supported by the paged KV cache kernels.")
+    if q.shape[-1] != v.shape[-1]:
+        raise UnsupportedError("lower: different key and value head sizes are not supported yet.")
+    b, s, h, d = q.shape
+    qkv = op.concat([q, k, v], dim=2)  # (B, S, H + 2·Hkv, D): the cache appends k, v and attends
+    out = kv.attention_with_fused_qkv(a["layer"], qkv, a["n_head"], sm_scale=a["scale"])
+    return op.reshape(out, (b, s, h * d))
+
+
+def _glu(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
+    gate, up = ins
+    act = op.silu(gate) if o.attrs["activation"] == "silu" else op.gelu(gate, approximate="tanh")
+    return act * up
+
+
+def _softcap(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
+    cap = o.attrs["cap"]
+    return op.tanh(ins[0] / cap) * cap
+
+
+_LOWER: dict[OpKind, Callable[..., nn.Tensor]] = {
+    OpKind.EMBEDDING: _embedding,
+    OpKind.RMS_NORM: _rms_norm,
+    OpKind.MATMUL: _matmul,
+    OpKind.LM_HEAD: _lm_head,
+    OpKind.RESHAPE: _reshape,
+    OpKind.ROPE: _rope,
+    OpKind.SCALE: lambda m, o, ins, **_: ins[0] * o.attrs["scale"],
+    OpKind.ATTENTION: _attention,
+    OpKind.ADD: lambda m, o, ins, **_: ins[0] + ins[1],
+    OpKind.GLU: _glu,
+    OpKind.SOFTCAP: _softcap,
+}
+
+
+def export_spec(graph: Graph) -> dict:
+    """The signatures nn.Module.export_tvm builds."""
+    none = {"param_mode": "none", "effect_mode": "none"}
+    packed = {"param_mode": "packed", "effect_mode": "none"}
+    kv = spec.Object(object_type=PagedKVCache)
+    return {
+        "create_kv_cache": {"max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
+                            "page_size": int, "support_sliding_window": int, "$": none},
+        "prefill": {"tokens": spec.Tensor([1, "seq_len"], "int32"), "logit_rows": spec.Tensor(["n_rows"], "int32"),
+                    "kv": kv, "$": packed},
+        "decode": {"tokens": spec.Tensor(["batch", 1], "int32"), "kv": kv, "$": packed},
+    }
+
+
+def lower_graph(graph: Graph, target: tvm.target.Target, options: LowerOptions = LowerOptions()):
+    """Graph → (Relax IRModule, [(param name, shape, dtype)] in the packed order the functions take)."""
+    module = GraphModule(graph, target, options)
+    with target:
+        mod, named_params = module.export_tvm(spec=export_spec(graph))
+    # export_tvm names them after the ParameterDict attribute: "params.<tensor>::<plane>"
+    params = [(name.removeprefix("params."), tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in named_params]
+    return mod, params
