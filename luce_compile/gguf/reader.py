@@ -12,6 +12,7 @@ without copying. Type codes, block sizes and key names still come from the `gguf
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 from collections.abc import Iterator
@@ -131,17 +132,16 @@ class _Cursor:
             etype = GGUFValueType(self.scalar("<I", f"array type of {key!r}"))
         except ValueError as e:
             raise self.fail(f"metadata array {key!r} has an unknown element type: {e}") from None
+        if etype == GGUFValueType.ARRAY:  # llama.cpp's gguf.cpp refuses them too; nesting would recurse unbounded
+            raise self.fail(f"metadata array {key!r} holds arrays, which GGUF readers do not accept")
         count = self.scalar("<Q", f"array length of {key!r}")
-        min_size = 8 if etype == GGUFValueType.STRING else 4 if etype == GGUFValueType.ARRAY else \
-            struct.calcsize(_SCALAR_FORMATS[etype])
+        min_size = 8 if etype == GGUFValueType.STRING else struct.calcsize(_SCALAR_FORMATS[etype])
         if count * min_size > self.remaining:
             raise self.fail(f"metadata array {key!r} claims {count} elements, more than the file can hold")
         if etype in _NUMPY_DTYPES:  # numeric arrays in one read, not one struct call per element
             start = self.take(count * min_size, f"array {key!r}")
             return np.frombuffer(self.buf, dtype=_NUMPY_DTYPES[etype], count=count, offset=start).tolist()
-        if etype == GGUFValueType.STRING:
-            return [self.string(f"element of {key!r}") for _ in range(count)]
-        return [self.array(key) for _ in range(count)]
+        return [self.string(f"element of {key!r}") for _ in range(count)]
 
 
 class GGUFFile:
@@ -195,6 +195,15 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if path.stat().st_size == 0:
             raise GGUFError(f"GGUF {path}: the file is empty.")
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse(path, data)
+    except BaseException:
+        with contextlib.suppress(BufferError):  # a refused file is not left mapped (unless a view still holds it)
+            data.close()
+        raise
+
+
+def _parse(path: Path, data: mmap.mmap) -> GGUFFile:
     cur = _Cursor(data, path)
     magic = bytes(data[:4])
     if magic != GGUF_MAGIC:
