@@ -1,0 +1,356 @@
+"""Random-weight GGUF models of any supported architecture, shape and quant mix, with SmolLM2's real tokenizer.
+
+They stand in for real models where the weights cannot travel (GPU benchmarks at real shapes) and make
+fast tests of every architecture. Metadata keys and tensors are what llama.cpp's converter writes
+(`convert_hf_to_gguf.py`, `conversion/{llama,qwen,gemma}.py`), so llama.cpp loads them as it loads real models.
+
+Weights are scaled so that activations stay O(1) through many layers and the logits are not degenerate:
+matrices have std 1/sqrt(fan_in); norm weights are 1 ± 10% (gemma3's too: its GGUF stores 1 + w already);
+token embeddings are small next to what the layers add to the residual stream (std 1/sqrt(n_embd) as the
+model reads them, after gemma3's sqrt(n_embd) scale), so the tied LM head does not just copy the input token
+(with embeddings of std 1, tiny models predicted their own input); the final norm weights are scaled (± 10%)
+so that the logits have a spread (std ≈ 4) like trained models'; q and k are scaled up so that attention is
+peaked (see ATTENTION_SHARPNESS).
+
+Usage: `python -m luce_compile.synthetic PRESET OUT.gguf` (PRESET: one of PRESETS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import struct
+import sys
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+
+from luce_compile.errors import GGUFError, UnsupportedError
+from luce_compile.gguf.quants import quantize
+from luce_compile.gguf.reader import SUPPORTED_TYPES, read_gguf
+
+log = logging.getLogger(__name__)
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+TOKENIZER_SOURCE = "smollm2-135m"
+N_VOCAB = 49152  # SmolLM2's vocabulary: every synthetic model uses its tokenizer
+SPEC_KEY = "luce.synthetic.spec"  # the spec as JSON, so a file says how it was made
+
+_FILE_TYPES = {
+    "F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16, "BF16": LlamaFileType.MOSTLY_BF16,
+    "Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_1": LlamaFileType.MOSTLY_Q4_1,
+    "Q5_0": LlamaFileType.MOSTLY_Q5_0, "Q5_1": LlamaFileType.MOSTLY_Q5_1, "Q4_K": LlamaFileType.MOSTLY_Q4_K_M,
+    "Q5_K": LlamaFileType.MOSTLY_Q5_K_M, "Q6_K": LlamaFileType.MOSTLY_Q6_K,
+}
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Everything that defines a synthetic model. The defaults give a tiny llama that runs in milliseconds."""
+
+    arch: str = "llama"
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int | None = None  # None → n_embd // n_head
+    n_ff: int = 128
+    n_ctx: int = 2048
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+    quant: str = "Q8_0"  # type of the 2-D weights; 1-D tensors (norms, biases) are always F32
+    # tensor-name suffix → type, e.g. {"ffn_down.weight": "Q6_K", "blk.0.attn_v.weight": "Q8_0"}; the longest
+    # suffix that matches at a "." boundary wins
+    quant_overrides: dict[str, str] = field(default_factory=dict)
+    tied_output: bool = True
+    sliding_window: int = 0  # gemma3: 0 = no sliding-window layers
+    sliding_window_pattern: int = 6  # gemma3: every n-th layer is global
+    final_logit_softcap: float = 0.0  # gemma3: 0 = off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "quant_overrides", dict(self.quant_overrides))  # not shared with the caller
+        if self.arch not in ARCHS:
+            raise UnsupportedError(f"synthetic: architecture {self.arch!r} is not supported ({', '.join(ARCHS)}).")
+        if min(self.n_layer, self.n_embd, self.n_head, self.n_head_kv, self.head_size, self.n_ff) <= 0:
+            raise GGUFError(f"synthetic: every size must be positive: {self}.")
+        if self.n_head % self.n_head_kv:
+            raise GGUFError(f"synthetic: n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}.")
+        if self.arch == "qwen2" and self.head_size * self.n_head != self.n_embd:
+            raise GGUFError("synthetic: llama.cpp's qwen2 needs head_dim * n_head == n_embd; use qwen3 instead.")
+        if self.arch != "gemma3" and (self.sliding_window or self.final_logit_softcap):
+            raise UnsupportedError(f"synthetic: sliding windows and softcapping are gemma3 features, not {self.arch}.")
+        for t in (self.quant, *self.quant_overrides.values()):
+            if t not in _FILE_TYPES:
+                raise UnsupportedError(f"synthetic: quant type {t!r} is not supported ({', '.join(_FILE_TYPES)}).")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+    def __hash__(self) -> int:  # the dict field would make the generated hash fail
+        return hash(self.to_json())
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def _gemma3_270m_overrides(n_layer: int = 18) -> dict[str, str]:
+    """Gemma 3 270M Q4_K_M's quant mix (read from the real file): llama.cpp's use_more_bits layers
+    (first and last eighth, every third between) get Q8_0 attn_v and Q6_K ffn_down; the rest Q5_0 and Q4_K."""
+    more_bits = [i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2 for i in range(n_layer)]
+    overrides = {"token_embd.weight": "Q8_0", "attn_output.weight": "Q4_K"}
+    for i, more in enumerate(more_bits):
+        overrides[f"blk.{i}.attn_v.weight"] = "Q8_0" if more else "Q5_0"
+        overrides[f"blk.{i}.ffn_down.weight"] = "Q6_K" if more else "Q4_K"
+    return overrides
+
+
+PRESETS: dict[str, SyntheticSpec] = {
+    "tiny-llama": SyntheticSpec(),
+    # untied output and q/k/v biases
+    "tiny-qwen2": SyntheticSpec(arch="qwen2", tied_output=False, rope_base=1e6, rms_eps=1e-6),
+    # head_dim 32 ≠ n_embd / n_head, so key_length is written and q is wider than the residual
+    "tiny-qwen3": SyntheticSpec(arch="qwen3", head_dim=32, rope_base=1e6, rms_eps=1e-6),
+    # 2 local layers then 1 global, a window short enough for test prompts to cross it, and logit softcapping
+    "tiny-gemma3": SyntheticSpec(arch="gemma3", n_layer=3, head_dim=32, n_head_kv=1, rms_eps=1e-6, rope_base=1e6,
+                                 sliding_window=8, sliding_window_pattern=3, final_logit_softcap=30.0),
+    "smollm2-135m": SyntheticSpec(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_ctx=8192,
+                                  rope_base=1e5, quant="Q4_1", quant_overrides={"token_embd.weight": "Q8_0"}),
+    # Llama-3.2-1B's body (its own vocabulary is 128k; ours is SmolLM2's 49152)
+    "llama-1b-body": SyntheticSpec(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, n_ctx=131072,
+                                   rope_base=5e5, quant="Q4_1"),
+    "qwen3-0.6b": SyntheticSpec(arch="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8, head_dim=128,
+                                n_ff=3072, n_ctx=40960, rope_base=1e6, rms_eps=1e-6, quant="Q8_0"),
+    "gemma3-270m": SyntheticSpec(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256,
+                                 n_ff=2048, n_ctx=32768, rope_base=1e6, rms_eps=1e-6, sliding_window=512,
+                                 quant="Q5_0", quant_overrides=_gemma3_270m_overrides()),
+}
+
+
+def preset(name: str) -> SyntheticSpec:
+    if name not in PRESETS:
+        raise GGUFError(f"synthetic: unknown preset {name!r}; known: {', '.join(PRESETS)}.")
+    return PRESETS[name]
+
+
+# ------------------------------------------------------------------------------------------------ tensors
+
+def tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor llama.cpp's loader reads for this architecture, numpy shape (out, in), in file order."""
+    q_out, kv_out = spec.n_head * spec.head_size, spec.n_head_kv * spec.head_size
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (N_VOCAB, spec.n_embd)}
+    for i in range(spec.n_layer):
+        b = f"blk.{i}."
+        shapes |= {b + "attn_norm.weight": (spec.n_embd,), b + "attn_q.weight": (q_out, spec.n_embd),
+                   b + "attn_k.weight": (kv_out, spec.n_embd), b + "attn_v.weight": (kv_out, spec.n_embd)}
+        if spec.arch == "qwen2":
+            shapes |= {b + "attn_q.bias": (q_out,), b + "attn_k.bias": (kv_out,), b + "attn_v.bias": (kv_out,)}
+        if spec.arch in ("qwen3", "gemma3"):
+            shapes |= {b + "attn_q_norm.weight": (spec.head_size,), b + "attn_k_norm.weight": (spec.head_size,)}
+        shapes[b + "attn_output.weight"] = (spec.n_embd, q_out)
+        if spec.arch == "gemma3":
+            shapes[b + "post_attention_norm.weight"] = (spec.n_embd,)
+        shapes |= {b + "ffn_norm.weight": (spec.n_embd,), b + "ffn_gate.weight": (spec.n_ff, spec.n_embd),
+                   b + "ffn_up.weight": (spec.n_ff, spec.n_embd), b + "ffn_down.weight": (spec.n_embd, spec.n_ff)}
+        if spec.arch == "gemma3":
+            shapes[b + "post_ffw_norm.weight"] = (spec.n_embd,)
+    shapes["output_norm.weight"] = (spec.n_embd,)
+    if not spec.tied_output:
+        shapes["output.weight"] = (N_VOCAB, spec.n_embd)
+    return shapes
+
+
+def tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> GGMLQuantizationType:
+    """F32 for 1-D tensors; else the longest matching override, else spec.quant. Checks the row fits the blocks."""
+    if len(shape) == 1:
+        return GGMLQuantizationType.F32
+    matches = [k for k in spec.quant_overrides if name == k or name.endswith("." + k)]
+    type_name = spec.quant_overrides[max(matches, key=len)] if matches else spec.quant
+    ggml_type = GGMLQuantizationType[type_name]
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    if shape[-1] % block:
+        raise GGUFError(f"synthetic: {name} has rows of {shape[-1]} elements, which {type_name} (blocks of "
+                        f"{block}) cannot hold; override its type or choose sizes that are multiples of {block}.")
+    assert ggml_type in SUPPORTED_TYPES
+    return ggml_type
+
+
+def _rng(spec: SyntheticSpec, name: str) -> np.random.Generator:
+    # seeded per tensor, so a tensor's values do not depend on the others or on the order they are made in
+    return np.random.default_rng(np.random.SeedSequence([spec.seed, zlib.crc32(name.encode())]))
+
+
+# q and k (or their per-head norms) are scaled so that attention scores have std ≈ 3, not 1: with scores of
+# std 1 attention averages over the context, and over 30 layers the residual stream converged to one vector
+# (synthetic SmolLM2: 25 distinct greedy tokens over 48 positions; 43 with this, as peaked as trained models).
+ATTENTION_SHARPNESS = 3.0
+_QK_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_q_norm.weight", "attn_k_norm.weight")
+
+
+def tensor_values(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The float32 values of one tensor before quantization (see the module docstring for the scales)."""
+    noise = _rng(spec, name).standard_normal(shape, dtype=np.float32)
+    if name == "output_norm.weight":  # logits = (normed h * this) @ head.T: aim for a logit std of 4
+        head_std = _embedding_std(spec) if spec.tied_output else 1 / np.sqrt(spec.n_embd)
+        return np.float32(4 / (head_std * np.sqrt(spec.n_embd))) * (1 + 0.1 * noise)
+    sharpen = np.float32(np.sqrt(ATTENTION_SHARPNESS) if name.endswith(_QK_TENSORS) else 1.0)
+    if name.endswith("norm.weight"):
+        return (1 + 0.1 * noise) * sharpen
+    if name.endswith(".bias"):
+        return 0.2 * noise
+    if name == "token_embd.weight":
+        return noise * np.float32(_embedding_std(spec))
+    return noise * (sharpen / np.float32(np.sqrt(shape[-1])))  # a matrix (out, in): std 1/sqrt(fan_in)
+
+
+def _embedding_std(spec: SyntheticSpec) -> float:
+    # std 1/sqrt(n_embd) as the model reads them; gemma3 multiplies embeddings by sqrt(n_embd) first
+    return 1 / spec.n_embd if spec.arch == "gemma3" else 1 / np.sqrt(spec.n_embd)
+
+
+def _plan(spec: SyntheticSpec) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    for name, shape in tensor_shapes(spec).items():
+        yield name, shape, tensor_type(spec, name, shape)
+
+
+# ------------------------------------------------------------------------------------------------ metadata
+
+@functools.cache
+def tokenizer_metadata() -> dict[str, Any]:
+    """Every `tokenizer.*` key of the SmolLM2 GGUF (fetched once into the cache)."""
+    from luce_compile.models import fetch
+
+    source = read_gguf(fetch(TOKENIZER_SOURCE))
+    try:
+        return {k: v for k, v in source.metadata.items() if k.startswith("tokenizer.")}
+    finally:
+        source.close()
+
+
+def _value_type(value: Any) -> tuple[GGUFValueType, GGUFValueType | None]:
+    """The GGUF type llama.cpp expects for a tokenizer value: token ids are UINT32 scalars (llama.cpp checks the
+    type), token types INT32 arrays, scores FLOAT32 arrays, flags BOOL."""
+    def scalar(v: Any) -> GGUFValueType:
+        if isinstance(v, bool):
+            return GGUFValueType.BOOL
+        if isinstance(v, int):
+            return GGUFValueType.UINT32
+        return GGUFValueType.FLOAT32 if isinstance(v, float) else GGUFValueType.STRING
+
+    if not isinstance(value, list):
+        return scalar(value), None
+    element = scalar(value[0])
+    return GGUFValueType.ARRAY, GGUFValueType.INT32 if element == GGUFValueType.UINT32 else element
+
+
+class _Writer(GGUFWriter):
+    """GGUFWriter with one array of strings or numbers packed in one go: its per-element struct calls took ~1 s
+    for the 98k strings of SmolLM2's vocabulary and merges, most of a tiny model's write time."""
+
+    def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool,
+                  sub_type: GGUFValueType | None = None) -> bytes:
+        if vtype != GGUFValueType.ARRAY or sub_type not in _ARRAY_DTYPES:
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        head = struct.pack("<IIQ", vtype, sub_type, len(val)) if add_vtype else struct.pack("<IQ", sub_type, len(val))
+        if sub_type == GGUFValueType.STRING:
+            encoded = [v.encode("utf-8") for v in val]
+            lengths = np.array([len(e) for e in encoded], dtype="<u8")
+            return head + b"".join(n.tobytes() + e for n, e in zip(lengths, encoded, strict=True))
+        return head + np.asarray(val, dtype=_ARRAY_DTYPES[sub_type]).tobytes()
+
+
+_ARRAY_DTYPES = {GGUFValueType.STRING: None, GGUFValueType.INT32: "<i4", GGUFValueType.FLOAT32: "<f4"}
+
+
+def _write_metadata(w: GGUFWriter, spec: SyntheticSpec) -> None:
+    w.add_name(f"luce synthetic {spec.arch}")
+    w.add_context_length(spec.n_ctx)
+    w.add_embedding_length(spec.n_embd)
+    w.add_block_count(spec.n_layer)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_rope_freq_base(spec.rope_base)
+    if spec.arch == "gemma3" or spec.head_size != spec.n_embd // spec.n_head:
+        w.add_key_length(spec.head_size)  # the converters write these when config.json has head_dim
+        w.add_value_length(spec.head_size)
+    if spec.arch == "llama":
+        w.add_vocab_size(N_VOCAB)
+        w.add_rope_dimension_count(spec.head_size)
+    if spec.sliding_window:
+        w.add_sliding_window(spec.sliding_window)
+        if spec.sliding_window_pattern != 6:  # llama.cpp's gemma3 default
+            w.add_sliding_window_pattern(spec.sliding_window_pattern)
+    if spec.final_logit_softcap:
+        w.add_final_logit_softcapping(spec.final_logit_softcap)
+    w.add_file_type(_FILE_TYPES[spec.quant])
+    w.add_quantization_version(GGML_QUANT_VERSION)
+    w.add_string(SPEC_KEY, spec.to_json())
+    for key, value in tokenizer_metadata().items():
+        vtype, sub_type = _value_type(value)
+        w.add_key_value(key, value, vtype, sub_type)
+
+
+def write_synthetic(spec: SyntheticSpec, path: str | Path) -> Path:
+    """Write the model to `path` (atomically) and return it. Deterministic: the same spec gives the same bytes."""
+    path = Path(path)
+    plan = list(_plan(spec))  # checks every tensor's type before anything is written
+    tmp = path.with_name(path.name + ".tmp")
+    w = _Writer(tmp, spec.arch)
+    _write_metadata(w, spec)
+    for name, shape, ggml_type in plan:  # tensor infos first, then the data one tensor at a time
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        nbytes = int(np.prod(shape)) // block * type_size
+        w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=ggml_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, ggml_type in plan:
+        w.write_tensor_data(quantize(tensor_values(spec, name, shape), ggml_type))
+    w.close()
+    tmp.replace(path)
+    log.info("wrote synthetic %s model (%d tensors) to %s", spec.arch, len(plan), path)
+    return path
+
+
+def cached_synthetic(spec_or_preset: SyntheticSpec | str, directory: str | Path | None = None) -> Path:
+    """The model's file in a cache folder (default: <luce cache>/synthetic), written the first time. The file name
+    holds a hash of the spec, so a changed spec never reuses a stale file."""
+    from luce_compile.models import cache_dir
+
+    spec = preset(spec_or_preset) if isinstance(spec_or_preset, str) else spec_or_preset
+    directory = Path(directory) if directory is not None else cache_dir() / "synthetic"
+    digest = zlib.crc32((spec.to_json() + _FORMAT_VERSION).encode())
+    path = directory / f"{spec.arch}-{spec.n_layer}x{spec.n_embd}-{spec.quant}-{digest:08x}.gguf"
+    if not path.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        write_synthetic(spec, path)
+    return path
+
+
+_FORMAT_VERSION = "1"  # bump when the weights or metadata this module writes change
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in PRESETS:
+        print(f"usage: python -m luce_compile.synthetic PRESET OUT.gguf\npresets: {', '.join(PRESETS)}",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    path = write_synthetic(PRESETS[argv[0]], argv[1])
+    print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
