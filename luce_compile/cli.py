@@ -94,8 +94,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def load_tokenizer(path: Path):
-    from luce_compile.gguf.reader import read_gguf
     from luce_runtime.tokenizer import Tokenizer
+
+    from luce_compile.gguf.reader import read_gguf
 
     return Tokenizer.from_metadata(read_gguf(path).metadata)
 
@@ -111,43 +112,121 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def prompt_ids(tok, metadata: dict[str, Any], text: str, chat: bool) -> list[int]:
-    """Raw text is tokenized as is (BOS where the GGUF asks); --chat wraps it in the model's chat template first."""
+def prompt_ids(tok, text: str, chat: bool) -> list[int]:
+    """Raw text is tokenized as is (BOS where the GGUF asks); --chat renders it as one user message through the
+    model's chat template (or the format its vocabulary implies when the file has none), as llama.cpp's server does."""
     if not chat:
         return tok.encode(text, add_special=True, parse_special=True)
-    from luce_runtime.chat import render_chat
+    from luce_runtime.chat import encode_chat
 
-    rendered = render_chat(tok.chat_template, [{"role": "user", "content": text}], add_generation_prompt=True,
-                           bos_token=tok.bos_text, eos_token=tok.eos_text, vocab=tok)
-    # the template writes BOS itself where the model wants it, so do not add another one
-    return tok.encode(rendered, add_special=False, parse_special=True)
+    return encode_chat(tok, [{"role": "user", "content": text}])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from luce_runtime.tokenizer import StreamDecoder, Tokenizer
+
     from luce_compile.gguf.reader import read_gguf
     from luce_compile.graph.oracle import Oracle
-    from luce_runtime.tokenizer import StreamDecoder, Tokenizer
 
     if args.n <= 0:
         raise LuceError(f"-n must be a positive number of tokens to generate, got {args.n}.")
     gguf = read_gguf(resolve_model(args.model))
     tok = Tokenizer.from_metadata(gguf.metadata)
-    ids = prompt_ids(tok, gguf.metadata, args.prompt, args.chat)
+    ids = prompt_ids(tok, args.prompt, args.chat)
     oracle = Oracle(gguf)
     start = time.perf_counter()
     out: list[int] = []
-    stream = StreamDecoder(tok)
+    stream = StreamDecoder(tok, strip_leading_space=False)
     for token in oracle.generate(ids, args.n, stop_ids=tok.eos_ids):
         out.append(token)
         if not args.json:
             print(stream.feed(token), end="", flush=True)
     elapsed = time.perf_counter() - start
     if args.json:
-        print(json.dumps({"prompt_ids": ids, "ids": out, "text": tok.decode(out)}))
+        print(json.dumps({"prompt_ids": ids, "ids": out, "text": tok.decode(out, strip_leading_space=False)}))
     else:
         print(stream.flush())
         print(f"[oracle: {len(ids)} prompt + {len(out)} generated tokens in {elapsed:.1f} s]", file=sys.stderr)
     return 0
+
+
+def cmd_targets(args: argparse.Namespace) -> int:
+    from luce_compile.targets import TARGETS
+
+    rows = [{"name": t.name, "hardware": t.hardware, "kind": t.kind, "status": t.status, "note": t.note}
+            for t in TARGETS.values()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print("status: measured = built, run and timed on that hardware; compiled = binaries built and checked, "
+          "never run; planned = not buildable yet")
+    for r in rows:
+        print(f"{r['name']:8} {r['status']:9} {r['kind']:5} {r['hardware']:22} {r['note']}")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from luce_compile.build.compile import compile_model
+
+    out = Path(args.output) if args.output else Path(f"{Path(resolve_model(args.model)).stem}.{args.target}")
+    start = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    compile_model(resolve_model(args.model), args.target, out, use_cache=not args.no_cache, progress=progress)
+    print(out)
+    return 0
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from luce_compile.artifact.writer import pack
+
+    print(pack(Path(args.artifact), Path(args.output or f"{Path(args.artifact).name}.luce")))
+    return 0
+
+
+def sampling_params(args: argparse.Namespace):
+    from luce_runtime.sampler import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.n,
+                          stop=tuple(args.stop or ()))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from luce_runtime.engine import Engine, EngineOptions
+    from luce_runtime.tokenizer import StreamDecoder
+
+    params = sampling_params(args)
+    engine = Engine(args.artifact, EngineOptions(max_batch=1, max_context=args.ctx))
+    tok = engine.tokenizer
+    ids = prompt_ids(tok, args.prompt, args.chat)
+    start, out = time.perf_counter(), []
+    stream = StreamDecoder(tok, strip_leading_space=False)
+    for token in engine.generate(ids, params):
+        out.append(token)
+        if not args.json:
+            print(stream.feed(token), end="", flush=True)
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"prompt_ids": ids, "ids": out, "text": tok.decode(out, strip_leading_space=False)}))
+    else:
+        print(stream.flush())
+        print(f"[{len(ids)} prompt + {len(out)} generated tokens in {elapsed:.2f} s, "
+              f"{len(out) / elapsed:.1f} tok/s overall]", file=sys.stderr)
+    return 0
+
+
+def add_sampling_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("-n", type=int, default=64, help="tokens to generate")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repeat-penalty", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--stop", action="append", help="stop when this string is generated (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,6 +250,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("text")
     s.add_argument("--json", action="store_true", help="print the list of ids")
     s.set_defaults(func=cmd_tokenize)
+
+    s = sub.add_parser("targets", help="the compile targets, and which were run on real hardware")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_targets)
+
+    s = sub.add_parser("compile", help="compile a GGUF model into an artifact for one target")
+    s.add_argument("model")
+    s.add_argument("--target", default="cpu", help="see `luce-compile targets` (default: cpu)")
+    s.add_argument("-o", "--output", help="artifact directory (default: <model>.<target>)")
+    s.add_argument("--no-cache", action="store_true", help="rebuild even if this exact build is cached")
+    s.set_defaults(func=cmd_compile)
+
+    s = sub.add_parser("pack", help="pack an artifact directory into one file")
+    s.add_argument("artifact")
+    s.add_argument("-o", "--output")
+    s.set_defaults(func=cmd_pack)
+
+    s = sub.add_parser("run", help="generate text from a compiled artifact with the thin runtime")
+    s.add_argument("artifact", help="an artifact directory or packed file")
+    s.add_argument("-p", "--prompt", required=True)
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    s.add_argument("--ctx", type=int, default=0, help="context length to allocate (default: model's, ≤ 4096)")
+    s.add_argument("--json", action="store_true", help='print {"prompt_ids", "ids", "text"}')
+    add_sampling_args(s)
+    s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("generate", help="generate on the float64 oracle (slow; for checking)")
     s.add_argument("model")

@@ -107,10 +107,19 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
 def _target_fields(info: TargetInfo, target) -> dict:
     from luce_compile.targets import host_cpu
 
-    fields = {"name": info.name, "kind": info.kind, "tvm_target": target.export()}
+    fields = {"name": info.name, "kind": info.kind, "tvm_target": _plain(target.export())}
     if info.kind == "llvm":
         fields["host_cpu"] = host_cpu()
     return fields
+
+
+def _plain(value):
+    """TVM containers (Map, Array) → JSON-ready Python values."""
+    if hasattr(value, "items"):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return [_plain(v) for v in value]
 
 
 def _weights(gguf: GGUFFile, params: list[tuple[str, tuple[int, ...], str]]) -> Iterator[tuple[str, np.ndarray, dict]]:
@@ -131,8 +140,9 @@ def _weights(gguf: GGUFFile, params: list[tuple[str, tuple[int, ...], str]]) -> 
 
 
 def _tokenizer_metadata(gguf: GGUFFile) -> dict:
-    return {k: v for k, v in gguf.metadata.items() if k.startswith("tokenizer.")} | {
-        "general.architecture": gguf.arch}
+    # llama.cpp sets some special-token attributes by model name, so the name travels with the tokenizer keys
+    return {k: v for k, v in gguf.metadata.items()
+            if k.startswith("tokenizer.") or k in ("general.name", "general.architecture")}
 
 
 def _copy_tree(src: Path, dst: Path) -> None:
