@@ -1,0 +1,188 @@
+"""The oracle: a plain float64 numpy executor of the graph IR, the reference every compiled kernel is checked against.
+
+It shares nothing with the compiler below the graph: weights are dequantized one tensor at a time
+(`GGUFFile.dequantize`) and kept as float64, every op is the textbook formula from `OpKind`'s docstring, and the
+KV cache is a growing array per attention slot. float64 makes its own rounding negligible (~1e-13 relative), so any
+difference a kernel shows against it is the kernel's.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from luce_compile.errors import LuceError
+from luce_compile.gguf.reader import GGUFFile
+from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, Op
+from luce_compile.graph.registry import open_graph
+
+log = logging.getLogger(__name__)
+
+_SQRT_2_OVER_PI = np.sqrt(2.0 / np.pi)
+_GELU_COEF_A = 0.044715  # ggml_gelu's tanh approximation
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * 0.5 * (1.0 + np.tanh(0.5 * x))  # = x · sigmoid(x), without exp overflow
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * x * (1.0 + _GELU_COEF_A * x * x)))
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rope(x: np.ndarray, positions: np.ndarray, layout: str, dim: int, base: float, freq_scale: float,
+         freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """x (B,S,H,D), positions (B,S): rotate the first `dim` dims of each head (ggml_rope_ext, ext_factor 0)."""
+    inv_freq = freq_scale * base ** (-2.0 * np.arange(dim // 2) / dim)  # (dim/2,)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors
+    theta = positions[..., None].astype(np.float64) * inv_freq  # (B,S,dim/2)
+    cos, sin = np.cos(theta)[:, :, None, :], np.sin(theta)[:, :, None, :]  # (B,S,1,dim/2)
+    i0 = np.arange(0, dim, 2) if layout == "norm" else np.arange(dim // 2)  # first of each rotated pair
+    i1 = i0 + (1 if layout == "norm" else dim // 2)
+    x0, x1 = x[..., i0], x[..., i1]
+    out = x.copy()
+    out[..., i0] = x0 * cos - x1 * sin
+    out[..., i1] = x0 * sin + x1 * cos
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
+              sliding_window: int = 0, softcap: float = 0.0) -> np.ndarray:
+    """q (B,S,H,D) against all keys k (B,L,Hkv,D), v (B,L,Hkv,Dv) at positions q_pos (B,S), k_pos (B,L)."""
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    # query head h reads kv head h // rep, as ggml_mul_mat broadcasts k over q's heads
+    qg = q.reshape(b, s, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)  # (B,Hkv,rep,S,D)
+    scores = qg @ k.transpose(0, 2, 3, 1)[:, :, None]  # (B,Hkv,rep,S,L)
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
+    scores = scores * scale
+    delta = q_pos[:, :, None] - k_pos[:, None, :]  # (B,S,L)
+    visible = delta >= 0
+    if sliding_window:
+        visible &= delta < sliding_window
+    scores = np.where(visible[:, None, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = probs @ v.transpose(0, 2, 1, 3)[:, :, None]  # (B,Hkv,rep,S,Dv)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, h * v.shape[3])
+
+
+class Oracle:
+    """Runs a graph in float64 for one sequence at a time, with a KV cache.
+
+    `prefill(tokens)` starts a new sequence; `decode(token)` and `forward(tokens)` continue it."""
+
+    def __init__(self, source: Graph | GGUFFile | str | Path):
+        self.graph, self.gguf = open_graph(source)
+        self.config = self.graph.config
+        self._weights: dict[str, np.ndarray] = {}
+        self._kv: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # slot → k, v, positions
+        self.n_past = 0
+
+    def weight(self, name: str) -> np.ndarray:
+        """A weight dequantized to float64, cached (the models the oracle runs are small)."""
+        if name not in self._weights:
+            self._weights[name] = self.gguf.dequantize(name).astype(np.float64)
+        return self._weights[name]
+
+    def reset(self) -> None:
+        self._kv.clear()
+        self.n_past = 0
+
+    def prefill(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """A new sequence: logits (T, vocab) for every prompt position."""
+        self.reset()
+        return self.forward(tokens)
+
+    def decode(self, token: int) -> np.ndarray:
+        """One more token of the current sequence: logits (vocab,)."""
+        return self.forward([token])[0]
+
+    def forward(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """Append tokens to the current sequence (positions n_past…): logits (T, vocab)."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(1, -1)  # (B=1, S)
+        if ids.size == 0:
+            raise LuceError("oracle: forward() needs at least one token.")
+        positions = self.n_past + np.arange(ids.shape[1]).reshape(1, -1)
+        logits = self.run(ids, positions)[LOGITS][0]
+        self.n_past += ids.shape[1]
+        return logits
+
+    def generate(self, prompt_ids: list[int], n: int, greedy: bool = True, temperature: float = 1.0,
+                 seed: int = 0) -> list[int]:
+        """n new tokens after the prompt: argmax, or sampled from softmax(logits / temperature)."""
+        rng = np.random.default_rng(seed)
+        logits, out = self.prefill(prompt_ids)[-1], []
+        for i in range(n):
+            if greedy:
+                token = int(np.argmax(logits))
+            else:
+                p = np.exp((logits - logits.max()) / temperature)
+                token = int(rng.choice(p.size, p=p / p.sum()))
+            out.append(token)
+            if i + 1 < n:
+                logits = self.decode(token)
+        return out
+
+    def run(self, tokens: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """Every value of one step: tokens, positions (B,S) → {value name: float64 array}. Extends the KV cache."""
+        env: dict[str, np.ndarray] = {TOKENS: tokens, POSITIONS: positions}
+        for op in self.graph.ops:
+            env[op.outputs[0]] = getattr(self, f"_{op.kind.value}")(op, *(env[n] for n in op.inputs))
+        return env
+
+    def _embedding(self, op: Op, tokens: np.ndarray) -> np.ndarray:
+        table = self.weight(op.weights["weight"])
+        if tokens.min() < 0 or tokens.max() >= table.shape[0]:
+            raise LuceError(f"oracle: token ids {tokens.min()}..{tokens.max()} fall outside the vocabulary "
+                            f"0..{table.shape[0] - 1}; they must come from this model's tokenizer.")
+        return table[tokens] * op.attrs["scale"]
+
+    def _rms_norm(self, op: Op, x: np.ndarray) -> np.ndarray:
+        return rms_norm(x, self.weight(op.weights["weight"]), op.attrs["eps"])
+
+    def _matmul(self, op: Op, x: np.ndarray) -> np.ndarray:
+        y = x @ self.weight(op.weights["weight"]).T
+        return y + self.weight(op.weights["bias"]) if "bias" in op.weights else y
+
+    _lm_head = _matmul
+
+    def _reshape(self, op: Op, x: np.ndarray) -> np.ndarray:
+        return x.reshape(*x.shape[:2], *op.attrs["shape"][2:])  # the leading (B,S) stay as they are
+
+    def _rope(self, op: Op, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        factors = self.weight(op.weights["freq_factors"]) if "freq_factors" in op.weights else None
+        a = op.attrs
+        return rope(x, positions, a["layout"], a["dim"], a["base"], a["freq_scale"], factors)
+
+    def _scale(self, op: Op, x: np.ndarray) -> np.ndarray:
+        return x * op.attrs["scale"]
+
+    def _attention(self, op: Op, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        a = op.attrs
+        if a["layer"] in self._kv:  # keys and values of the earlier steps of this sequence, then this step's
+            k0, v0, p0 = self._kv[a["layer"]]
+            k, v, k_pos = np.concatenate([k0, k], 1), np.concatenate([v0, v], 1), np.concatenate([p0, positions], 1)
+        else:
+            k_pos = positions
+        self._kv[a["layer"]] = (k, v, k_pos)
+        return attention(q, k, v, positions, k_pos, a["scale"], a["sliding_window"], a["softcap"])
+
+    def _add(self, op: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return a + b
+
+    def _glu(self, op: Op, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        act = silu if op.attrs["activation"] == "silu" else gelu_tanh
+        return act(gate) * up
+
+    def _softcap(self, op: Op, x: np.ndarray) -> np.ndarray:
+        cap = op.attrs["cap"]
+        return cap * np.tanh(x / cap)
