@@ -218,6 +218,47 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench(artifact: Path, *, prompt_len: int, gen_len: int, batch: int, repeat: int, threads: int = 0):
+    """Bench one artifact with the thin runtime; returns a BenchResult."""
+    from luce_runtime.bench import BenchResult, bench_engine, host_bandwidth_gb_s, machine_load, weight_bytes_per_token
+    from luce_runtime.engine import Engine, EngineOptions
+
+    engine = Engine(artifact, EngineOptions(max_batch=max(batch, 1), max_context=prompt_len + gen_len + 8,
+                                            prefill_chunk=max(prompt_len, 16)))
+    load_before = machine_load()
+    timings = bench_engine(engine, prompt_len=prompt_len, gen_len=gen_len, batch=batch, repeat=repeat)
+    manifest = engine.artifact.manifest
+    return BenchResult(
+        name="luce-compile", model=manifest["source"]["file_name"], target=manifest["target"]["name"],
+        prompt_len=prompt_len, gen_len=gen_len, batch=batch, **timings,
+        weight_bytes_per_token=weight_bytes_per_token(manifest["weights"]["params"],
+                                                      bool(engine.config["tied_output"])),
+        bandwidth_gb_s=host_bandwidth_gb_s(), extra={"load_avg_1m": load_before})
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    path = Path(args.model)
+    if not (path / "manifest.json").is_file():  # a GGUF (or model name): compile it first, through the cache
+        from luce_compile.build.compile import compile_model
+        from luce_compile.models import cache_dir
+
+        gguf = resolve_model(args.model)
+        path = compile_model(gguf, args.target, cache_dir() / "bench" / f"{gguf.stem}.{args.target}")
+    result = run_bench(path, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
+                       repeat=args.repeat)
+    d = result.to_dict()
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    print(f"{d['model']} on {d['target']}: prefill {d['prefill_tok_s']:.1f} tok/s (pp{d['prompt_len']}), "
+          f"TTFT {d['ttft_ms']:.1f} ms")
+    print(f"decode {d['decode_tok_s']:.1f} tok/s at batch 1, {d['decode_batch_tok_s']:.1f} tok/s at batch "
+          f"{d['batch']}; roofline {d['roofline_tok_s']:.1f} tok/s "
+          f"({d['weight_bytes_per_token'] / 2**20:.1f} MiB per token at {d['bandwidth_gb_s']:.1f} GB/s) → "
+          f"{100 * d['roofline_fraction']:.1f}% of roofline")
+    return 0
+
+
 def add_sampling_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("-n", type=int, default=64, help="tokens to generate")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -275,6 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help='print {"prompt_ids", "ids", "text"}')
     add_sampling_args(s)
     s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("bench", help="prefill/decode tok/s and roofline fraction of an artifact (or a GGUF)")
+    s.add_argument("model", help="an artifact directory, a .gguf path or a known model name")
+    s.add_argument("--target", default="cpu")
+    s.add_argument("--prompt-len", type=int, default=128)
+    s.add_argument("--gen-len", type=int, default=32)
+    s.add_argument("--batch", type=int, default=4)
+    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("generate", help="generate on the float64 oracle (slow; for checking)")
     s.add_argument("model")

@@ -69,8 +69,10 @@ class Engine:
                        for p in manifest["weights"]["params"]]
         self._sliding = bool(int(self.config.get("sliding_window") or 0) and any(self.config.get("sliding", ())))
         sliding = int(self._sliding)
+        # every live sequence may grow to max_context; pages are whole, so round each one up (+1 spare page)
+        pages_per_seq = -(-self.max_context // options.page_size) + 1
         self.kv = self.vm["create_kv_cache"](
-            tvm_ffi.Shape([options.max_batch]), tvm_ffi.Shape([self.max_context * options.max_batch]),
+            tvm_ffi.Shape([options.max_batch]), tvm_ffi.Shape([pages_per_seq * options.page_size * options.max_batch]),
             tvm_ffi.Shape([options.prefill_chunk]), tvm_ffi.Shape([options.page_size]), tvm_ffi.Shape([sliding]))
         self._begin, self._end = _kv_builtin("kv_state_begin_forward"), _kv_builtin("kv_state_end_forward")
         self._live: dict[int, int] = {}  # seq id → tokens in its cache
