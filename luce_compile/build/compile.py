@@ -91,7 +91,7 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     log.info("tvm.compile took %.1f s", compile_s)
     work = Path(tempfile.mkdtemp(prefix="luce-build-"))
     say("writing the artifact (weights repacked into kernel planes)")
-    functions = ["create_kv_cache", "prefill", "decode"]
+    functions = ["create_kv_cache", "prefill", "decode", "decode1"]
     manifest = {
         "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},
         "config": graph.config.to_dict(),

@@ -7,6 +7,7 @@ artifact's manifest):
       S tokens of one or several sequences laid end to end (the cache's begin_forward says which); logits only for
       the rows asked (the last token of each sequence in a prefill; every token in a verify).
   decode(tokens (B, 1) int32, kv, params) → (logits (B, V) f32, kv): one token for each of B sequences.
+  decode1(tokens (1, 1) int32, kv, params): the same for one sequence, with GEMV kernels (batch-1 latency).
 Weights are parameters in the planes layout of `lower/quant_layout.py` (never dequantized in memory); each matmul
 and the embedding are our fused dequantizing TIR kernels; attention and RoPE'd keys live in TIRPagedKVCache.
 """
@@ -90,6 +91,10 @@ class GraphModule(nn.Module):
     def decode(self, tokens: nn.Tensor, kv: PagedKVCache):
         return self._forward(tokens, kv, None), kv
 
+    def decode1(self, tokens: nn.Tensor, kv: PagedKVCache):
+        """decode for exactly one sequence: static shapes, so every matmul is a GEMV."""
+        return self._forward(tokens, kv, None), kv
+
     # ---- the interpreter ----------------------------------------------------------------------------------------
     def _forward(self, tokens: nn.Tensor, kv: PagedKVCache, logit_rows: nn.Tensor | None) -> nn.Tensor:
         b, s = tokens.shape
@@ -119,9 +124,12 @@ class GraphModule(nn.Module):
         n, k = info.shape
         lead = x.shape[:-1]
         x2 = op.reshape(x, (-1, k))
-        func = self._kernel(("mm", info.ggml_type, n, k), lambda: quant_matmul(
-            info.ggml_type, n, k, batch="dynamic", x_dtype=self.options.dtype, out_dtype=self.options.dtype,
-            name=f"mm_{info.ggml_type.name.lower()}_{n}x{k}"))
+        # one row known at compile time (decode1) → the GEMV kernel and schedule; else the dynamic-batch GEMM
+        batch = 1 if isinstance(x2.shape[0], int) and x2.shape[0] == 1 else "dynamic"
+        kind = "gemv" if batch == 1 else "gemm"
+        func = self._kernel(("mm", info.ggml_type, n, k, batch), lambda: quant_matmul(
+            info.ggml_type, n, k, batch=batch, x_dtype=self.options.dtype, out_dtype=self.options.dtype,
+            name=f"{kind}_{info.ggml_type.name.lower()}_{n}x{k}"))
         out = nn.Tensor.placeholder((x2.shape[0], n), self.options.dtype)
         y = op.tensor_ir_op(func, func.attrs["global_symbol"], [x2, *self._planes(tensor)], out)
         if bias is not None:
@@ -235,6 +243,7 @@ def export_spec(graph: Graph) -> dict:
         "prefill": {"tokens": spec.Tensor([1, "seq_len"], "int32"), "logit_rows": spec.Tensor(["n_rows"], "int32"),
                     "kv": kv, "$": packed},
         "decode": {"tokens": spec.Tensor(["batch", 1], "int32"), "kv": kv, "$": packed},
+        "decode1": {"tokens": spec.Tensor([1, 1], "int32"), "kv": kv, "$": packed},
     }
 
 

@@ -166,7 +166,7 @@ class Engine:
         self._reserve(seq_ids, [1] * len(seq_ids))
         self._begin(self.kv, tvm_ffi.Shape(list(seq_ids)), tvm_ffi.Shape([1] * len(seq_ids)))
         x = tvm.runtime.tensor(np.asarray(tokens, dtype=np.int32).reshape(-1, 1), self.device)
-        out = self.vm["decode"](x, self.kv, self.params)
+        out = self.vm["decode1" if len(seq_ids) == 1 else "decode"](x, self.kv, self.params)
         self._end(self.kv)
         for sid in seq_ids:
             self._live[sid] += 1
