@@ -1,0 +1,198 @@
+"""Fused dequantize + matmul PrimFuncs for every GGUF weight type, target-independent (schedules are separate rules).
+
+`quant_matmul` computes y[b, n] = Σ_k x[b, k] · dequant(W)[n, k], i.e. y = x @ Wᵀ for W of shape (n_out, n_in):
+exactly ggml_mul_mat(W, x). It reads the planes of `quant_layout.repack` and accumulates in float32.
+
+The IR has two blocks, the shape MLC-LLM's quantized matmuls have and dlight's rules expect:
+  "dequantize"  W[n, k] = <per-type expression of the planes>          (spatial, injective)
+  "matmul"      y[b, n] += float32(x[b, k]) * W[n, k]                    (reduction over k; vector operand first)
+  ["cast"       out[b, n] = out_dtype(y[b, n])]                          (only when out_dtype is not float32)
+A schedule inlines "dequantize" into the reduction (GEMV: no float copy of W ever exists) or computes it per tile
+(GEMM: one dequantized tile is reused by every row of x). Unscheduled, the function is correct but materializes W.
+
+Each type's dequantization is written once (`_DEQUANT`) as a TIR expression of (planes, n, k), in the float32
+operation order of gguf-py's dequantize_blocks (ggml's dequantize_row_*), and shared by the matmul and the
+embedding gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+from gguf import GGMLQuantizationType
+from tvm import te, tirx
+
+from luce_compile.errors import UnsupportedError
+from luce_compile.lower.quant_layout import as_ggml_type, plane_specs
+
+Planes = Mapping[str, te.Tensor]
+Dequant = Callable[[Planes, tirx.Expr, tirx.Expr], tirx.Expr]
+FLOAT_DTYPES = ("float32", "float16")
+
+
+def _f32(value: tirx.Expr) -> tirx.Expr:
+    return value.astype("float32")
+
+
+def _u32(value: int) -> tirx.Expr:
+    return tirx.const(value, "uint32")
+
+
+def _field(word: tirx.Expr, index: tirx.Expr, bits: int) -> tirx.Expr:
+    """Field `index` of `bits` bits in a uint32 word, as int32 (the fields are small: int32 converts to float
+    in one instruction where uint32 takes several on x86)."""
+    shift = (index * bits).astype("uint32")
+    return ((word >> shift) & _u32((1 << bits) - 1)).astype("int32")
+
+
+def _q4(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    """The low 4 bits of element k (`qs`: 8 per word)."""
+    return _field(planes["qs"][n, k // 8], k % 8, 4)
+
+
+def _q5(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    """The 5-bit quant of element k: 4 bits from `qs`, the fifth from `qh` (32 per word)."""
+    return _q4(planes, n, k) | (_field(planes["qh"][n, k // 32], k % 32, 1) << 4)
+
+
+def _dequant_q8_0(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    return _f32(p["qs"][n, k]) * _f32(p["d"][n, k // 32])
+
+
+def _dequant_q4_0(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    return _f32(p["d"][n, k // 32]) * _f32(_q4(p, n, k) - 8)
+
+
+def _dequant_q4_1(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    return _f32(p["d"][n, k // 32]) * _f32(_q4(p, n, k)) + _f32(p["m"][n, k // 32])
+
+
+def _dequant_q5_0(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    return _f32(p["d"][n, k // 32]) * _f32(_q5(p, n, k) - 16)
+
+
+def _dequant_q5_1(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    return _f32(p["d"][n, k // 32]) * _f32(_q5(p, n, k)) + _f32(p["m"][n, k // 32])
+
+
+def _k_quant(p: Planes, n: tirx.Expr, k: tirx.Expr, q: tirx.Expr) -> tirx.Expr:
+    """Q4_K/Q5_K: (d·sc) · q − dmin·mn, with sc/mn the 6-bit scale and min of k's 32-element sub-block."""
+    scale = _f32(p["d"][n, k // 256]) * _f32(p["sc"][n, k // 32])
+    offset = _f32(p["dmin"][n, k // 256]) * _f32(p["mn"][n, k // 32])
+    return scale * _f32(q) - offset
+
+
+def _dequant_q4_k(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    return _k_quant(p, n, k, _q4(p, n, k))
+
+
+def _dequant_q5_k(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    return _k_quant(p, n, k, _q5(p, n, k))
+
+
+def _dequant_q6_k(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    """Q6_K: (d·sc) · (q − 32), q = 4 low bits from `qs` | 2 high bits from `qh` (16 per word), sc per 16."""
+    q = _q4(p, n, k) | (_field(p["qh"][n, k // 16], k % 16, 2) << 4)
+    return (_f32(p["d"][n, k // 256]) * _f32(p["sc"][n, k // 16])) * _f32(q - 32)
+
+
+def _dequant_bf16(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    """BF16 is the top half of a float32: shift the stored bits up and reinterpret."""
+    return tirx.reinterpret("float32", p["w"][n, k].astype("uint32") << _u32(16))
+
+
+_DEQUANT: dict[GGMLQuantizationType, Dequant] = {
+    GGMLQuantizationType.F32: lambda p, n, k: p["w"][n, k],
+    GGMLQuantizationType.F16: lambda p, n, k: _f32(p["w"][n, k]),
+    GGMLQuantizationType.BF16: _dequant_bf16,
+    GGMLQuantizationType.Q8_0: _dequant_q8_0,
+    GGMLQuantizationType.Q4_0: _dequant_q4_0,
+    GGMLQuantizationType.Q4_1: _dequant_q4_1,
+    GGMLQuantizationType.Q5_0: _dequant_q5_0,
+    GGMLQuantizationType.Q5_1: _dequant_q5_1,
+    GGMLQuantizationType.Q4_K: _dequant_q4_k,
+    GGMLQuantizationType.Q5_K: _dequant_q5_k,
+    GGMLQuantizationType.Q6_K: _dequant_q6_k,
+}
+
+
+def dequant_expr(ggml_type: GGMLQuantizationType | str, planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    """The float32 value of element (n, k) of a repacked weight, as a TIR expression of its planes."""
+    return _DEQUANT[as_ggml_type(ggml_type)](planes, n, k)
+
+
+def _i64(*dims: int | tirx.Expr) -> tuple[tirx.Expr, ...]:
+    """Shapes in int64, as Relax writes them: one index type in every buffer access (NarrowDataType narrows later)."""
+    return tuple(tirx.IntImm("int64", d) if isinstance(d, int) else d for d in dims)
+
+
+def weight_planes(ggml_type: GGMLQuantizationType | str, n_out: int, n_in: int) -> dict[str, te.Tensor]:
+    """One placeholder per plane of `plane_specs`, named after the plane (the kernel's argument order)."""
+    specs = plane_specs(ggml_type, n_out, n_in)
+    return {name: te.placeholder(_i64(*shape), dtype, name=name) for name, (shape, dtype) in specs.items()}
+
+
+def _check_dtype(role: str, dtype: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"lower: {role} must be one of {FLOAT_DTYPES}, got {dtype!r}")
+
+
+def _extent(role: str, value: int | Literal["dynamic"]) -> tirx.Expr | int:
+    """A fixed extent, or an int64 symbolic one (Relax binds shape variables as int64)."""
+    if value == "dynamic":
+        return tirx.Var(role, "int64")
+    if not isinstance(value, int) or value <= 0:
+        raise UnsupportedError(f"lower: {role} must be a positive int or 'dynamic', got {value!r}")
+    return value
+
+
+def quant_matmul(
+    ggml_type: GGMLQuantizationType | str,
+    n_out: int,
+    n_in: int,
+    *,
+    batch: int | Literal["dynamic"] = "dynamic",
+    x_dtype: str = "float32",
+    out_dtype: str = "float32",
+    name: str | None = None,
+) -> tirx.PrimFunc:
+    """y = x @ dequant(W)ᵀ: PrimFunc(x (batch, n_in), *planes, y (batch, n_out)); batch=1 is the GEMV (decode)."""
+    qtype = as_ggml_type(ggml_type)
+    _check_dtype("x_dtype", x_dtype)
+    _check_dtype("out_dtype", out_dtype)
+    planes = weight_planes(qtype, n_out, n_in)
+    rows = _extent("batch", batch)
+    x = te.placeholder(_i64(rows, n_in), x_dtype, name="x")
+    w = te.compute(_i64(n_out, n_in), lambda n, k: dequant_expr(qtype, planes, n, k), name="dequantize")
+    k = te.reduce_axis(_i64(0, n_in), name="k")
+    y = te.compute(_i64(rows, n_out), lambda b, n: te.sum(_f32(x[b, k]) * w[n, k], axis=k), name="matmul")
+    if out_dtype != "float32":
+        y = te.compute(_i64(rows, n_out), lambda b, n: y[b, n].astype(out_dtype), name="cast")
+    kind = "gemv" if batch == 1 else f"gemm{'' if batch == 'dynamic' else batch}"
+    symbol = name or f"quant_matmul_{qtype.name.lower()}_{n_out}x{n_in}_{kind}"
+    return te.create_prim_func([x, *planes.values(), y]).with_attr("global_symbol", symbol)
+
+
+def quant_embedding(
+    ggml_type: GGMLQuantizationType | str,
+    n_vocab: int,
+    n_embd: int,
+    *,
+    n_tokens: int | Literal["dynamic"] = "dynamic",
+    out_dtype: str = "float32",
+    name: str | None = None,
+) -> tirx.PrimFunc:
+    """Rows of a quantized (n_vocab, n_embd) table by token id: PrimFunc(ids (n_tokens,) int32, *planes, out)."""
+    qtype = as_ggml_type(ggml_type)
+    _check_dtype("out_dtype", out_dtype)
+    planes = weight_planes(qtype, n_vocab, n_embd)
+    tokens = _extent("n_tokens", n_tokens)
+    ids = te.placeholder(_i64(tokens), "int32", name="ids")
+    out = te.compute(
+        _i64(tokens, n_embd),
+        lambda t, k: dequant_expr(qtype, planes, ids[t].astype("int64"), k).astype(out_dtype),
+        name="embedding",
+    )
+    symbol = name or f"quant_embedding_{qtype.name.lower()}_{n_vocab}x{n_embd}"
+    return te.create_prim_func([ids, *planes.values(), out]).with_attr("global_symbol", symbol)

@@ -1,0 +1,7 @@
+"""Schedule rules for CPU (llvm) targets, one file per op family; RULES is the order they are tried in."""
+
+from luce_schedules.cpu.quant_matmul import QuantGEMM, QuantGEMV, match_matmul
+
+RULES = (QuantGEMV(), QuantGEMM())
+
+__all__ = ["RULES", "QuantGEMM", "QuantGEMV", "match_matmul"]
