@@ -1,0 +1,111 @@
+"""CPU table: luce-compile (compiled for this CPU) next to llama.cpp on the same GGUF files, same threads, one run.
+
+    .venv/bin/python benchmarks/cpu.py [--models smollm2-135m gemma3-270m] [--threads 2]
+
+Each engine runs in its own subprocess (TVM's and llama.cpp's thread pools would otherwise compete), one after the
+other. Writes benchmarks/results/cpu-<date>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+
+def run_one(engine: str, model: str, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, TVM_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    cmd = [sys.executable, __file__, "--only", engine, "--models", model, "--threads", str(args.threads),
+           "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--batch", str(args.batch)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(engine: str, model: str, args: argparse.Namespace) -> dict:
+    from luce_compile.cli import resolve_model, run_bench
+
+    gguf = resolve_model(model)
+    if engine == "llama.cpp":
+        from peers.llama_cpp_cpu import bench_llama_cpp
+
+        return bench_llama_cpp(gguf, threads=args.threads, prompt_len=args.prompt_len, gen_len=args.gen_len)
+    from luce_compile.build.compile import compile_model
+    from luce_compile.models import cache_dir
+
+    art = compile_model(gguf, "cpu", cache_dir() / "bench" / f"{gguf.stem}.cpu")
+    return run_bench(art, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch, repeat=3).to_dict()
+
+
+def table(rows: list[dict], meta: dict) -> str:
+    lines = [f"# CPU: luce-compile vs llama.cpp ({meta['date']})", "",
+             f"{meta['cpu']}, {meta['threads']} threads, load before {meta['load_avg_1m']:.2f}; "
+             f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, untuned), llama-cpp-python {meta['llama_cpp']}; "
+             f"prompt {meta['prompt_len']} tokens, {meta['gen_len']} decode steps.", "",
+             f"Command: `{meta['command']}`", "",
+             "| model | engine | prefill tok/s | decode tok/s (b=1) | decode tok/s (b=B) | TTFT ms | % roofline |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        res = r["result"]
+        if "error" in res:
+            lines.append(f"| {r['model']} | {r['engine']} | error | | | | |")
+            continue
+        roof = res.get("roofline_fraction")
+        batch = res.get("decode_batch_tok_s")
+        lines.append(f"| {r['model']} | {r['engine']} | {res['prefill_tok_s']:.1f} | {res['decode_tok_s']:.1f} | "
+                     f"{f'{batch:.1f} (B={res['batch']})' if batch else 'n/a'} | {res['ttft_ms']:.1f} | "
+                     f"{f'{100 * roof:.1f}%' if roof is not None else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--only", choices=["luce-compile", "llama.cpp"])
+    p.add_argument("--out", type=Path, default=ROOT / "results")
+    args = p.parse_args()
+    if args.only:
+        print(json.dumps(measure(args.only, args.models[0], args)))
+        return 0
+    import llama_cpp
+    import tvm
+
+    import luce_compile
+    from luce_runtime.bench import machine_load
+
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu": platform.processor() or _cpu_name(),
+            "threads": args.threads, "load_avg_1m": machine_load(), "luce_compile": luce_compile.__version__,
+            "tvm": tvm.__version__, "llama_cpp": llama_cpp.__version__, "prompt_len": args.prompt_len,
+            "gen_len": args.gen_len, "command": "python benchmarks/cpu.py " + " ".join(sys.argv[1:])}
+    rows = [{"model": m, "engine": e, "result": run_one(e, m, args)}
+            for m in args.models for e in ("luce-compile", "llama.cpp")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"cpu-{meta['date'][:10]}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(table(rows, meta))
+    print(table(rows, meta))
+    return 0
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""llama.cpp on the CPU through llama-cpp-python: the same GGUF, the same threads, timed like bench_engine."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def bench_llama_cpp(gguf: Path, *, threads: int, prompt_len: int, gen_len: int, repeat: int = 3,
+                    seed: int = 0) -> dict:
+    """Prefill tok/s (prompt_len random tokens in one eval) and batch-1 decode tok/s (median step)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf), n_ctx=prompt_len + gen_len + 16, n_batch=max(prompt_len, 32),
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    rng = np.random.default_rng(seed)
+    vocab = llm.n_vocab()
+
+    def prefill() -> float:
+        llm.reset()
+        tokens = rng.integers(0, vocab, prompt_len).tolist()
+        start = time.perf_counter()
+        llm.eval(tokens)
+        return time.perf_counter() - start
+
+    prefill()  # warm-up
+    ttft = statistics.median(prefill() for _ in range(repeat))
+    steps = []
+    token = int(rng.integers(0, vocab))
+    llm.eval([token])  # warm-up step
+    for _ in range(gen_len):
+        start = time.perf_counter()
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        steps.append(time.perf_counter() - start)
+    return {"prefill_tok_s": prompt_len / ttft, "ttft_ms": ttft * 1e3, "decode_tok_s": 1 / statistics.median(steps),
+            "version": llama_cpp.__version__}
