@@ -60,10 +60,10 @@ def table(rows: list[dict], meta: dict) -> str:
             lines.append(f"| {r['model']} | {r['engine']} | error | | | | |")
             continue
         roof = res.get("roofline_fraction")
-        batch = res.get("decode_batch_tok_s")
+        batch = f"{res['decode_batch_tok_s']:.1f} (B={res['batch']})" if "decode_batch_tok_s" in res else "n/a"
+        roof_text = f"{100 * roof:.1f}%" if roof is not None else ""
         lines.append(f"| {r['model']} | {r['engine']} | {res['prefill_tok_s']:.1f} | {res['decode_tok_s']:.1f} | "
-                     f"{f'{batch:.1f} (B={res['batch']})' if batch else 'n/a'} | {res['ttft_ms']:.1f} | "
-                     f"{f'{100 * roof:.1f}%' if roof is not None else ''} |")
+                     f"{batch} | {res['ttft_ms']:.1f} | {roof_text} |")
     return "\n".join(lines) + "\n"
 
 
@@ -82,9 +82,9 @@ def main() -> int:
         return 0
     import llama_cpp
     import tvm
+    from luce_runtime.bench import machine_load
 
     import luce_compile
-    from luce_runtime.bench import machine_load
 
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu": platform.processor() or _cpu_name(),
             "threads": args.threads, "load_avg_1m": machine_load(), "luce_compile": luce_compile.__version__,
