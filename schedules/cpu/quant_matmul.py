@@ -6,7 +6,9 @@ contiguous load. Each lane keeps a partial sum (rfactor over the vector lanes), 
 at the end. Independent accumulators (several rows, and in the GEMM several rows of x) hide the FMA latency.
 
 - QuantGEMV (batch 1, decode): the dequantization is inlined, so W is read once in its packed form and no float
-  copy of it exists; `rows` output rows share each load of x; the outer row loop is parallel.
+  copy of it exists; `rows` output rows share each load of x; the outer row loop is parallel, `chunk` groups of
+  rows per task (each task allocates its partial sums once: TVM turns allocations inside parallel loops into
+  workspace calls).
 - QuantGEMM (batch > 1 or symbolic, prefill/verify): each parallel task dequantizes a strip of `rows` rows of W
   (rows × n_in float32, small enough for L1/L2) once and reuses it for every row of x, `batch_tile` rows of x at
   a time. x is padded to a multiple of `batch_tile` (pad_einsum) so the inner loops carry no bounds checks.
@@ -19,6 +21,7 @@ luce_compile/tune searches per target.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -29,6 +32,7 @@ from tvm.target import Target
 
 from luce_compile.errors import UnsupportedError
 
+log = logging.getLogger(__name__)
 Knobs = Mapping[str, int]
 
 
@@ -132,7 +136,11 @@ class _QuantMatmulRule(ScheduleRule):
         blocks = match_matmul(sch)
         if blocks is None or not self.takes_batch(blocks.batch):
             return None
-        self.schedule(sch, blocks, self.knobs(knobs))
+        try:
+            self.schedule(sch, blocks, self.knobs(knobs))
+        except s_tir.ScheduleError as err:  # the shape matched but a primitive refused: leave it to the next rule
+            log.warning("%s declined %s after matching it: %s", self.name, func.attrs.get("global_symbol"), err)
+            return None
         return sch
 
     def schedule(self, sch: s_tir.Schedule, blocks: MatmulBlocks, knobs: dict[str, int]) -> None:
@@ -150,8 +158,13 @@ class QuantGEMV(_QuantMatmulRule):
     """Batch-1 dequantize + matmul (decode): W streamed once in packed form, vectorized along k."""
 
     name = "cpu.quant_gemv"
-    DEFAULTS: ClassVar[dict[str, int]] = {"rows": 4, "vector": 8, "unroll": 4}
-    SPACE: ClassVar[dict[str, tuple[int, ...]]] = {"rows": (1, 2, 4, 8), "vector": (4, 8, 16), "unroll": (1, 2, 4, 8)}
+    DEFAULTS: ClassVar[dict[str, int]] = {"rows": 4, "vector": 8, "unroll": 4, "chunk": 1}
+    SPACE: ClassVar[dict[str, tuple[int, ...]]] = {
+        "rows": (1, 2, 4, 8),
+        "vector": (4, 8, 16),
+        "unroll": (1, 2, 4, 8),
+        "chunk": (1, 4, 16),
+    }
 
     def takes_batch(self, batch: int | tirx.Expr) -> bool:
         return isinstance(batch, int) and batch == 1
@@ -162,21 +175,21 @@ class QuantGEMV(_QuantMatmulRule):
         unroll = _fit(blocks.n_in // vector, knobs["unroll"])
         if blocks.dequant is not None:
             sch.compute_inline(blocks.dequant)
+        chunk = _fit(blocks.n_out // rows, knobs["chunk"])
         rf = _split_k_lanes(sch, blocks.matmul, vector)
         b, n, k, lanes = sch.get_loops(rf)
-        n_tasks, n_rows = sch.split(n, [None, rows])
+        n_tasks, n_groups, n_rows = sch.split(n, [None, chunk, rows])
         k_steps, k_unroll = sch.split(k, [None, unroll])
-        sch.reorder(b, n_tasks, k_steps, k_unroll, n_rows, lanes)
-        task = sch.fuse(b, n_tasks)
-        sch.parallel(task)
+        sch.reorder(b, n_tasks, n_groups, k_steps, k_unroll, n_rows, lanes)
+        sch.parallel(sch.fuse(b, n_tasks))
         sch.unroll(k_unroll)
         sch.unroll(n_rows)
         sch.vectorize(lanes)
         sch.set_scope(rf, 0, "local")
-        sch.reverse_compute_at(blocks.matmul, task)
+        sch.reverse_compute_at(blocks.matmul, n_groups)
         if blocks.epilogue is not None:
             sch.set_scope(blocks.matmul, 0, "local")
-            sch.reverse_compute_at(blocks.epilogue, task)
+            sch.reverse_compute_at(blocks.epilogue, n_groups)
         sch.decompose_reduction(rf, k_steps)
 
 

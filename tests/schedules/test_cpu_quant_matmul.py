@@ -134,16 +134,17 @@ def block_names(sch: tvm.s_tir.Schedule) -> set[str]:
 @pytest.mark.unit
 def test_gemv_golden_structure():
     sch = QuantGEMV().apply(quant_matmul("Q4_1", 64, 256, batch=1), TARGET)
-    # 64 rows in tasks of 4 (parallel) · 256 = 8 steps · unroll 4 · 4 rows · 8 lanes (vectorized)
+    # 64 rows = 16 tasks (parallel) · 1 group per task · 4 rows; 256 = 8 steps · unroll 4 · 8 lanes (vectorized)
     assert loop_nest(sch, "matmul_rf_update") == [
         ("PARALLEL", 16),
+        ("SERIAL", 1),
         ("SERIAL", 8),
         ("UNROLLED", 4),
         ("UNROLLED", 4),
         ("VECTORIZED", 8),
     ]
     assert "dequantize" not in block_names(sch)  # inlined: the weight is only ever read packed
-    assert loop_nest(sch, "matmul")[0] == ("PARALLEL", 16)  # lanes summed inside each task
+    assert loop_nest(sch, "matmul")[:2] == [("PARALLEL", 16), ("SERIAL", 1)]  # lanes summed per row group
 
 
 @pytest.mark.unit
@@ -172,9 +173,11 @@ def test_gemm_golden_structure():
 
 @pytest.mark.unit
 def test_knobs_change_the_schedule_and_unknown_knobs_are_refused():
-    sch = QuantGEMV().apply(quant_matmul("Q8_0", 64, 256, batch=1), TARGET, {"rows": 2, "vector": 16, "unroll": 1})
+    knobs = {"rows": 2, "vector": 16, "unroll": 1, "chunk": 4}
+    sch = QuantGEMV().apply(quant_matmul("Q8_0", 64, 256, batch=1), TARGET, knobs)
     assert loop_nest(sch, "matmul_rf_update") == [
-        ("PARALLEL", 32),
+        ("PARALLEL", 8),
+        ("SERIAL", 4),
         ("SERIAL", 16),
         ("UNROLLED", 1),
         ("UNROLLED", 2),
