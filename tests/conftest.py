@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
+import os
+
+# The oracle's small float64 matmuls run 3-10x slower with OpenBLAS's 2 threads on this 2-core machine than with one
+# (thread hand-off costs more than the work); set before numpy is imported by any test module.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import importlib.util  # noqa: E402
 from pathlib import Path
 
 import pytest
