@@ -2,15 +2,27 @@
 
 `status` says honestly what has been done with each target on real hardware: "measured" (run and timed),
 "compiled" (binaries built and checked, never run), or "planned" (not built yet).
+
+Several CUDA archs build into one artifact with a comma list (`--target sm_86,sm_90,sm_120`): the kernels are
+generated once for the lowest arch (so no instruction a lower arch lacks is used) and nvcc emits one cubin per arch
+into a single fatbin (build/device_binaries.py). Facts are the hardware's own numbers (vendor data sheets) that a
+schedule may size itself by; the limits TVM enforces (threads per block, shared memory) are in the TVM target.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from luce_compile.errors import LuceError
+
+# One workgroup on RDNA may hold 1024 threads, but TVM 0.27's AMDGPU codegen marks every kernel
+# "amdgpu-flat-work-group-size"="1,256" when no ROCm device is present (it asks the device, else 256), so schedules
+# built here must stay at or under 256 threads per block or the launch fails on the card.
+ROCM_MAX_THREADS = 256
+STATUS_ORDER = ("planned", "compiled", "measured")
 
 
 @dataclass(frozen=True)
@@ -21,6 +33,7 @@ class TargetInfo:
     status: str  # measured | compiled | planned
     note: str
     facts: dict[str, Any] = field(default_factory=dict)  # SM count, shared memory, warp size, …
+    archs: tuple[str, ...] = ()  # CUDA: every sm_XX the fatbin carries (one unless a comma list was asked for)
 
     def tvm_target(self):
         import tvm
@@ -29,11 +42,17 @@ class TargetInfo:
             # the host CPU by name: "native" silently falls back to a generic CPU (10x slower, tvm-0.27 notes)
             cores = self.facts.get("num_cores") or len(os.sched_getaffinity(0))
             return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "num-cores": cores})
+        f = self.facts
         if self.kind == "cuda":
-            return tvm.target.Target({"kind": "cuda", "arch": self.name,
-                                      "max_shared_memory_per_block": self.facts["max_shared_memory_per_block"],
-                                      "max_threads_per_block": 1024, "thread_warp_size": 32})
-        return tvm.target.Target({"kind": "rocm", "mcpu": self.name, "thread_warp_size": 32})
+            return tvm.target.Target({"kind": "cuda", "arch": (self.archs or (self.name,))[0],
+                                      "max_shared_memory_per_block": f["max_shared_memory_per_block"],
+                                      "max_threads_per_block": f["max_threads_per_block"],
+                                      "thread_warp_size": f["warp_size"]})
+        # RDNA is wave32: TVM's rocm default (64) would make every warp-level reduction wrong
+        return tvm.target.Target({"kind": "rocm", "mcpu": self.name, "thread_warp_size": f["warp_size"],
+                                  "max_threads_per_block": f["max_threads_per_block"],
+                                  "max_num_threads": f["max_threads_per_block"],
+                                  "max_shared_memory_per_block": f["max_shared_memory_per_block"]})
 
 
 def host_cpu() -> str:
@@ -42,25 +61,66 @@ def host_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu())
 
 
+def _cuda(name: str, hardware: str, status: str, note: str, sm_count: int, l2_mb: int) -> TargetInfo:
+    # 48 KiB is the static shared memory any kernel may use without opting in to more (cudaFuncSetAttribute)
+    facts = {"sm_count": sm_count, "l2_bytes": l2_mb << 20, "warp_size": 32, "max_threads_per_block": 1024,
+             "max_shared_memory_per_block": 49152}
+    return TargetInfo(name, hardware, "cuda", status, note, facts, (name,))
+
+
+def _rocm(name: str, hardware: str, status: str, note: str, compute_units: int) -> TargetInfo:
+    facts = {"sm_count": compute_units, "warp_size": 32, "max_threads_per_block": ROCM_MAX_THREADS,
+             "max_shared_memory_per_block": 65536}
+    return TargetInfo(name, hardware, "rocm", status, note, facts)
+
+
+_COMPILED = "compiled and binary-checked here (cuobjdump); never run"
 TARGETS = {
     "cpu": TargetInfo("cpu", "this host (x86-64)", "llvm", "measured", "the embedded default; CI runs it"),
-    "sm_86": TargetInfo("sm_86", "RTX 3090", "cuda", "planned", "GPU targets come with the GPU issue",
-                        {"sm_count": 82, "max_shared_memory_per_block": 49152}),
-    "sm_90": TargetInfo("sm_90", "H100/H200", "cuda", "planned", "GPU targets come with the GPU issue",
-                        {"sm_count": 132, "max_shared_memory_per_block": 49152}),
-    "sm_120": TargetInfo("sm_120", "RTX 5090", "cuda", "planned", "GPU targets come with the GPU issue",
-                         {"sm_count": 170, "max_shared_memory_per_block": 49152}),
-    "gfx1201": TargetInfo("gfx1201", "Radeon AI PRO R9700", "rocm", "planned",
-                          "GPU targets come with the GPU issue (wave32)", {"wave_size": 32}),
-    "gfx1151": TargetInfo("gfx1151", "Strix Halo", "rocm", "planned",
-                          "GPU targets come with the GPU issue (wave32)", {"wave_size": 32}),
+    "sm_86": _cuda("sm_86", "RTX 3090", "compiled", _COMPILED, 82, 6),
+    "sm_90": _cuda("sm_90", "H100/H200", "compiled", f"{_COMPILED}; to be run on the lent H200", 132, 50),
+    "sm_120": _cuda("sm_120", "RTX 5090", "compiled", _COMPILED, 170, 96),
+    "gfx1201": _rocm("gfx1201", "Radeon AI PRO R9700", "compiled",
+                     "wave32 HSACO compiled and disassembled here (llvm-objdump); never run", 64),
+    "gfx1151": _rocm("gfx1151", "Strix Halo", "compiled",
+                     "wave32 HSACO compiled and disassembled here (llvm-objdump); never run", 40),
 }
 
 
 def get_target(name: str) -> TargetInfo:
+    """The registry entry for a name, or for a comma list of CUDA archs (one fatbin carrying each of them)."""
+    if "," in name:
+        return _multi_arch(name)
     if name not in TARGETS:
-        raise LuceError(f"targets: unknown target {name!r}; known: {', '.join(TARGETS)} (see `luce-compile targets`).")
+        raise LuceError(f"targets: unknown target {name!r}; known: {', '.join(TARGETS)} (see `luce-compile targets`); "
+                        "several CUDA archs build together as a comma list, e.g. sm_86,sm_90,sm_120.")
     info = TARGETS[name]
     if info.status == "planned":
         raise LuceError(f"targets: {name} ({info.hardware}) cannot be built yet: {info.note}. Use --target cpu.")
     return info
+
+
+def _multi_arch(name: str) -> TargetInfo:
+    parts = [p.strip() for p in name.split(",") if p.strip()]
+    infos = [get_target(p) for p in dict.fromkeys(parts)]
+    if any(i.kind != "cuda" for i in infos) or len(infos) < 2:
+        raise LuceError(f"targets: {name!r}: only CUDA archs combine into one artifact (e.g. sm_86,sm_90,sm_120); "
+                        "build a ROCm or cpu target on its own.")
+    infos.sort(key=lambda i: int(i.name.removeprefix("sm_")))
+    lowest = infos[0]
+    # a schedule sized for the lowest arch runs everywhere; the weakest status is the honest one for the set
+    status = min((i.status for i in infos), key=STATUS_ORDER.index)
+    return dataclasses.replace(
+        lowest, name=",".join(i.name for i in infos), hardware=" + ".join(i.hardware for i in infos),
+        status=status, note=f"one fatbin for {len(infos)} archs, kernels generated for {lowest.name}",
+        archs=tuple(i.name for i in infos))
+
+
+def facts_for(target) -> dict[str, Any]:
+    """The registry facts of a TVM target (by its CUDA arch or ROCm mcpu); {} for a target the registry lacks."""
+    kind = target.kind.name
+    key = str(target.attrs.get("arch", "")) if kind == "cuda" else str(target.attrs.get("mcpu", ""))
+    info = TARGETS.get(key)
+    if info is None or info.kind != kind:
+        return {}
+    return dict(info.facts)

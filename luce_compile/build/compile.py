@@ -20,6 +20,8 @@ import numpy as np
 
 import luce_compile
 from luce_compile.artifact.writer import write_artifact
+from luce_compile.build.device_binaries import export_checked
+from luce_compile.build.gpu_toolchain import gpu_toolchain
 from luce_compile.build.pipeline import relax_pipeline
 from luce_compile.gguf.reader import GGUFFile, read_gguf
 from luce_compile.graph import build_graph
@@ -85,23 +87,28 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     mod, params = lower_graph(graph, target)
     say(f"compiling for {info.name} ({target.kind.name})")
     start = time.perf_counter()
-    with target:
+    # GPU targets: a stand-in libcuda / nvcc fatbin hook / lld + device libraries, so real binaries get embedded
+    with gpu_toolchain(info.kind, info.archs, info.name), target:
         executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
     compile_s = time.perf_counter() - start
     log.info("tvm.compile took %.1f s", compile_s)
     work = Path(tempfile.mkdtemp(prefix="luce-build-"))
+    library = work / "model.so"
+    binaries = export_checked(executable, info, library)  # refuses a GPU library without real device binaries
     say("writing the artifact (weights repacked into kernel planes)")
     functions = ["create_kv_cache", "prefill", "decode", "decode1"]
     manifest = {
         "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},
         "config": graph.config.to_dict(),
         "target": _target_fields(info, target),
-        "kernels": {"module": "model.so", "functions": functions, "compile_seconds": round(compile_s, 2)},
+        "kernels": {"module": "model.so", "functions": functions, "compile_seconds": round(compile_s, 2),
+                    **({"device_binaries": binaries.to_manifest()} if binaries else {})},
         "runtime": {"page_size": 16, "prefill_chunk": 512},
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     return write_artifact(work / "artifact", manifest_fields=manifest, weights=_weights(gguf, params),
-                          export_fn=executable.export_library, tokenizer_metadata=_tokenizer_metadata(gguf))
+                          export_fn=lambda path: shutil.copyfile(library, path),
+                          tokenizer_metadata=_tokenizer_metadata(gguf))
 
 
 def _target_fields(info: TargetInfo, target) -> dict:

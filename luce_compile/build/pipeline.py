@@ -1,9 +1,14 @@
 """The Relax pipeline per target family: TVM's default passes with our schedule rules applied after fusion.
 
-TVM's CPU pipeline (relax/backend/cpu_generic) legalizes, fuses and lowers, but leaves every TIR function
+CPU: TVM's pipeline (relax/backend/cpu_generic) legalizes, fuses and lowers, but leaves every TIR function
 unscheduled (one thread, no vectors). Ours runs the same passes and, between fusion and lowering, gives each
 PrimFunc to the ordered rule list of `luce_schedules` for its target family: the first rule that accepts it
 schedules it; a function no rule accepts stays as it is (correct, slow) and is logged.
+
+GPU (cuda, rocm): TVM's backend pipeline for the kind, with its dlight step replaced by ours — our rules first,
+then dlight's defaults (Matmul, GEMV, Reduction, GeneralReduction, Fallback) for everything else. A GPU function
+that no rule binds to threads would be compiled as host code and crash on device memory at run time (tvm-0.27
+notes: the generic-pipeline trap), so `check_gpu_scheduled` fails the build instead, naming the functions.
 """
 
 from __future__ import annotations
@@ -11,6 +16,10 @@ from __future__ import annotations
 import logging
 
 import tvm
+from tvm import tirx
+from tvm_ffi.structural import structural_visit
+
+from luce_compile.errors import LuceError
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +51,110 @@ def apply_schedule_rules(target: tvm.target.Target) -> tvm.transform.Pass:
     return _apply
 
 
-def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
-    if target.kind.name != "llvm":
-        raise NotImplementedError(f"build: the {target.kind.name} pipeline comes with the GPU targets issue.")
+class UnscheduledError(LuceError, RuntimeError):
+    """A GPU build would leave a TIR function unbound to threads (it would run as host code on device memory)."""
+
+
+def thread_extents(func: tirx.PrimFunc) -> dict[str, int]:
+    """The largest extent bound to each GPU thread tag (blockIdx.x, threadIdx.y, …) in a function; -1 if symbolic."""
+    found: dict[str, int] = {}
+
+    def note(tag: str, extent: tirx.PrimExpr) -> None:
+        value = int(extent) if isinstance(extent, tirx.IntImm) else -1
+        found[tag] = -1 if -1 in (value, found.get(tag)) else max(found.get(tag, 1), value)
+
+    def on_for(node: tirx.For, visitor) -> None:
+        if node.kind == tirx.ForKind.THREAD_BINDING and node.thread_binding is not None:
+            note(node.thread_binding.thread_tag, node.extent)
+        visitor.default_visit(node)
+
+    def on_attr(node: tirx.AttrStmt, visitor) -> None:
+        if node.attr_key == "thread_extent":
+            note(node.node.thread_tag, node.value)
+        visitor.default_visit(node)
+
+    structural_visit(func.body, [(tirx.For, on_for), (tirx.AttrStmt, on_attr)])
+    return found
+
+
+def check_gpu_scheduled(target: tvm.target.Target) -> tvm.transform.Pass:
+    """A pass that raises UnscheduledError unless every PrimFunc is bound to GPU threads within the target's limit."""
+    limit = int(target.attrs["max_num_threads"])
+
+    @tvm.transform.module_pass(opt_level=0, name="LuceCheckGPUScheduled")
+    def _check(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
+        unbound, too_wide = [], []
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            extents = thread_extents(func)
+            if not any(tag.startswith(("threadIdx", "blockIdx")) for tag in extents):
+                unbound.append(gv.name_hint)
+                continue
+            threads = [v for tag, v in extents.items() if tag.startswith("threadIdx")]
+            if -1 not in threads and _product(threads) > limit:
+                too_wide.append(f"{gv.name_hint} ({_product(threads)} threads)")
+        if unbound:
+            raise UnscheduledError(
+                f"build: {len(unbound)} TIR function(s) are not scheduled for the GPU ({target.kind.name}): "
+                f"{', '.join(sorted(unbound))}. They would run as host code on device memory and crash. Add a "
+                "schedule rule in schedules/gpu/ (or let dlight's Fallback take them: spatial functions only).")
+        if too_wide:
+            raise UnscheduledError(f"build: kernels use more threads per block than {target.kind.name} allows "
+                                   f"({limit}): {', '.join(too_wide)}.")
+        return mod
+
+    return _check
+
+
+def _product(values: list[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def gpu_schedule_rules(target: tvm.target.Target) -> list:
+    """Our GPU rules, then dlight's defaults, in the order the schedule pass tries them."""
+    from luce_schedules import rules_for
+    from tvm.s_tir import dlight as dl
+
+    return [*rules_for(target), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+            dl.gpu.Fallback()]
+
+
+def _gpu_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    from tvm.s_tir import dlight as dl
+
+    if target.kind.name == "cuda":
+        from tvm.relax.backend.cuda import pipeline as backend
+    else:
+        from tvm.relax.backend.rocm import pipeline as backend
+    # TVM's legalize step ends with dlight's own ApplyDefaultSchedule: ours replaces it
+    legalize = [p for p in backend.legalize_passes(target) if p.info.name != "ApplyDefaultSchedule"]
+    schedule = [dl.ApplyDefaultSchedule(*gpu_schedule_rules(target)), check_gpu_scheduled(target)]
+    return (backend.library_dispatch_passes(target) + legalize + schedule + backend.dataflow_lower_passes(target)
+            + backend.finalize_passes(target))
+
+
+def _cpu_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     from tvm.relax.backend.cpu_generic import pipeline as backend
+
+    return (backend.library_dispatch_passes(target) + backend.legalize_passes(target)
+            + [apply_schedule_rules(target)] + backend.dataflow_lower_passes(target)
+            + backend.finalize_passes(target))
+
+
+def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+    """The Relax pipeline `tvm.compile` runs for a target: cpu (llvm), cuda or rocm."""
+    kind = target.kind.name
+    if kind not in ("llvm", "cuda", "rocm"):
+        raise LuceError(f"build: no pipeline for TVM target kind {kind!r}; targets are llvm (cpu), cuda and rocm.")
 
     @tvm.transform.module_pass(opt_level=0, name="LucePipeline")
     def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
         with target:
-            passes = (backend.library_dispatch_passes(target) + backend.legalize_passes(target)
-                      + [apply_schedule_rules(target)] + backend.dataflow_lower_passes(target)
-                      + backend.finalize_passes(target))
+            passes = _cpu_passes(target) if kind == "llvm" else _gpu_passes(target)
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline
-
-
-
