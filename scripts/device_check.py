@@ -1,0 +1,290 @@
+"""Check and time a GPU artifact on the GPU machine, against reference logits computed on the build machine.
+
+Two halves, because the GPU machine has no TVM compiler (only the TVM runtime files travel) and the working tree
+that travels is capped at 64 MiB (a SmolLM2-135M-shape artifact's weights are ~100 MB):
+
+  prepare (here):  python scripts/device_check.py prepare --preset smollm2-135m --target sm_90 --dir .device/smollm2
+      writes the synthetic GGUF's spec name, the compiled artifact WITHOUT weights.bin, and reference.npz (the
+      float64 oracle's logits after a prompt and after each of 64 greedy decode steps); and once per --bundle dir
+      the runtime bundle: the TVM runtime files (no libtvm_compiler.so) as a .tgz and the wheels the GPU machine
+      lacks (apache-tvm-ffi for its Python 3.12, gguf).
+  run (there):     python scripts/device_check.py run .device/smollm2 --gguf /tmp/smollm2.gguf --out $OUT/x.json
+      rebuilds weights.bin from the synthetic GGUF (generated there when --gguf does not exist, by the project's
+      generator with the tokenizer keys from the artifact: it would otherwise fetch SmolLM2 for them; the sha256
+      recorded at build time must match), loads the artifact with luce_runtime (TVM runtime only), and
+      checks: prefill + 64 decode steps within 1e-3 relative of the oracle, greedy ids equal until the first
+      near-tie, batched decode of 8 sequences equal to each alone; then times decode (batch 1) and prefill of 512
+      and 2048 tokens. Prints and writes one JSON result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+REL_TOL, NEAR_TIE, BATCH_TOL = 1e-3, 0.05, 1e-4
+# TVM's python package less what only the compiler needs (libtvm_compiler.so alone is 248 MB)
+TVM_SKIP = ("lib/libtvm_compiler.so", "3rdparty", "src", "include", "web", "__pycache__")
+
+
+# ---- prepare (build machine) --------------------------------------------------------------------------------------
+def prepare(args: argparse.Namespace) -> None:
+    from luce_compile.build.compile import compile_model
+    from luce_compile.synthetic import cached_synthetic
+
+    out = Path(args.dir)
+    gguf = cached_synthetic(args.preset)
+    start = time.perf_counter()
+    artifact = compile_model(gguf, args.target, out / "artifact", use_cache=not args.no_cache)
+    build_s = time.perf_counter() - start
+    (artifact / "weights.bin").unlink()  # rebuilt there from the GGUF: it would not fit the 64 MiB transfer
+    prompt = [int(t) for t in np.random.default_rng(args.seed).integers(1, 49152, args.prompt_len)]
+    ids, logits = _oracle_trace(gguf, prompt, args.steps)
+    np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
+    (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name,
+                                               "target": args.target, "build_seconds": round(build_s, 1)}))
+    if args.bundle:
+        make_bundle(Path(args.bundle))
+    print(json.dumps({"dir": str(out), "build_seconds": round(build_s, 1), "reference_rows": len(logits)}))
+
+
+def _oracle_trace(gguf: Path, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    from luce_compile.graph.oracle import Oracle
+
+    class FastOracle(Oracle):  # 2-D operands take numpy's BLAS path (the oracle's formula, ~20x faster)
+        def _matmul(self, op, x):
+            y = super()._matmul(op, x.reshape(-1, x.shape[-1]))
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+
+        _lm_head = _matmul
+
+    oracle = FastOracle(gguf)
+    rows = [oracle.prefill(prompt)[-1]]
+    ids = []
+    for _ in range(steps):
+        ids.append(int(np.argmax(rows[-1])))
+        rows.append(oracle.decode(ids[-1]))
+    ids.append(int(np.argmax(rows[-1])))
+    return ids, np.stack(rows).astype(np.float32)
+
+
+def make_bundle(bundle: Path) -> None:
+    """The TVM runtime package as .tgz, plus wheels for the GPU machine's Python 3.12 (apache-tvm-ffi, gguf)."""
+    import tvm
+
+    bundle.mkdir(parents=True, exist_ok=True)
+    pkg = Path(tvm.__file__).parent
+    with tarfile.open(bundle / "tvm-runtime.tgz", "w:gz") as tar:
+        tar.add(pkg, arcname="tvm", filter=lambda t: None if any(
+            t.name.removeprefix("tvm/").startswith(s) or f"/{s}" in t.name for s in TVM_SKIP) else t)
+    platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28)] + ["--platform=manylinux2014_x86_64"]
+    for req in ("apache-tvm-ffi==0.1.14.post1", "gguf==0.19.*"):
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(bundle), req],
+                       check=True)
+
+
+# ---- run (GPU machine) --------------------------------------------------------------------------------------------
+def _load_runtime() -> None:
+    """TVM's runtime only (never the compiler), with the CUDA device API registered."""
+    os.environ["TVM_USE_RUNTIME_LIB"] = "1"
+    import tvm
+    import tvm_ffi
+
+    lib = Path(tvm.__file__).parent / "lib"
+    ctypes.CDLL(str(lib / "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+    if tvm_ffi.get_global_func("device_api.cuda", allow_missing=True) is None:
+        ctypes.CDLL(str(lib / "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_GLOBAL)
+
+
+def rebuild_weights(artifact: Path, gguf_path: Path) -> dict:
+    """weights.bin from the GGUF: each plane repacked exactly as the build wrote it (offsets from the manifest)."""
+    from luce_runtime.artifact import file_sha256
+
+    from luce_compile.gguf.reader import read_gguf
+    from luce_compile.lower.quant_layout import repack
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    target = artifact / manifest["weights"]["file"]
+    gguf, planes, current = read_gguf(gguf_path), {}, None
+    with open(target, "wb") as f:
+        for p in manifest["weights"]["params"]:
+            if p["source_tensor"] != current:
+                current = p["source_tensor"]
+                raw = gguf.raw(current)
+                planes = repack(raw.reshape(-1, raw.shape[-1]), gguf.tensor(current).ggml_type)
+            f.seek(p["offset"])
+            f.write(np.ascontiguousarray(planes[p["plane"]]).tobytes())
+    want, got = manifest["files"][target.name], file_sha256(target)
+    gguf_sha = file_sha256(gguf_path)
+    return {"weights_sha_match": want == got, "gguf_sha_match": gguf_sha == manifest["source"]["gguf_sha256"]}
+
+
+def generate_gguf(folder: Path, path: Path) -> None:
+    """The preset's synthetic GGUF, with the tokenizer keys taken from the artifact: the generator would fetch the
+    real SmolLM2 GGUF for them, and the GPU machine reaches no network."""
+    import luce_compile.synthetic as synthetic
+
+    spec = json.loads((folder / "spec.json").read_text())
+    keys = json.loads((folder / "artifact" / "tokenizer.json").read_text())
+    tokenizer = {k: v for k, v in keys.items() if k.startswith("tokenizer.")}
+    synthetic.tokenizer_metadata = lambda: tokenizer
+    synthetic.write_synthetic(synthetic.preset(spec["preset"]), path)
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got.astype(np.float64) - want).max() / np.abs(want).max())
+
+
+def check_oracle(engine, ref) -> dict:
+    prompt, ids, want = [int(t) for t in ref["prompt"]], [int(t) for t in ref["ids"]], ref["logits"]
+    seq = engine.add_sequence()
+    rows = [engine.prefill([seq], [prompt])[0]]
+    rows += [engine.decode([seq], [t])[0] for t in ids[:len(want) - 1]]  # teacher-forced with the oracle's ids
+    engine.remove_sequence(seq)
+    errs = [_rel(g, w) for g, w in zip(rows, want, strict=True)]
+    margins = [float(np.diff(np.partition(w, -2)[-2:])[0]) for w in want]
+    first_tie = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(want))
+    mismatched = [i for i in range(first_tie) if int(np.argmax(rows[i])) != ids[i]]
+    return {"steps": len(want) - 1, "max_rel_err": max(errs), "prefill_rel_err": errs[0],
+            "ids_checked": first_tie, "ids_mismatched": mismatched,
+            "ok": max(errs) <= REL_TOL and not mismatched}
+
+
+def check_batched(engine, n_seq: int = 8, steps: int = 16, seed: int = 1) -> dict:
+    """Decode n_seq sequences together, then each alone from the same prompt and tokens: the same logits."""
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(1, 49152, int(n))] for n in rng.integers(4, 40, n_seq)]
+    seqs = [engine.add_sequence() for _ in prompts]
+    last = engine.prefill(seqs, prompts)
+    fed, together = [], []
+    for _ in range(steps):
+        tokens = [int(t) for t in np.argmax(last, axis=-1)]
+        fed.append(tokens)
+        last = engine.decode(seqs, tokens)
+        together.append(last)
+    for s in seqs:
+        engine.remove_sequence(s)
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        s = engine.add_sequence()
+        engine.prefill([s], [prompt])
+        for step in range(steps):
+            worst = max(worst, _rel(engine.decode([s], [fed[step][i]])[0], together[step][i]))
+        engine.remove_sequence(s)
+    return {"sequences": n_seq, "steps": steps, "max_rel_diff": worst, "ok": worst <= BATCH_TOL}
+
+
+def _sync(engine) -> None:
+    engine.device.sync()
+
+
+def time_decode(engine, steps: int = 128, warmup: int = 8) -> dict:
+    seq = engine.add_sequence()
+    engine.prefill([seq], [list(range(1, 65))])
+    for t in range(warmup):
+        engine.decode([seq], [t + 1])
+    _sync(engine)
+    start = time.perf_counter()
+    for t in range(steps):
+        engine.decode([seq], [t + 1])  # returns host logits: each step is synchronized
+    elapsed = time.perf_counter() - start
+    engine.remove_sequence(seq)
+    return {"batch": 1, "steps": steps, "ms_per_token": 1e3 * elapsed / steps, "tok_s": steps / elapsed}
+
+
+def time_prefill(engine, n: int, repeats: int = 3) -> dict:
+    tokens = [int(t) for t in np.random.default_rng(n).integers(1, 49152, n)]
+    times = []
+    for i in range(repeats + 1):  # the first run warms up (allocations, module load)
+        seq = engine.add_sequence()
+        _sync(engine)
+        start = time.perf_counter()
+        engine.prefill([seq], [tokens])
+        _sync(engine)
+        if i:
+            times.append(time.perf_counter() - start)
+        engine.remove_sequence(seq)
+    best = min(times)
+    return {"tokens": n, "chunk": engine.options.prefill_chunk, "seconds": best, "tok_s": n / best}
+
+
+def _environment() -> dict:
+    import tvm
+    import tvm_ffi
+
+    env = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
+           "tvm": tvm.__version__, "tvm_ffi": getattr(tvm_ffi, "__version__", "?")}
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+        env["gpu"] = q.stdout.strip()
+    return env
+
+
+def run(args: argparse.Namespace) -> int:
+    _load_runtime()
+    from luce_runtime.engine import Engine, EngineOptions
+
+    folder = Path(args.dir)
+    artifact = folder / "artifact"
+    result = {"spec": json.loads((folder / "spec.json").read_text()), "environment": _environment()}
+    if not (artifact / "weights.bin").is_file():
+        gguf = Path(args.gguf or f"/tmp/{result['spec']['gguf_name']}")
+        if not gguf.is_file():
+            generate_gguf(folder, gguf)
+        result["weights"] = rebuild_weights(artifact, gguf)
+    start = time.perf_counter()
+    engine = Engine(artifact, EngineOptions(max_batch=8, max_context=4096))
+    result["load_seconds"] = round(time.perf_counter() - start, 2)
+    result["manifest_kernels"] = engine.artifact.manifest["kernels"].get("device_binaries")
+    checks = {"oracle": check_oracle(engine, np.load(folder / "reference.npz")), "batched": check_batched(engine)}
+    result["checks"] = checks
+    if not args.no_timing:
+        result["timing"] = {"decode": time_decode(engine),
+                            "prefill": [time_prefill(engine, n) for n in (512, 2048)]}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if all(c["ok"] for c in checks.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="build machine: artifact (without weights), reference logits, bundle")
+    p.add_argument("--preset", default="smollm2-135m")
+    p.add_argument("--target", default="sm_90")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--bundle", help="also write the runtime bundle (TVM runtime .tgz + wheels) here")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true")
+    p.set_defaults(func=prepare)
+    r = sub.add_parser("run", help="GPU machine: rebuild weights, check against the reference, time")
+    r.add_argument("dir")
+    r.add_argument("--gguf", help="the synthetic GGUF generated there (needed when weights.bin is absent)")
+    r.add_argument("--out", help="also write the JSON result here")
+    r.add_argument("--no-timing", action="store_true")
+    r.set_defaults(func=run)
+    args = parser.parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
