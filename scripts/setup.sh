@@ -8,6 +8,16 @@ CACHE="${LUCE_CACHE:-$HOME/.cache/luce-compile}"
 LLAMA_CPP_VERSION=0.3.36  # keep in step with pyproject.toml's test extra
 PY="${PYTHON:-python3}"
 
+# GPU targets are built here without a GPU: lld + LLVM tools + ROCm device libraries for gfx* (HSACO), and nvcc
+# (already on this kind of machine) for sm_*. Root installs them; elsewhere the GPU build tests say what is missing.
+need_apt=""
+for cmd in ld.lld-22 llvm-objdump-22; do command -v "$cmd" >/dev/null 2>&1 || need_apt=1; done
+[ -d /usr/lib/x86_64-linux-gnu/amdgcn ] || need_apt=1
+if [ -n "$need_apt" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "setup: installing lld-22 llvm-22 rocm-device-libs (GPU targets)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq lld-22 llvm-22 rocm-device-libs >/dev/null
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
