@@ -78,9 +78,8 @@ _COMPILED = "compiled and binary-checked here (cuobjdump); never run"
 TARGETS = {
     "cpu": TargetInfo("cpu", "this host (x86-64)", "llvm", "measured", "the embedded default; CI runs it"),
     "sm_86": _cuda("sm_86", "RTX 3090", "compiled", _COMPILED, 82, 6),
-    "sm_90": _cuda("sm_90", "H100/H200", "compiled",
-                   "compiled and binary-checked here; ran correct on the lent H200 (scripts/device_check.py), "
-                   "figures not yet recorded", 132, 50),
+    "sm_90": _cuda("sm_90", "H100/H200", "measured",
+                   "run on an H200 (runtime only): matches the oracle, timed; benchmarks/results/h200/", 132, 50),
     "sm_120": _cuda("sm_120", "RTX 5090", "compiled", _COMPILED, 170, 96),
     "gfx1201": _rocm("gfx1201", "Radeon AI PRO R9700", "compiled",
                      "wave32 HSACO compiled and disassembled here (llvm-objdump); never run", 64),
