@@ -259,6 +259,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from luce_runtime.serve import ServeOptions, serve
+
+    path = Path(args.artifact)
+    if not ((path / "manifest.json").is_file() or (path.is_file() and path.suffix != ".gguf")):
+        from luce_compile.build.compile import compile_model  # a GGUF (or model name): compile through the cache
+        from luce_compile.models import cache_dir
+
+        gguf = resolve_model(args.artifact)
+        path = compile_model(gguf, args.target, cache_dir() / "serve" / f"{gguf.stem}.{args.target}")
+    print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    serve(ServeOptions(artifact=path, host=args.host, port=args.port, api_key=args.api_key,
+                       max_batch=args.max_batch, max_context=args.ctx, prefix_cache=args.prefix_cache))
+    return 0
+
+
 def add_sampling_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("-n", type=int, default=64, help="tokens to generate")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -326,6 +342,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeat", type=int, default=3)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="serve an artifact (or a GGUF) over OpenAI- and Anthropic-compatible HTTP")
+    s.add_argument("artifact", help="an artifact directory or packed file, a .gguf path or a known model name")
+    s.add_argument("--target", default="cpu", help="compile target when ARTIFACT is a GGUF")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1/*")
+    s.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    s.add_argument("--ctx", type=int, default=0, help="context per sequence (default: model's, ≤ 4096)")
+    s.add_argument("--prefix-cache", type=int, default=4, help="cached prompt prefixes (0: no prefix reuse)")
+    s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("generate", help="generate on the float64 oracle (slow; for checking)")
     s.add_argument("model")

@@ -1,0 +1,195 @@
+"""OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions (JSON, or SSE chunks ending `data: [DONE]`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from luce_runtime.chat import encode_chat
+from luce_runtime.sampler import TokenLogprobs
+from luce_runtime.serve.app import Service, events, new_id, parse_body, sampling, sse
+from luce_runtime.serve.protocol import MAX_STOP_OPENAI, ApiError, ChatCompletionRequest, CompletionRequest
+from luce_runtime.serve.scheduler import Event
+
+router = APIRouter()
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    svc = _service(request)
+    return {"object": "list", "data": [{"id": svc.model_id, "object": "model", "created": 0,
+                                        "owned_by": "luce-compile", "max_model_len": svc.max_context}]}
+
+
+def _piece(svc: Service, token: int) -> str:
+    return svc.tokenizer.token_to_piece(token, special=True).decode("utf-8", errors="replace")
+
+
+def _chat_logprob(svc: Service, lp: TokenLogprobs) -> dict[str, Any]:
+    def entry(tid: int, value: float) -> dict[str, Any]:
+        piece = _piece(svc, tid)
+        return {"token": piece, "logprob": value, "bytes": list(piece.encode())}
+
+    return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _prepare(svc: Service, body: ChatCompletionRequest | CompletionRequest, prompt: list[int],
+             max_param: str, max_tokens: int | None, top_logprobs: int | None):
+    svc.check_model(body.model)
+    limit = svc.check_budget(len(prompt), max_tokens, max_param)
+    params = sampling(svc, max_tokens=limit, stop=body.stop, max_stop=MAX_STOP_OPENAI, stop_param="stop",
+                      temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                      presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+    return svc.submit(prompt, params, body.n, top_logprobs)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    svc = _service(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    for m in messages:  # the templates know "system"; OpenAI's newer name for it is "developer"
+        m["role"] = "system" if m["role"] == "developer" else m["role"]
+    prompt = encode_chat(svc.tokenizer, messages)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    queue, reqs = _prepare(svc, body, prompt, param, max_tokens, k)
+    meta = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": svc.model_id}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = _chat_stream(svc, events(queue, reqs), meta, body.n, include_usage, k is not None)
+        return StreamingResponse(_guard(stream), media_type="text/event-stream")
+    choices: list[dict[str, Any]] = [{"index": i, "message": {"role": "assistant", "content": ""},
+                                      "logprobs": {"content": []} if k is not None else None,
+                                      "finish_reason": None} for i in range(body.n)]
+    completion = 0
+    async for ev in events(queue, reqs):
+        c = choices[ev.index]
+        if ev.kind == "delta":
+            c["message"]["content"] += ev.text
+            if ev.logprob is not None:
+                c["logprobs"]["content"].append(_chat_logprob(svc, ev.logprob))
+        else:
+            c["finish_reason"] = ev.finish_reason
+            completion += ev.completion_tokens
+    return {**meta, "object": "chat.completion", "choices": choices, "usage": _usage(len(prompt), completion)}
+
+
+async def _chat_stream(svc: Service, evs: AsyncIterator[Event], meta: dict[str, Any], n: int,
+                       include_usage: bool, with_logprobs: bool) -> AsyncIterator[str]:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        out = {**meta, "object": "chat.completion.chunk", "choices": choices}
+        if include_usage:
+            out["usage"] = usage
+        return sse(out)
+
+    for i in range(n):
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    prompt = completion = 0
+    async for ev in evs:
+        if ev.kind == "delta":
+            lp = {"content": [_chat_logprob(svc, ev.logprob)]} if with_logprobs and ev.logprob else None
+            yield chunk([{"index": ev.index, "delta": {"content": ev.text}, "logprobs": lp, "finish_reason": None}])
+        else:
+            prompt, completion = ev.prompt_tokens, completion + ev.completion_tokens
+            yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason}])
+    if include_usage:
+        yield chunk([], _usage(prompt, completion))
+    yield "data: [DONE]\n\n"
+
+
+async def _guard(stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A failure after the headers went out can only be reported in the stream: an error event, then [DONE]."""
+    try:
+        async for part in stream:
+            yield part
+    except ApiError as e:
+        yield sse({"error": {"message": e.message, "type": e.type, "param": None, "code": None}})
+        yield "data: [DONE]\n\n"
+
+
+def _completion_prompt(svc: Service, prompt: str | list[int] | list[str]) -> list[int]:
+    if isinstance(prompt, str):
+        return svc.tokenizer.encode(prompt, add_special=True, parse_special=True)
+    if prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise ApiError(400, "A list of several prompts is not supported; send one prompt per request.",
+                           param="prompt", code="unsupported_parameter")
+        return svc.tokenizer.encode(prompt[0], add_special=True, parse_special=True)
+    if any(not 0 <= t < svc.tokenizer.vocab_size for t in prompt):
+        raise ApiError(400, f"Token ids in prompt must lie in [0, {svc.tokenizer.vocab_size}).", param="prompt")
+    return list(prompt)
+
+
+def _completion_logprobs(svc: Service, lps: list[TokenLogprobs], offset0: int) -> dict[str, Any]:
+    tokens = [_piece(svc, lp.token_id) for lp in lps]
+    offsets, at = [], offset0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{_piece(svc, t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    svc = _service(request)
+    body = await parse_body(request, CompletionRequest)
+    prompt = _completion_prompt(svc, body.prompt)
+    queue, reqs = _prepare(svc, body, prompt, "max_tokens", body.max_tokens, body.logprobs)
+    meta = {"id": new_id("cmpl-"), "created": int(time.time()), "model": svc.model_id}
+    with_lp = body.logprobs is not None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_guard(_completion_stream(svc, events(queue, reqs), meta, include_usage, with_lp)),
+                                 media_type="text/event-stream")
+    texts, lps = [""] * body.n, [[] for _ in range(body.n)]
+    finish: list[str | None] = [None] * body.n
+    completion = 0
+    async for ev in events(queue, reqs):
+        if ev.kind == "delta":
+            texts[ev.index] += ev.text
+            if ev.logprob is not None:
+                lps[ev.index].append(ev.logprob)
+        else:
+            finish[ev.index] = ev.finish_reason
+            completion += ev.completion_tokens
+    choices = [{"index": i, "text": texts[i], "finish_reason": finish[i],
+                "logprobs": _completion_logprobs(svc, lps[i], 0) if with_lp else None} for i in range(body.n)]
+    return {**meta, "object": "text_completion", "choices": choices, "usage": _usage(len(prompt), completion)}
+
+
+async def _completion_stream(svc: Service, evs: AsyncIterator[Event], meta: dict[str, Any], include_usage: bool,
+                             with_lp: bool) -> AsyncIterator[str]:
+    chunk: Callable[..., dict[str, Any]] = lambda choices, usage=None: {  # noqa: E731
+        **meta, "object": "text_completion", "choices": choices, **({"usage": usage} if include_usage else {})}
+    prompt = completion = 0
+    offsets: dict[int, int] = {}
+    async for ev in evs:
+        if ev.kind == "delta":
+            lp = _completion_logprobs(svc, [ev.logprob], offsets.get(ev.index, 0)) if with_lp and ev.logprob else None
+            offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
+            yield sse(chunk([{"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": None}]))
+        else:
+            prompt, completion = ev.prompt_tokens, completion + ev.completion_tokens
+            yield sse(chunk([{"index": ev.index, "text": "", "logprobs": None, "finish_reason": ev.finish_reason}]))
+    if include_usage:
+        yield sse(chunk([], {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}))
+    yield "data: [DONE]\n\n"

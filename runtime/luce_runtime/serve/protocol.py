@@ -1,0 +1,139 @@
+"""Request models of the OpenAI and Anthropic APIs (the subset served), and both APIs' error bodies.
+
+Requests are validated strictly (a string where a number belongs is a 400, not a silent conversion) and refuse
+unknown fields, so a client never believes a parameter took effect when it did not. Parameters that are part of the
+APIs but not served (tools, response_format, logit_bias, ...) are named in UNSUPPORTED and refused with their name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI documents at most 4 stop sequences; Anthropic no limit, so ours is a bound on per-token stop matching work
+MAX_STOP_OPENAI = 4
+MAX_STOP_ANTHROPIC = 16
+MAX_N = 8  # choices per request: each one is a live sequence
+
+# API parameters we know but do not implement: refused with 400 and the parameter's name rather than ignored
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix",
+               "echo", "best_of", "parallel_tool_calls", "audio", "modalities", "prediction", "thinking")
+
+
+class ApiError(Exception):
+    """A request error with its HTTP status; the app renders it in OpenAI's or Anthropic's shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+
+def openai_error(e: ApiError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error(e: ApiError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(e.status, "invalid_request_error"),
+                                       "message": e.message}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# ---- OpenAI ------------------------------------------------------------------------------------------------------
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    user: str | None = None
+    # accepted so that the refusal names them (see UNSUPPORTED)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = 16  # OpenAI's default for /v1/completions
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+
+# ---- Anthropic ---------------------------------------------------------------------------------------------------
+class AnthropicText(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # a hint for Anthropic's cache; our prefix cache is automatic
+    citations: Any = None
+
+
+class AnthropicMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicText]
+
+
+class CountTokensRequest(_Strict):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[AnthropicText] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    thinking: Any = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float = Field(1.0, ge=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None

@@ -1,0 +1,330 @@
+"""The token-step scheduler: one background thread owns the Engine and runs it one step at a time.
+
+Each step (continuous batching, as vLLM/llama.cpp's server do it):
+  1. admit waiting requests while fewer than max_batch run (a new sequence, or a fork of a cached prompt prefix)
+  2. free the sequences of cancelled requests (client gone, or stop): their KV pages go back to the pool
+  3. prefill at most `prefill_chunk` prompt tokens in total, over the requests still reading their prompt, so a long
+     prompt costs running streams one chunk per step instead of a stall
+  4. decode ALL requests that have a pending token in one batched Engine.decode call, then sample each row with that
+     request's own Sampler and stream the text to its asyncio queue
+
+Prefix reuse: after a prompt is prefilled its sequence is forked (TVM's kv_state_fork_sequence shares the pages,
+copy-on-write for the partial last page) into a small LRU of cached prompts. A later request whose prompt shares
+≥ page_size tokens with one of them forks from it at the common length and prefills only the rest: the rendered
+system prompt (and earlier turns of a conversation) are computed once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from luce_runtime.engine import Engine, EngineError, _kv_builtin
+from luce_runtime.sampler import Sampler, SamplingParams, TokenLogprobs, find_stop, logprobs
+from luce_runtime.tokenizer import StreamDecoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    """What a request's queue receives: a text delta (one per token), then exactly one 'done' or 'error'."""
+
+    kind: str  # "delta" | "done" | "error"
+    index: int = 0  # the choice this event belongs to (n > 1 shares one queue)
+    text: str = ""
+    token: int = -1
+    logprob: TokenLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_string: str | None = None  # the stop string that ended it, if any
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(eq=False)
+class GenRequest:
+    """One sequence to generate; `queue` lives on `loop` (the server's event loop), everything else on the thread."""
+
+    prompt: list[int]
+    params: SamplingParams  # max_tokens is always set by the caller
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    index: int = 0
+    top_logprobs: int | None = None  # None: no logprobs; k ≥ 0: the chosen token's and the k best
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    # scheduler state
+    seq: int | None = None
+    pos: int = 0  # prompt tokens in the cache
+    pending: int | None = None  # a sampled token not yet fed to the model
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of `text` already streamed
+    sampler: Sampler | None = None
+    decoder: StreamDecoder | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass
+class Counters:
+    steps: int = 0  # decode steps (one batched Engine.decode each)
+    batched_steps: int = 0  # decode steps with ≥ 2 sequences
+    max_batch_seen: int = 0
+    prefill_calls: int = 0
+    tokens: int = 0  # generated tokens
+    prompt_tokens: int = 0
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    prefix_hits: int = 0
+    prefix_tokens_reused: int = 0
+    ttft: list[float] = field(default_factory=list)  # seconds, submit → first token, of the last 10k requests
+
+
+class Scheduler:
+    """Owns `engine` from its own thread; `submit` and `stats` are safe to call from any thread."""
+
+    def __init__(self, engine: Engine, max_batch: int, *, prefix_cache: int = 4):
+        self.engine, self.max_batch = engine, max_batch
+        self.page_size = engine.options.page_size
+        # sliding-window models prefill one token per call after the first chunk (Engine._chunk_limit): no forks
+        self.prefix_slots = 0 if engine._sliding else max(0, min(prefix_cache, engine.options.max_batch - max_batch))
+        self.counters = Counters()
+        self._waiting: deque[GenRequest] = deque()
+        self._active: list[GenRequest] = []
+        self._prefixes: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # cached seq id → its tokens (LRU order)
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="luce-scheduler", daemon=True)
+        self._fork = _kv_builtin("kv_state_fork_sequence")
+        self._free_pages = _kv_builtin("attention_kv_cache_get_num_available_pages")
+        self.total_pages = self.free_pages()
+        self._free = self.total_pages  # refreshed after each step: only this thread touches the KV cache
+
+    # ---- any thread -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def submit(self, req: GenRequest) -> None:
+        with self._cond:
+            self._waiting.append(req)
+            self.counters.requests += 1
+            self._cond.notify()
+
+    def free_pages(self) -> int:
+        return int(self._free_pages(self.engine.kv))
+
+    def stats(self) -> dict[str, int | float]:
+        """A snapshot of the counters and the KV page accounting (pages derived from live sequence lengths)."""
+        with self._cond:
+            c = self.counters
+            lengths = [self.engine._live.get(r.seq, 0) for r in self._active if r.seq is not None]
+            prefix = [len(t) for t in self._prefixes.values()]
+            return {
+                "steps": c.steps, "batched_steps": c.batched_steps, "max_batch_seen": c.max_batch_seen,
+                "prefill_calls": c.prefill_calls, "tokens": c.tokens, "prompt_tokens": c.prompt_tokens,
+                "requests": c.requests, "finished": c.finished, "cancelled": c.cancelled, "failed": c.failed,
+                "prefix_hits": c.prefix_hits, "prefix_tokens_reused": c.prefix_tokens_reused,
+                "running": len(self._active), "waiting": len(self._waiting),
+                "kv_pages_used": sum(-(-n // self.page_size) for n in lengths),
+                "kv_prefix_pages": sum(-(-n // self.page_size) for n in prefix),
+                "kv_pages_total": self.total_pages, "kv_pages_free": self._free, "page_size": self.page_size,
+            }
+
+    # ---- the scheduler thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._waiting and not self._active:
+                    self._cond.wait()
+                if self._stop:
+                    break
+            try:
+                self._step()
+            except Exception as e:  # a step that fails must not take the server down: fail who was in it
+                log.exception("scheduler: a step failed")
+                for r in list(self._active):
+                    self._finish(r, error=f"generation failed: {e}")
+        for r in list(self._active) + list(self._waiting):
+            self._finish(r, error="the server is shutting down")
+
+    def _step(self) -> None:
+        self._admit()
+        for r in [r for r in self._active if r.cancelled.is_set()]:
+            self.counters.cancelled += 1
+            self._finish(r, reason=None)
+        self._prefill_step()
+        self._decode_step()
+        self._free = self.free_pages()
+
+    def _admit(self) -> None:
+        while len(self._active) < self.max_batch:
+            with self._cond:
+                if not self._waiting:
+                    return
+                r = self._waiting.popleft()
+            if r.cancelled.is_set():
+                self.counters.cancelled += 1
+                self._emit(r, Event("done", r.index, finish_reason=None))
+                continue
+            r.sampler = Sampler(r.params)
+            r.decoder = StreamDecoder(self.engine.tokenizer, strip_leading_space=False)
+            self._start_sequence(r)
+            with self._cond:
+                self._active.append(r)
+
+    def _start_sequence(self, r: GenRequest) -> None:
+        """A new sequence for r, forked from the cached prompt sharing the longest prefix with it when that is long."""
+        best, best_len = None, 0
+        for sid, toks in self._prefixes.items():
+            n = _common_prefix(toks, r.prompt)
+            if n > best_len:
+                best, best_len = sid, n
+        best_len = min(best_len, len(r.prompt) - 1)  # at least one token is prefilled: its logits are the first
+        if best is None or best_len < self.page_size:
+            r.seq = self.engine.add_sequence()
+            return
+        self._prefixes.move_to_end(best)
+        r.seq = self._fork_seq(best, best_len)
+        r.pos = best_len
+        self.counters.prefix_hits += 1
+        self.counters.prefix_tokens_reused += best_len
+
+    def _fork_seq(self, parent: int, pos: int) -> int:
+        # The Engine has no fork yet: this mirrors add_sequence's bookkeeping (its live table, its id counter).
+        eng = self.engine
+        child, eng._next_id = eng._next_id, eng._next_id + 1
+        self._fork(eng.kv, parent, child, pos)
+        eng._live[child] = pos
+        return child
+
+    def _remember_prefix(self, r: GenRequest) -> None:
+        if not self.prefix_slots or len(r.prompt) < self.page_size:
+            return
+        key = tuple(r.prompt)
+        if key in self._prefixes.values():
+            return
+        if len(self._prefixes) >= self.prefix_slots:
+            old, _ = self._prefixes.popitem(last=False)
+            self.engine.remove_sequence(old)
+        self._prefixes[self._fork_seq(r.seq, len(r.prompt))] = key
+
+    def _prefill_step(self) -> None:
+        budget = self.engine.options.prefill_chunk
+        batch: list[tuple[GenRequest, list[int]]] = []
+        for r in self._active:
+            if r.pos < len(r.prompt) and budget > 0:
+                take = r.prompt[r.pos:r.pos + budget]
+                batch.append((r, take))
+                budget -= len(take)
+        if not batch:
+            return
+        logits = self.engine.prefill([r.seq for r, _ in batch], [t for _, t in batch])
+        self.counters.prefill_calls += 1
+        for (r, take), row in zip(batch, logits, strict=True):
+            r.pos += len(take)
+            if r.pos == len(r.prompt):
+                self.counters.prompt_tokens += len(r.prompt)
+                self._remember_prefix(r)
+                self.counters.ttft = self.counters.ttft[-9_999:] + [time.perf_counter() - r.submitted]
+                self._on_logits(r, row)
+
+    def _decode_step(self) -> None:
+        ready = [r for r in self._active if r.pending is not None]
+        if not ready:
+            return
+        logits = self.engine.decode([r.seq for r in ready], [r.pending for r in ready])
+        c = self.counters
+        c.steps += 1
+        c.batched_steps += len(ready) >= 2
+        c.max_batch_seen = max(c.max_batch_seen, len(ready))
+        for r, row in zip(ready, logits, strict=True):
+            r.pending = None
+            self._on_logits(r, row)
+
+    def _on_logits(self, r: GenRequest, row: np.ndarray) -> None:
+        """Sample r's next token from its logits row and stream it; finish r on an end token, a stop or the limit."""
+        if r.cancelled.is_set():
+            return
+        token = r.sampler.sample(row, r.generated)  # penalties over generated tokens only, as OpenAI defines them
+        if self.engine.tokenizer.is_eog(token) or token in r.params.stop_token_ids:
+            r.text += r.decoder.flush()
+            self._flush_text(r, final=True)
+            self._finish(r, reason="stop")
+            return
+        r.generated.append(token)
+        self.counters.tokens += 1
+        lp = logprobs(row, token, r.top_logprobs) if r.top_logprobs is not None else None
+        r.text += r.decoder.feed(token)
+        at_limit = len(r.generated) >= r.params.max_tokens
+        if at_limit:
+            r.text += r.decoder.flush()
+        stop = self._flush_text(r, final=at_limit, token=token, lp=lp)
+        if stop is not None:
+            self._finish(r, reason="stop", stop_string=stop)
+        elif at_limit:
+            self._finish(r, reason="length")
+        else:
+            r.pending = token
+
+    def _flush_text(self, r: GenRequest, *, final: bool, token: int = -1,
+                    lp: TokenLogprobs | None = None) -> str | None:
+        """Stream r's text up to a stop string (returned) or up to what could still grow into one."""
+        where, safe = find_stop(r.text, r.params.stop)
+        end = where if where is not None else (len(r.text) if final else safe)
+        if token >= 0 or end > r.emitted:
+            self._emit(r, Event("delta", r.index, text=r.text[r.emitted:end], token=token, logprob=lp))
+            r.emitted = max(r.emitted, end)
+        if where is None:
+            return None
+        return min((s for s in r.params.stop if r.text.find(s) == where), key=len)
+
+    def _finish(self, r: GenRequest, *, reason: str | None = None, stop_string: str | None = None,
+                error: str | None = None) -> None:
+        if r.seq is not None and r.seq in self.engine._live:
+            try:
+                self.engine.remove_sequence(r.seq)
+            except EngineError:
+                log.exception("scheduler: freeing sequence %s failed", r.seq)
+        r.seq = None
+        with self._cond:
+            if r in self._active:
+                self._active.remove(r)
+        if error is not None:
+            self.counters.failed += 1
+            self._emit(r, Event("error", r.index, text=error))
+            return
+        self.counters.finished += reason is not None
+        self._emit(r, Event("done", r.index, finish_reason=reason, stop_string=stop_string,
+                            prompt_tokens=len(r.prompt), completion_tokens=len(r.generated)))
+
+    @staticmethod
+    def _emit(r: GenRequest, event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the server's loop is closed: nobody is listening any more
+            r.loop.call_soon_threadsafe(r.queue.put_nowait, event)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n

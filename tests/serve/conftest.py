@@ -1,0 +1,97 @@
+"""A real server process on 127.0.0.1 (a free port), serving SmolLM2's CPU artifact, shared by the serve tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+API_KEY = "test-key"
+
+
+@dataclass
+class Server:
+    url: str  # http://127.0.0.1:PORT
+    model: str
+    proc: subprocess.Popen
+
+    def get(self, path: str) -> dict | str:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            body = r.read().decode()
+        return json.loads(body) if path != "/metrics" else body
+
+    def stats(self) -> dict:
+        return self.get("/health")["scheduler"]
+
+    def wait_idle(self, timeout: float = 60.0) -> dict:
+        """The scheduler's stats once nothing runs or waits (bounded wait: the step loop frees within a step)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if (s["running"] == 0 and s["waiting"] == 0) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def smol_artifact(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from luce_compile.build.compile import compile_model
+
+    return compile_model(smollm2_path, "cpu", tmp_path_factory.mktemp("serve") / "smol.cpu")  # cached after once
+
+
+@pytest.fixture(scope="session")
+def server(smol_artifact: Path) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "luce_compile.cli", "serve", str(smol_artifact), "--port", str(port),
+           "--api-key", API_KEY, "--max-batch", "8", "--ctx", "512"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                model = json.loads(urllib.request.urlopen(url + "/health", timeout=2).read())["model"]
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield Server(url, model, proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def oai(server: Server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def claude(server: Server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
