@@ -7,6 +7,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+COUNT = [{"role": "user", "content": "Count from 1 to 20."}]
 
 
 def test_models_and_health(server, oai):
@@ -42,12 +43,12 @@ def test_chat_stream_matches_non_stream(server, oai):
 
 
 def test_length_and_stop(server, oai):
-    long = oai.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Count from 1 to 20."}],
+    long = oai.chat.completions.create(model=server.model, messages=COUNT,
                                        max_tokens=40, temperature=0)
     text = long.choices[0].message.content
     assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == 40
     stop = text[len(text) // 2:][:3].strip() or text[5:8]
-    cut = oai.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Count from 1 to 20."}],
+    cut = oai.chat.completions.create(model=server.model, messages=COUNT,
                                       max_tokens=40, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[:text.index(stop)]

@@ -18,7 +18,8 @@ MAX_N = 8  # choices per request: each one is a live sequence
 
 # API parameters we know but do not implement: refused with 400 and the parameter's name rather than ignored
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix",
-               "echo", "best_of", "parallel_tool_calls", "audio", "modalities", "prediction", "thinking")
+               "echo", "best_of", "parallel_tool_calls", "audio", "modalities", "prediction", "thinking",
+               "container", "output_config")
 
 
 class ApiError(Exception):
@@ -126,6 +127,8 @@ class CountTokensRequest(_Strict):
     tools: Any = None
     tool_choice: Any = None
     thinking: Any = None
+    container: Any = None
+    output_config: Any = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -135,5 +138,13 @@ class MessagesRequest(CountTokensRequest):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     stream: bool = False
+    # the current Anthropic API has no temperature/top_p/top_k (older clients send them; they are served); these
+    # request options change nothing about the text, so they are accepted and ignored
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    cache_control: Any = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    diagnostics: Any = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
