@@ -20,7 +20,6 @@ that travels is capped at 64 MiB (a SmolLM2-135M-shape artifact's weights are ~1
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -101,13 +100,10 @@ def make_bundle(bundle: Path) -> None:
 def _load_runtime() -> None:
     """TVM's runtime only (never the compiler), with the CUDA device API registered."""
     os.environ["TVM_USE_RUNTIME_LIB"] = "1"
-    import tvm
-    import tvm_ffi
+    from luce_runtime.engine import load_device_api
 
-    lib = Path(tvm.__file__).parent / "lib"
-    ctypes.CDLL(str(lib / "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
-    if tvm_ffi.get_global_func("device_api.cuda", allow_missing=True) is None:
-        ctypes.CDLL(str(lib / "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_GLOBAL)
+    if not load_device_api("cuda"):
+        raise SystemExit("device_check: the CUDA device API did not load (no driver, or TVM's CUDA runtime missing)")
 
 
 def rebuild_weights(artifact: Path, gguf_path: Path) -> dict:

@@ -140,9 +140,11 @@ def _weights(gguf: GGUFFile, params: list[tuple[str, tuple[int, ...], str]]) -> 
             raw = gguf.raw(tensor)
             planes_of[tensor] = repack(raw.reshape(-1, raw.shape[-1]), info.ggml_type)
         array = planes_of[tensor][plane].reshape(shape)
-        if str(array.dtype) != dtype and not (dtype == "uint16" and array.dtype == np.uint16):
-            raise AssertionError(f"plane {name} is {array.dtype}, the kernel expects {dtype}")
         info = gguf.tensor(tensor)
+        if info.ggml_type.name == "BF16" and len(info.shape) == 1:  # widened to F32 (lower/relax_model.weight_specs)
+            array = (array.astype(np.uint32) << 16).view(np.float32)
+        if str(array.dtype) != dtype:
+            raise AssertionError(f"plane {name} is {array.dtype}, the kernel expects {dtype}")
         yield name, array, {"source_tensor": tensor, "ggml_type": info.ggml_type.name, "plane": plane}
 
 

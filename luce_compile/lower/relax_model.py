@@ -46,9 +46,11 @@ class LowerOptions:
 def weight_specs(info: TensorInfo) -> dict[str, tuple[tuple[int, ...], str]]:
     """The parameters one GGUF tensor becomes: the planes of a matrix, or a 1-D vector (norms, biases) as is."""
     if len(info.shape) == 1:
-        (shape, dtype), = plane_specs(info.ggml_type, 1, info.shape[0]).values()
-        if len(plane_specs(info.ggml_type, 1, info.shape[0])) != 1:
-            raise UnsupportedError(f"lower: 1-D tensor {info.name} is {info.ggml_type.name}; vectors must be F32/F16.")
+        if info.ggml_type.name not in ("F32", "F16", "BF16"):
+            raise UnsupportedError(f"lower: 1-D tensor {info.name} is {info.ggml_type.name}; norm and bias vectors "
+                                   "must be F32, F16 or BF16 (re-export the model with llama.cpp's converter).")
+        # BF16 vectors are widened to F32 when repacked (exact): the graph uses them as activation-dtype values
+        dtype = {"F32": "float32", "F16": "float16", "BF16": "float32"}[info.ggml_type.name]
         return {"w": (info.shape, dtype)}
     return plane_specs(info.ggml_type, *info.shape)
 

@@ -11,6 +11,7 @@ are TVM's own (Relax VM, TIRPagedKVCache); their signatures are the artifact's c
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -28,7 +29,7 @@ import tvm_ffi  # noqa: E402
 from tvm.runtime import vm as tvm_vm  # noqa: E402
 
 from luce_runtime.artifact import Artifact, load_artifact  # noqa: E402
-from luce_runtime.errors import LuceError  # noqa: E402
+from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
 from luce_runtime.sampler import Sampler, SamplingParams  # noqa: E402
 from luce_runtime.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
 
@@ -47,6 +48,22 @@ class EngineOptions:
     page_size: int = 16  # tokens per KV page
 
 
+def load_device_api(kind: str) -> bool:
+    """Register a GPU device API with the runtime-only TVM (its CUDA part is a separate library, loaded on demand).
+
+    libtvm_runtime.so goes in first with RTLD_GLOBAL: kernels with parallel loops or workspaces segfault without it
+    (tvm-0.27 notes). Returns whether the device API is available afterwards."""
+    if kind == "llvm" or tvm.runtime.enabled(kind):
+        return True
+    lib = Path(tvm.__file__).parent / "lib"
+    try:
+        ctypes.CDLL(str(lib / "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(lib / f"libtvm_runtime_{kind}.so"), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        log.info("no %s device API: %s", kind, e)
+    return tvm.runtime.enabled(kind)
+
+
 def _kv_builtin(name: str):
     return tvm_ffi.get_global_func(f"vm.builtin.{name}")
 
@@ -59,7 +76,16 @@ class Engine:
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact, verify=verify)
         manifest = self.artifact.manifest
         self.config = self.artifact.config
-        self.device = tvm.cpu(0) if manifest["target"]["kind"] == "llvm" else tvm.device(manifest["target"]["kind"], 0)
+        kind = manifest["target"]["kind"]
+        if not load_device_api(kind):
+            raise ArtifactError(f"engine: {self.artifact.root} was compiled for {manifest['target']['name']} "
+                                f"({kind}), which this TVM runtime cannot drive here; run it on that GPU, or "
+                                "recompile for this machine with `luce-compile compile MODEL --target cpu`.")
+        missing = {"create_kv_cache", "prefill", "decode", "decode1"} - set(manifest["kernels"].get("functions", ()))
+        if missing:
+            raise ArtifactError(f"engine: {self.artifact.root} lacks the functions {sorted(missing)} this runtime "
+                                "calls (built by an older luce-compile); recompile it with `luce-compile compile`.")
+        self.device = tvm.cpu(0) if kind == "llvm" else tvm.device(kind, 0)
         self.tokenizer = Tokenizer.from_metadata(self.artifact.tokenizer_metadata())
         self.max_context = options.max_context or min(int(self.config["n_ctx_train"]), 4096)
         self.options = options
@@ -176,10 +202,13 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[int]:
         """Stream generated token ids until max_tokens, an end-of-generation token, or a stop string."""
         params = params or SamplingParams()
-        if params.max_tokens <= 0:
-            raise EngineError(f"engine: max_tokens must be positive, got {params.max_tokens}.")
-        if len(prompt_ids) + params.max_tokens > self.max_context:
-            raise EngineError(f"engine: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+        # None: until a stop, or until the context is full
+        limit = params.max_tokens if params.max_tokens is not None else self.max_context - len(prompt_ids)
+        if limit <= 0:
+            raise EngineError(f"engine: max_tokens must be positive, got {params.max_tokens} (prompt of "
+                              f"{len(prompt_ids)} tokens, context {self.max_context}).")
+        if len(prompt_ids) + limit > self.max_context:
+            raise EngineError(f"engine: prompt ({len(prompt_ids)} tokens) + max_tokens ({limit}) "
                               f"exceeds the context of {self.max_context} tokens; shorten one of them.")
         sampler = Sampler(params)
         stop_ids = set(params.stop_token_ids or ()) | set(self.tokenizer.eos_ids)
@@ -189,7 +218,7 @@ class Engine:
             logits = self.prefill([seq], [history])[0]
             text = StreamDecoder(self.tokenizer)
             produced = ""
-            for _ in range(params.max_tokens):
+            for _ in range(limit):
                 token = sampler.sample(logits, history)
                 if token in stop_ids:
                     return
