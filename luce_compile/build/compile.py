@@ -74,6 +74,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     built = _build(gguf, graph, info, gguf_sha, say)
     if use_cache:
         _copy_tree(built, cached)
+        _prune(cached.parent, keep=KEEP_CACHED)
     _copy_tree(built, out_dir)
     shutil.rmtree(built.parent, ignore_errors=True)
     return out_dir
@@ -152,6 +153,16 @@ def _tokenizer_metadata(gguf: GGUFFile) -> dict:
     # llama.cpp sets some special-token attributes by model name, so the name travels with the tokenizer keys
     return {k: v for k, v in gguf.metadata.items()
             if k.startswith("tokenizer.") or k in ("general.name", "general.architecture")}
+
+
+KEEP_CACHED = 24  # artifacts kept in the build cache (each is roughly the size of its GGUF)
+
+
+def _prune(folder: Path, keep: int) -> None:
+    """Drop all but the `keep` most recently written cached builds."""
+    entries = sorted((p for p in folder.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _copy_tree(src: Path, dst: Path) -> None:
