@@ -1,0 +1,95 @@
+"""The scheduler in-process on SmolLM2's CPU artifact: chunked prefill interleaved with running decodes, and
+prompt-prefix reuse by forked KV sequences, each checked against the same request run alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+# the runtime is imported inside the tests: smol_artifact compiles first, and the compiler needs TVM's full library
+# (importing the engine first would load only TVM's runtime library in this process)
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 16  # small prefill chunks so a ~100-token prompt takes several steps
+
+
+@pytest.fixture(scope="module")
+def make_scheduler(smol_artifact):
+    """Schedulers over fresh engines on the artifact (prefix_cache: cached prompts), stopped after the module."""
+    from luce_runtime.engine import Engine, EngineOptions
+    from luce_runtime.serve.scheduler import Scheduler
+
+    made = []
+
+    def make(prefix_cache: int):
+        engine = Engine(smol_artifact, EngineOptions(max_batch=4 + prefix_cache, max_context=256,
+                                                     prefill_chunk=CHUNK))
+        made.append(Scheduler(engine, max_batch=4, prefix_cache=prefix_cache))
+        made[-1].start()
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+async def _generate(s, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from luce_runtime.sampler import SamplingParams
+    from luce_runtime.serve.scheduler import GenRequest
+
+    loop, outs = asyncio.get_running_loop(), []
+    queues = []
+    for p in prompts:
+        q: asyncio.Queue = asyncio.Queue()
+        s.submit(GenRequest(p, SamplingParams(temperature=0, max_tokens=max_tokens), q, loop))
+        queues.append(q)
+    for q in queues:
+        tokens = []
+        while (ev := await asyncio.wait_for(q.get(), 120)).kind == "delta":
+            tokens.append(ev.token)
+        assert ev.kind == "done" and ev.completion_tokens == len(tokens)
+        outs.append(tokens)
+    return outs
+
+
+def run(s, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return asyncio.run(_generate(s, prompts, max_tokens))
+
+
+def test_chunked_prefill_does_not_stall_a_running_stream(make_scheduler):
+    scheduler = make_scheduler(prefix_cache=0)  # a cached prompt would skip the chunks this test counts
+    tok = scheduler.engine.tokenizer
+    short = tok.encode("The capital of France is")
+    long = tok.encode("Here is a long list of animals: " + ", ".join(["cat", "dog", "horse", "cow"] * 25) + ".")
+    assert len(long) > 6 * CHUNK
+    alone = run(scheduler, [short], 24) + run(scheduler, [long], 8)
+    before = dict(scheduler.stats())
+    together = run(scheduler, [short, long], 24)
+    after = scheduler.stats()
+    assert together[0] == alone[0] and together[1][:8] == alone[1]
+    # the long prompt went in ≥ 6 chunks while the short one decoded: steps with both a chunk and a decode
+    assert after["prefill_calls"] - before["prefill_calls"] >= 6
+    assert after["batched_steps"] > before["batched_steps"]
+    assert after["kv_pages_used"] == 0
+
+
+def test_prefix_reuse_forks_the_shared_system_prompt(make_scheduler):
+    scheduler = make_scheduler(prefix_cache=2)
+    tok = scheduler.engine.tokenizer
+    system = tok.encode("You are a terse assistant. Answer every question with one short sentence and nothing "
+                        "more, no greetings, no lists. ")
+    q1 = system + tok.encode("Question: what is water made of? Answer:", add_special=False)
+    q2 = system + tok.encode("Question: what colour is the sky? Answer:", add_special=False)
+    before = dict(scheduler.stats())
+    first = run(scheduler, [q1], 10)
+    second = run(scheduler, [q2], 10)
+    after = scheduler.stats()
+    assert after["prefix_hits"] - before["prefix_hits"] >= 1
+    assert after["prefix_tokens_reused"] - before["prefix_tokens_reused"] >= len(system) - 2
+    # the same prompts on a scheduler without a prefix cache give the same tokens
+    plain = make_scheduler(prefix_cache=0)
+    assert run(plain, [q1], 10) == first and run(plain, [q2], 10) == second
+    assert plain.stats()["prefix_hits"] == 0
+    assert scheduler.stats()["kv_pages_used"] == 0
