@@ -260,8 +260,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from luce_runtime.serve import ServeOptions, serve
-
     path = Path(args.artifact)
     if not ((path / "manifest.json").is_file() or (path.is_file() and path.suffix != ".gguf")):
         from luce_compile.build.compile import compile_model  # a GGUF (or model name): compile through the cache
@@ -269,6 +267,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         gguf = resolve_model(args.artifact)
         path = compile_model(gguf, args.target, cache_dir() / "serve" / f"{gguf.stem}.{args.target}")
+    from luce_runtime.serve import ServeOptions, serve  # after compiling: the runtime loads TVM's runtime library only
+
     print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     serve(ServeOptions(artifact=path, host=args.host, port=args.port, api_key=args.api_key,
                        max_batch=args.max_batch, max_context=args.ctx, prefix_cache=args.prefix_cache))
