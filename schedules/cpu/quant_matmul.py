@@ -22,18 +22,14 @@ luce_compile/tune searches per target.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+from luce_schedules.knobs import KnobbedRule, Knobs, fit
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-from luce_compile.errors import UnsupportedError
-
 log = logging.getLogger(__name__)
-Knobs = Mapping[str, int]
 
 
 @dataclass(frozen=True)
@@ -104,27 +100,10 @@ def _const(value: tirx.Expr) -> int | tirx.Expr:
     return int(value) if isinstance(value, tirx.IntImm) else value
 
 
-def _fit(extent: int, want: int) -> int:
-    """The largest divisor of `extent` not above `want` (so splits need no bounds checks)."""
-    return max(d for d in range(1, min(extent, max(want, 1)) + 1) if extent % d == 0)
 
 
-class _QuantMatmulRule(ScheduleRule):
-    """Shared guard clauses and knob handling; subclasses say which batch they take and how to schedule."""
-
-    name: ClassVar[str]
-    DEFAULTS: ClassVar[dict[str, int]]
-    SPACE: ClassVar[dict[str, tuple[int, ...]]]
-
-    def knobs(self, knobs: Knobs | bool | None = None) -> dict[str, int]:
-        """DEFAULTS overridden by `knobs` (a bool is dlight's `tunable` flag and means defaults)."""
-        given = dict(knobs) if isinstance(knobs, Mapping) else {}
-        unknown = set(given) - set(self.DEFAULTS)
-        if unknown:
-            raise UnsupportedError(
-                f"schedules: {self.name} has no knob(s) {sorted(unknown)}; its knobs are {sorted(self.DEFAULTS)}"
-            )
-        return self.DEFAULTS | given
+class _QuantMatmulRule(KnobbedRule):
+    """Shared guard clauses; subclasses say which batch they take and how to schedule."""
 
     def takes_batch(self, batch: int | tirx.Expr) -> bool:
         raise NotImplementedError
@@ -170,12 +149,12 @@ class QuantGEMV(_QuantMatmulRule):
         return isinstance(batch, int) and batch == 1
 
     def schedule(self, sch: s_tir.Schedule, blocks: MatmulBlocks, knobs: dict[str, int]) -> None:
-        vector = _fit(blocks.n_in, knobs["vector"])
-        rows = _fit(blocks.n_out, knobs["rows"])
-        unroll = _fit(blocks.n_in // vector, knobs["unroll"])
+        vector = fit(blocks.n_in, knobs["vector"])
+        rows = fit(blocks.n_out, knobs["rows"])
+        unroll = fit(blocks.n_in // vector, knobs["unroll"])
         if blocks.dequant is not None:
             sch.compute_inline(blocks.dequant)
-        chunk = _fit(blocks.n_out // rows, knobs["chunk"])
+        chunk = fit(blocks.n_out // rows, knobs["chunk"])
         rf = _split_k_lanes(sch, blocks.matmul, vector)
         b, n, k, lanes = sch.get_loops(rf)
         n_tasks, n_groups, n_rows = sch.split(n, [None, chunk, rows])
@@ -209,9 +188,9 @@ class QuantGEMM(_QuantMatmulRule):
         return not isinstance(batch, int) or batch > 1
 
     def schedule(self, sch: s_tir.Schedule, blocks: MatmulBlocks, knobs: dict[str, int]) -> None:
-        vector = _fit(blocks.n_in, knobs["vector"])
-        rows = _fit(blocks.n_out, knobs["rows"])
-        unroll = _fit(blocks.n_in // vector, knobs["unroll"])
+        vector = fit(blocks.n_in, knobs["vector"])
+        rows = fit(blocks.n_out, knobs["rows"])
+        unroll = fit(blocks.n_in // vector, knobs["unroll"])
         tile = max(1, knobs["batch_tile"])
         x_pad, out = _pad_batch(sch, blocks, tile)
         rf = _split_k_lanes(sch, blocks.matmul, vector)

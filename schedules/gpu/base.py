@@ -4,24 +4,15 @@ refusal into "not my function" (dlight's contract) instead of a crashed build.""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import ClassVar
 
+from luce_schedules.knobs import KnobbedRule, Knobs, fit  # noqa: F401  (fit is re-exported for the GPU rules)
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-from luce_compile.errors import UnsupportedError
 from luce_compile.targets import facts_for
 
 log = logging.getLogger(__name__)
-Knobs = Mapping[str, int]
 GPU_KINDS = ("cuda", "rocm")
-
-
-def fit(extent: int, want: int) -> int:
-    """The largest divisor of `extent` not above `want` (a split by it needs no bounds check)."""
-    return max(d for d in range(1, min(extent, max(want, 1)) + 1) if extent % d == 0)
 
 
 def max_threads(target: Target) -> int:
@@ -37,21 +28,8 @@ def sm_count(target: Target, default: int = 64) -> int:
     return int(facts_for(target).get("sm_count", default))
 
 
-class GPURule(ScheduleRule):
-    """A dlight ScheduleRule with named knobs; subclasses implement `schedule` (None = not my function)."""
-
-    name: ClassVar[str]
-    DEFAULTS: ClassVar[dict[str, int]]
-    SPACE: ClassVar[dict[str, tuple[int, ...]]]
-
-    def knobs(self, knobs: Knobs | bool | None = None) -> dict[str, int]:
-        """DEFAULTS overridden by `knobs` (a bool is dlight's `tunable` flag and means defaults)."""
-        given = dict(knobs) if isinstance(knobs, Mapping) else {}
-        unknown = set(given) - set(self.DEFAULTS)
-        if unknown:
-            raise UnsupportedError(f"schedules: {self.name} has no knob(s) {sorted(unknown)}; "
-                                   f"its knobs are {sorted(self.DEFAULTS)}")
-        return self.DEFAULTS | given
+class GPURule(KnobbedRule):
+    """A knobbed dlight rule for GPU targets; subclasses implement `schedule` (None = not my function)."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, knobs: Knobs | bool | None = None) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or target.kind.name not in GPU_KINDS:
