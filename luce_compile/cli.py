@@ -122,8 +122,28 @@ def prompt_ids(tok, text: str, chat: bool) -> list[int]:
     return encode_chat(tok, [{"role": "user", "content": text}])
 
 
+def print_generation(tok, ids: list[int], tokens, as_json: bool, label: str) -> int:
+    """Stream tokens as text (valid UTF-8 at every step), or print {"prompt_ids", "ids", "text"} with --json."""
+    from luce_runtime.tokenizer import StreamDecoder
+
+    start, out = time.perf_counter(), []
+    stream = StreamDecoder(tok, strip_leading_space=False)
+    for token in tokens:
+        out.append(token)
+        if not as_json:
+            print(stream.feed(token), end="", flush=True)
+    elapsed = time.perf_counter() - start
+    if as_json:
+        print(json.dumps({"prompt_ids": ids, "ids": out, "text": tok.decode(out, strip_leading_space=False)}))
+    else:
+        print(stream.flush())
+        print(f"[{label}: {len(ids)} prompt + {len(out)} generated tokens in {elapsed:.2f} s, "
+              f"{len(out) / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from luce_runtime.tokenizer import StreamDecoder, Tokenizer
+    from luce_runtime.tokenizer import Tokenizer
 
     from luce_compile.gguf.reader import read_gguf
     from luce_compile.graph.oracle import Oracle
@@ -134,20 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = Tokenizer.from_metadata(gguf.metadata)
     ids = prompt_ids(tok, args.prompt, args.chat)
     oracle = Oracle(gguf)
-    start = time.perf_counter()
-    out: list[int] = []
-    stream = StreamDecoder(tok, strip_leading_space=False)
-    for token in oracle.generate(ids, args.n, stop_ids=tok.eos_ids):
-        out.append(token)
-        if not args.json:
-            print(stream.feed(token), end="", flush=True)
-    elapsed = time.perf_counter() - start
-    if args.json:
-        print(json.dumps({"prompt_ids": ids, "ids": out, "text": tok.decode(out, strip_leading_space=False)}))
-    else:
-        print(stream.flush())
-        print(f"[oracle: {len(ids)} prompt + {len(out)} generated tokens in {elapsed:.1f} s]", file=sys.stderr)
-    return 0
+    return print_generation(tok, ids, oracle.stream_greedy(ids, args.n, stop_ids=tok.eos_ids), args.json, "oracle")
 
 
 def cmd_targets(args: argparse.Namespace) -> int:
@@ -196,26 +203,12 @@ def sampling_params(args: argparse.Namespace):
 
 def cmd_run(args: argparse.Namespace) -> int:
     from luce_runtime.engine import Engine, EngineOptions
-    from luce_runtime.tokenizer import StreamDecoder
 
     params = sampling_params(args)
     engine = Engine(args.artifact, EngineOptions(max_batch=1, max_context=args.ctx))
     tok = engine.tokenizer
     ids = prompt_ids(tok, args.prompt, args.chat)
-    start, out = time.perf_counter(), []
-    stream = StreamDecoder(tok, strip_leading_space=False)
-    for token in engine.generate(ids, params):
-        out.append(token)
-        if not args.json:
-            print(stream.feed(token), end="", flush=True)
-    elapsed = time.perf_counter() - start
-    if args.json:
-        print(json.dumps({"prompt_ids": ids, "ids": out, "text": tok.decode(out, strip_leading_space=False)}))
-    else:
-        print(stream.flush())
-        print(f"[{len(ids)} prompt + {len(out)} generated tokens in {elapsed:.2f} s, "
-              f"{len(out) / elapsed:.1f} tok/s overall]", file=sys.stderr)
-    return 0
+    return print_generation(tok, ids, engine.generate(ids, params), args.json, "runtime")
 
 
 def run_bench(artifact: Path, *, prompt_len: int, gen_len: int, batch: int, repeat: int, threads: int = 0):

@@ -9,6 +9,7 @@ difference a kernel shows against it is the kernel's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -131,6 +132,18 @@ class Oracle:
             if i + 1 < n:
                 logits = self.decode(token)
         return out
+
+    def stream_greedy(self, prompt_ids: list[int], n: int, stop_ids: Iterable[int] = ()) -> Iterator[int]:
+        """Up to n greedy tokens after the prompt, one at a time, ending before a stop token (for the CLI)."""
+        stop = set(stop_ids)
+        logits = self.prefill(prompt_ids)[-1]
+        for i in range(n):
+            token = int(np.argmax(logits))
+            if token in stop:
+                return
+            yield token
+            if i + 1 < n:
+                logits = self.decode(token)
 
     def run(self, tokens: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
         """Every value of one step: tokens, positions (B,S) → {value name: float64 array}. Extends the KV cache."""

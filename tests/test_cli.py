@@ -1,0 +1,56 @@
+"""The CLI as a user runs it: subprocesses of `luce-compile`, their output parsed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+FRANCE = "The capital of France is"
+FRANCE_IDS = [504, 3575, 282, 4649, 314]  # llama.cpp's tokenize of FRANCE for SmolLM2 (references.md)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "luce_compile.cli", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_inspect_json_reports_the_config(smollm2_path):
+    out = cli("inspect", str(smollm2_path), "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["config"]["arch"] == "llama" and info["config"]["n_layer"] == 30
+    assert info["tensors"]["by_type"]["Q4_1"]["tensors"] == 210 and info["tokenizer"]["pre"] == "smollm"
+
+
+@pytest.mark.slow
+def test_tokenize_json_matches_llama_cpp(smollm2_path):
+    out = cli("tokenize", str(smollm2_path), FRANCE, "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == FRANCE_IDS
+
+
+@pytest.mark.slow
+def test_oracle_generate_json_gives_paris(smollm2_path):
+    out = cli("generate", str(smollm2_path), "-p", FRANCE, "-n", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["prompt_ids"] == FRANCE_IDS and result["ids"][0] == 7042 and "Paris" in result["text"]
+
+
+@pytest.mark.unit
+def test_targets_json_is_honest():
+    out = cli("targets", "--json")
+    assert out.returncode == 0, out.stderr
+    status = {row["name"]: row["status"] for row in json.loads(out.stdout)}
+    assert status["cpu"] == "measured" and status["sm_90"] == "measured"
+    assert {status[t] for t in ("sm_86", "sm_120", "gfx1201", "gfx1151")} == {"compiled"}
+
+
+@pytest.mark.unit
+def test_unknown_model_is_one_line_error():
+    out = cli("inspect", "/nonexistent/model.gguf")
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and len(out.stderr.strip().splitlines()) == 1
