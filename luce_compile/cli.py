@@ -342,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1/*")
-    s.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    s.add_argument("--max-batch", type=int, default=0,
+                   help="sequences decoded together (default: as many as a quarter of the free memory holds)")
     s.add_argument("--ctx", type=int, default=0, help="context per sequence (default: model's, ≤ 4096)")
     s.add_argument("--prefix-cache", type=int, default=4, help="cached prompt prefixes (0: no prefix reuse)")
     s.set_defaults(func=cmd_serve)

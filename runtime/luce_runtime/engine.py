@@ -48,6 +48,31 @@ class EngineOptions:
     page_size: int = 16  # tokens per KV page
 
 
+def kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
+    """KV-cache bytes one token takes over all layers: keys and values of every KV head (float32 cache)."""
+    return 2 * int(config["n_layer"]) * int(config["n_head_kv"]) * int(config["head_dim"]) * dtype_bytes
+
+
+def available_memory(kind: str) -> int:
+    """Bytes free for the KV pool: MemAvailable on the host; a GPU's total global memory (weights are small next
+    to it at the sizes served here; the fraction the caller takes leaves room for them)."""
+    if kind == "llvm":
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        raise LuceError("engine: /proc/meminfo has no MemAvailable; pass --max-batch explicitly.")
+    load_device_api(kind)
+    return int(tvm.device(kind, 0).total_global_memory)
+
+
+def max_batch_for_memory(config: dict, kind: str, max_context: int, fraction: float = 0.25) -> int:
+    """How many sequences of max_context tokens the KV pool can hold in `fraction` of the available memory.
+    Every live sequence is given its full context of pages up front, so admission can never run out of pages."""
+    per_seq = kv_bytes_per_token(config) * max_context
+    return max(1, min(256, int(available_memory(kind) * fraction) // per_seq))
+
+
 def load_device_api(kind: str) -> bool:
     """Register a GPU device API with the runtime-only TVM (its CUDA part is a separate library, loaded on demand).
 

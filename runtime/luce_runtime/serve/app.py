@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from luce_runtime.engine import Engine, EngineOptions
+from luce_runtime.artifact import load_artifact
+from luce_runtime.engine import Engine, EngineOptions, kv_bytes_per_token, max_batch_for_memory
 from luce_runtime.errors import LuceError
 from luce_runtime.sampler import SamplingParams, SamplingParamsError
 from luce_runtime.serve.metrics import render_metrics
@@ -42,16 +43,28 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    max_batch: int = 8  # sequences decoded together
+    max_batch: int = 0  # sequences decoded together; 0: as many as a quarter of the free memory holds at max_context
     max_context: int = 0  # 0: the model's training context, capped at 4096 (EngineOptions)
     prefix_cache: int = 4  # cached prompt prefixes (forked KV sequences); 0 turns prefix reuse off
     model_name: str | None = None  # the id clients send; default: the GGUF's file name without .gguf
+
+
+def _max_batch_from_memory(options: ServeOptions) -> int:
+    art = load_artifact(options.artifact, verify=False)  # the Engine verifies it right after
+    config, kind = art.config, art.manifest["target"]["kind"]
+    context = options.max_context or min(int(config["n_ctx_train"]), 4096)
+    batch = min(64, max_batch_for_memory(config, kind, context))
+    log.info("KV pool sized from memory: %d sequences of %d tokens (%.1f MiB per sequence)", batch, context,
+             kv_bytes_per_token(config) * context / 2**20)
+    return batch
 
 
 class Service:
     """The engine, its scheduler and the model id; what every route shares."""
 
     def __init__(self, options: ServeOptions):
+        if not options.max_batch:
+            options = replace(options, max_batch=_max_batch_from_memory(options))
         self.options = options
         # the prefix cache's sequences take Engine slots beyond the decode batch (and their pages in the pool)
         self.engine = Engine(options.artifact, EngineOptions(max_batch=options.max_batch + options.prefix_cache,
