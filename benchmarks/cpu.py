@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
+from report import cpu_table, write_results  # noqa: E402
+
 
 def run_one(engine: str, model: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, TVM_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
@@ -44,27 +46,6 @@ def measure(engine: str, model: str, args: argparse.Namespace) -> dict:
 
     art = compile_model(gguf, "cpu", cache_dir() / "bench" / f"{gguf.stem}.cpu")
     return run_bench(art, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch, repeat=3).to_dict()
-
-
-def table(rows: list[dict], meta: dict) -> str:
-    lines = [f"# CPU: luce-compile vs llama.cpp ({meta['date']})", "",
-             f"{meta['cpu']}, {meta['threads']} threads, load before {meta['load_avg_1m']:.2f}; "
-             f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, untuned), llama-cpp-python {meta['llama_cpp']}; "
-             f"prompt {meta['prompt_len']} tokens, {meta['gen_len']} decode steps.", "",
-             f"Command: `{meta['command']}`", "",
-             "| model | engine | prefill tok/s | decode tok/s (b=1) | decode tok/s (b=B) | TTFT ms | % roofline |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        res = r["result"]
-        if "error" in res:
-            lines.append(f"| {r['model']} | {r['engine']} | error | | | | |")
-            continue
-        roof = res.get("roofline_fraction")
-        batch = f"{res['decode_batch_tok_s']:.1f} (B={res['batch']})" if "decode_batch_tok_s" in res else "n/a"
-        roof_text = f"{100 * roof:.1f}%" if roof is not None else ""
-        lines.append(f"| {r['model']} | {r['engine']} | {res['prefill_tok_s']:.1f} | {res['decode_tok_s']:.1f} | "
-                     f"{batch} | {res['ttft_ms']:.1f} | {roof_text} |")
-    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -92,11 +73,9 @@ def main() -> int:
             "gen_len": args.gen_len, "command": "python benchmarks/cpu.py " + " ".join(sys.argv[1:])}
     rows = [{"model": m, "engine": e, "result": run_one(e, m, args)}
             for m in args.models for e in ("luce-compile", "llama.cpp")]
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"cpu-{meta['date'][:10]}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(table(rows, meta))
-    print(table(rows, meta))
+    markdown = cpu_table(rows, meta)
+    write_results(args.out / f"cpu-{meta['date'][:10]}", {"meta": meta, "rows": rows}, markdown)
+    print(markdown)
     return 0
 
 

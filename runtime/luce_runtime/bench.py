@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -58,18 +58,32 @@ def roofline_tok_s(bandwidth_gb_s: float, bytes_per_token: int) -> float:
     return bandwidth_gb_s * 1e9 / bytes_per_token
 
 
-def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
-    """Median wall time of fn() in seconds, after `warmup` untimed calls."""
+def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median wall time of fn() in seconds, after `warmup` untimed calls (clock: injectable for tests)."""
     if repeat <= 0:
         raise ValueError(f"bench: repeat must be positive, got {repeat}")
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between the closest ranks (numpy's default): p50/p99 latencies."""
+    if not values:
+        raise ValueError("bench: percentile of no values; run at least one request")
+    if not 0 <= q <= 100:
+        raise ValueError(f"bench: percentile must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def host_bandwidth_gb_s(n_bytes: int = 1 << 30, repeat: int = 5) -> float:

@@ -1,0 +1,88 @@
+"""Shared result writing for the benchmark scripts: one JSON document ({"meta", "rows"}) and a markdown table.
+
+Peers (llama.cpp) report timings only; their roofline fraction uses the roofline measured next to luce-compile on
+the same GGUF in the same run (same weights read per token, same machine), so every row of a table has one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OURS = "luce-compile"
+
+
+def write_results(stem: Path, doc: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    """Write stem.json (the document) and stem.md (its table); returns both paths."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    md_path.write_text(markdown)
+    return json_path, md_path
+
+
+def model_rooflines(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """model → roofline tok/s measured by luce-compile's row for it (absent when that row failed)."""
+    return {r["model"]: r["result"]["roofline_tok_s"] for r in rows
+            if r["engine"] == OURS and r["result"].get("roofline_tok_s")}
+
+
+def ours_vs(rows: list[dict[str, Any]], model: str, engine: str, key: str) -> float | None:
+    """luce-compile's `key` over `engine`'s on `model` (None when either is missing)."""
+    def value(name: str) -> float | None:
+        for r in rows:
+            if r["model"] == model and r["engine"] == name and key in r["result"]:
+                return float(r["result"][key])
+        return None
+
+    ours, peer = value(OURS), value(engine)
+    return ours / peer if ours is not None and peer else None
+
+
+def _row(r: dict[str, Any], roofs: dict[str, float], rows: list[dict[str, Any]]) -> str:
+    res = r["result"]
+    if "error" in res:
+        return f"| {r['model']} | {r['engine']} | error | | | | | |"
+    roof = roofs.get(r["model"])
+    roof_text = f"{100 * res['decode_tok_s'] / roof:.1f}%" if roof else ""
+    batch = f"{res['decode_batch_tok_s']:.1f} (B={res['batch']})" if "decode_batch_tok_s" in res else "n/a"
+    ratio = "" if r["engine"] == OURS else _ratio_text(ours_vs(rows, r["model"], r["engine"], "decode_tok_s"))
+    return (f"| {r['model']} | {r['engine']} | {res['prefill_tok_s']:.1f} | {res['decode_tok_s']:.1f} | {batch} | "
+            f"{res['ttft_ms']:.1f} | {roof_text} | {ratio} |")
+
+
+def _ratio_text(ratio: float | None) -> str:
+    return f"{ratio:.2f}×" if ratio is not None else ""
+
+
+def cpu_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The CPU table: one row per (model, engine), with % of roofline and ours/peer decode ratio."""
+    roofs = model_rooflines(rows)
+    lines = [f"# CPU: luce-compile vs llama.cpp ({meta['date']})", "",
+             f"{meta['cpu']}, {meta['threads']} threads, load before {meta['load_avg_1m']:.2f}; "
+             f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, untuned), llama-cpp-python {meta['llama_cpp']}; "
+             f"prompt {meta['prompt_len']} tokens, {meta['gen_len']} decode steps.", "",
+             f"Command: `{meta['command']}`", "",
+             "% roofline: decode tok/s (b=1) over memory bandwidth / weight bytes per token, both measured in this "
+             "run. Ratio: luce-compile decode tok/s over the peer's.", "",
+             "| model | engine | prefill tok/s | decode tok/s (b=1) | decode tok/s (b=B) | TTFT ms | % roofline | "
+             "luce-compile / peer (decode) |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [_row(r, roofs, rows) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Regenerate the markdown next to a results JSON: python benchmarks/report.py benchmarks/results/cpu-DATE.json"""
+    import sys
+
+    paths = [Path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    for path in paths:
+        doc = json.loads(path.read_text())
+        path.with_suffix(".md").write_text(cpu_table(doc["rows"], doc["meta"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

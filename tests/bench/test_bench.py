@@ -1,0 +1,200 @@
+"""The benchmark harness's arithmetic and schema: roofline, medians, weight bytes, BenchResult JSON, the CPU table.
+
+No timing assertions: clocks are fakes, and the one real run (bench_engine on a tiny model) only checks that the
+numbers are positive, finite and carry the documented keys.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from luce_runtime.bench import (
+    SCHEMA_VERSION,
+    BenchResult,
+    median_time,
+    percentile,
+    roofline_tok_s,
+    weight_bytes_per_token,
+)
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_benchmark_module(name: str):
+    """benchmarks/ is a folder of scripts, not a package: load one by path."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def result(**over) -> BenchResult:
+    base = {"name": "luce-compile", "model": "m.gguf", "target": "cpu", "prompt_len": 128, "gen_len": 32, "batch": 4,
+            "prefill_tok_s": 80.0, "decode_tok_s": 25.0, "decode_batch_tok_s": 34.0, "ttft_ms": 1600.0,
+            "weight_bytes_per_token": 100_000_000, "bandwidth_gb_s": 20.0}
+    return BenchResult(**(base | over))
+
+
+@pytest.mark.unit
+def test_roofline_known_numbers():
+    # 20 GB/s over 100 MB a token: 200 tok/s; H200's 4.8 TB/s over SmolLM2's 96,576,768 bytes: ~49.7k tok/s
+    assert roofline_tok_s(20.0, 100_000_000) == pytest.approx(200.0)
+    assert roofline_tok_s(4800.0, 96_576_768) == pytest.approx(49_701.4, rel=1e-5)
+    r = result()
+    assert r.roofline_tok_s == pytest.approx(200.0)
+    assert r.roofline_fraction == pytest.approx(25.0 / 200.0)
+
+
+@pytest.mark.unit
+def test_roofline_rejects_empty_model():
+    with pytest.raises(ValueError, match="bytes per token must be positive"):
+        roofline_tok_s(20.0, 0)
+
+
+class FakeClock:
+    """Each fn() call advances time by the next duration; the clock reads the current time."""
+
+    def __init__(self, durations: list[float]):
+        self.now, self.durations, self.calls = 0.0, list(durations), 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self) -> None:
+        self.calls += 1
+        self.now += self.durations.pop(0)
+
+
+@pytest.mark.unit
+def test_median_time_skips_warmup_and_takes_median():
+    # the warm-up calls (100 s each) must not be timed; the timed ones are 3, 1, 2, 50, 4 → median 3
+    clock = FakeClock([100.0, 100.0, 3.0, 1.0, 2.0, 50.0, 4.0])
+    assert median_time(clock.work, repeat=5, warmup=2, clock=clock) == pytest.approx(3.0)
+    assert clock.calls == 7
+
+
+@pytest.mark.unit
+def test_median_time_even_repeat_and_no_warmup():
+    clock = FakeClock([1.0, 2.0, 10.0, 20.0])
+    assert median_time(clock.work, repeat=4, warmup=0, clock=clock) == pytest.approx(6.0)
+    assert clock.calls == 4
+
+
+@pytest.mark.unit
+def test_median_time_rejects_zero_repeat():
+    with pytest.raises(ValueError, match="repeat must be positive"):
+        median_time(lambda: None, repeat=0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("q", [0, 25, 50, 90, 99, 100])
+def test_percentile_matches_numpy(q):
+    values = [0.31, 0.12, 0.9, 0.45, 0.05, 0.77, 0.2]
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+@pytest.mark.unit
+def test_percentile_errors():
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match=r"\[0, 100\]"):
+        percentile([1.0], 101)
+
+
+PARAMS = [{"source_tensor": "token_embd.weight", "nbytes": 1000},
+          {"source_tensor": "blk.0.attn_q.weight", "nbytes": 200},
+          {"source_tensor": None, "nbytes": 30},  # a derived parameter (e.g. a fused bias) is read too
+          {"source_tensor": "output_norm.weight", "nbytes": 4}]
+
+
+@pytest.mark.unit
+def test_weight_bytes_tied_counts_the_embedding_as_lm_head():
+    assert weight_bytes_per_token(PARAMS, tied_output=True) == 1234
+
+
+@pytest.mark.unit
+def test_weight_bytes_untied_skips_the_embedding_table():
+    untied = [*PARAMS, {"source_tensor": "output.weight", "nbytes": 900}]
+    # decode reads one embedding row (not counted) and the whole separate output matrix
+    assert weight_bytes_per_token(untied, tied_output=False) == 234 + 900
+
+
+@pytest.mark.unit
+def test_bench_result_schema():
+    d = result(extra={"load_avg_1m": 1.5}).to_dict()
+    assert set(d) == {"name", "model", "target", "prompt_len", "gen_len", "batch", "prefill_tok_s", "decode_tok_s",
+                      "decode_batch_tok_s", "ttft_ms", "weight_bytes_per_token", "bandwidth_gb_s", "extra",
+                      "roofline_tok_s", "roofline_fraction", "schema_version"}
+    assert d["schema_version"] == SCHEMA_VERSION == 1
+    assert d["roofline_tok_s"] == 200.0
+    assert d["roofline_fraction"] == 0.125
+    assert d["extra"] == {"load_avg_1m": 1.5}
+
+
+FIXED_DOC = {
+    "meta": {"date": "2026-11-30T03:50:56+00:00", "cpu": "AMD EPYC", "threads": 2, "load_avg_1m": 1.42,
+             "luce_compile": "0.1.0", "tvm": "0.27.0.post1", "llama_cpp": "0.3.36", "prompt_len": 128, "gen_len": 32,
+             "command": "python benchmarks/cpu.py --models smollm2-135m"},
+    "rows": [
+        {"model": "smollm2-135m", "engine": "luce-compile", "result": result(model="smollm2-135m").to_dict()},
+        {"model": "smollm2-135m", "engine": "llama.cpp",
+         "result": {"prefill_tok_s": 160.0, "ttft_ms": 800.0, "decode_tok_s": 50.0, "version": "0.3.36"}},
+        {"model": "gemma3-270m", "engine": "luce-compile", "result": {"error": "Traceback ..."}},
+    ],
+}
+
+
+@pytest.mark.unit
+def test_cpu_table_rows_roofline_and_ratio():
+    report = load_benchmark_module("report")
+    md = report.cpu_table(FIXED_DOC["rows"], FIXED_DOC["meta"])
+    lines = md.splitlines()
+    assert lines[0] == "# CPU: luce-compile vs llama.cpp (2026-11-30T03:50:56+00:00)"
+    assert "AMD EPYC, 2 threads, load before 1.42" in md
+    assert "Command: `python benchmarks/cpu.py --models smollm2-135m`" in md
+    # ours: 25 of a 200 tok/s roofline; llama.cpp at 50 tok/s on the same model/run's roofline: 25%, ours 0.5×
+    assert "| smollm2-135m | luce-compile | 80.0 | 25.0 | 34.0 (B=4) | 1600.0 | 12.5% |  |" in lines
+    assert "| smollm2-135m | llama.cpp | 160.0 | 50.0 | n/a | 800.0 | 25.0% | 0.50× |" in lines
+    assert "| gemma3-270m | luce-compile | error | | | | | |" in lines
+    header = next(line for line in lines if line.startswith("| model"))
+    assert all(line.count("|") == header.count("|") for line in lines if line.startswith("| "))
+
+
+@pytest.mark.unit
+def test_write_results_round_trips(tmp_path):
+    report = load_benchmark_module("report")
+    md = report.cpu_table(FIXED_DOC["rows"], FIXED_DOC["meta"])
+    json_path, md_path = report.write_results(tmp_path / "sub" / "cpu-2026-11-30", FIXED_DOC, md)
+
+
+    assert json.loads(json_path.read_text()) == FIXED_DOC
+    assert md_path.read_text() == md
+    assert report.main([str(json_path)]) == 0
+    assert md_path.read_text() == md
+
+
+@pytest.mark.slow
+def test_bench_engine_on_tiny_artifact(tmp_path):
+    from luce_compile.build.compile import compile_model
+    from luce_compile.synthetic import cached_synthetic
+
+    art = compile_model(cached_synthetic("tiny-llama"), "cpu", tmp_path / "tiny.cpu")  # cached after the first
+    # after compiling: luce_runtime.engine alone would load TVM's runtime-only library and break the compiler's import
+    from luce_runtime.bench import bench_engine
+    from luce_runtime.engine import Engine, EngineOptions
+
+    engine = Engine(art, EngineOptions(max_batch=2, max_context=64, prefill_chunk=16))
+    timings = bench_engine(engine, prompt_len=8, gen_len=4, batch=2, repeat=2)
+    assert set(timings) == {"prefill_tok_s", "ttft_ms", "decode_tok_s", "decode_batch_tok_s"}
+    assert all(math.isfinite(v) and v > 0 for v in timings.values()), timings
+    # the manifest's params give a weight count between the body alone and the body plus the embedding table
+    params = engine.artifact.manifest["weights"]["params"]
+    total = sum(int(p["nbytes"]) for p in params)
+    assert 0 < weight_bytes_per_token(params, bool(engine.config["tied_output"])) <= total
+    r = result(**timings, weight_bytes_per_token=weight_bytes_per_token(params, True), batch=2)
+    assert 0 < r.to_dict()["roofline_fraction"] < math.inf
