@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ def load_benchmark_module(name: str):
     """benchmarks/ is a folder of scripts, not a package: load one by path."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -198,3 +200,20 @@ def test_bench_engine_on_tiny_artifact(tmp_path):
     assert 0 < weight_bytes_per_token(params, bool(engine.config["tied_output"])) <= total
     r = result(**timings, weight_bytes_per_token=weight_bytes_per_token(params, True), batch=2)
     assert 0 < r.to_dict()["roofline_fraction"] < math.inf
+
+
+@pytest.mark.unit
+def test_serve_summary_and_table():
+    serve = load_benchmark_module("serve")
+    timings = [serve.RequestTiming(ttft_s=t, tokens=32, seconds=1.0) for t in (0.1, 0.2, 0.3, 0.4)]
+    ours = serve.summarize("luce-compile", 4, timings, wall_s=2.0)
+    assert ours["aggregate_tok_s"] == pytest.approx(64.0)  # 4 × 32 tokens in 2 s
+    assert ours["ttft_p50_ms"] == pytest.approx(250.0)
+    assert ours["ttft_p99_ms"] == pytest.approx(397.0)
+    peer = serve.summarize("llama.cpp", 4, timings, wall_s=4.0)
+    meta = {"date": "2026-11-30T04:00:00+00:00", "cpu": "AMD EPYC", "threads": 2, "load_avg_1m": 0.5,
+            "model": "m.gguf", "requests": 4, "max_tokens": 32, "prompt_chars": 100, "llama_cpp": "0.3.36",
+            "command": "python benchmarks/serve.py"}
+    lines = serve.serve_table([ours, peer], meta).splitlines()
+    assert "| luce-compile | 4 | 4 | 128 | 64.0 | 250 | 397 |  |" in lines
+    assert "| llama.cpp | 4 | 4 | 128 | 32.0 | 250 | 397 | 2.00× |" in lines
