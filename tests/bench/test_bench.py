@@ -217,3 +217,23 @@ def test_serve_summary_and_table():
     lines = serve.serve_table([ours, peer], meta).splitlines()
     assert "| luce-compile | 4 | 4 | 128 | 64.0 | 250 | 397 |  |" in lines
     assert "| llama.cpp | 4 | 4 | 128 | 32.0 | 250 | 397 | 2.00× |" in lines
+
+
+@pytest.mark.unit
+def test_plot_writes_a_png_per_table(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = load_benchmark_module("plot")
+    (tmp_path / "cpu-2026-11-30.json").write_text(json.dumps(FIXED_DOC))
+    (tmp_path / "h200").mkdir()
+    record = {"spec": {"preset": "smollm2-135m"}, "environment": {"date": "2026-11-30T03:32:43+00:00",
+              "gpu": "NVIDIA H200", "tvm": "0.27.0.post1"},
+              "timing": {"decode": {"tok_s": 519.0}, "prefill": [{"tokens": 512, "tok_s": 17051.0}]}}
+    (tmp_path / "h200" / "2026-11-30-smollm2.json").write_text(json.dumps(record))
+    (tmp_path / "h200" / "2026-11-30-gemv.json").write_text(json.dumps({"ours_Q4_1": {"us": 5.3}}))
+    written = plot.plot_all(tmp_path)
+    assert written == [tmp_path / "cpu-2026-11-30.png", tmp_path / "h200" / "2026-11-30.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+    # the roofline panel: llama.cpp's 50 tok/s over the 200 tok/s roofline luce-compile measured on that model
+    models, series = plot.cpu_series(FIXED_DOC, "decode_tok_s", roofline=True)
+    assert models == ["smollm2-135m", "gemma3-270m"]
+    assert series == {"luce-compile": [12.5, 0.0], "llama.cpp": [25.0, 0.0]}
