@@ -141,6 +141,8 @@ def summarize(server: str, clients: int, timings: list[RequestTiming], wall_s: f
 
 
 def bench_server(server: str, gguf: Path, args: argparse.Namespace, logdir: Path) -> list[dict]:
+    from luce_runtime.bench import machine_load
+
     port = free_port()
     cmd = server_command(server, gguf, port, args.threads, max(args.clients))
     proc = start_server(cmd, port, args.threads, logdir / f"{server}.log")
@@ -150,8 +152,9 @@ def bench_server(server: str, gguf: Path, args: argparse.Namespace, logdir: Path
         asyncio.run(run_level(port, 1, 1, body, "warm"))  # warm-up: first-call allocations, caches, thread pools
         rows = []
         for n in args.clients:
+            load = machine_load()  # a busy 2-core machine stalls llama.cpp's spinning threads: keep it visible
             timings, wall = asyncio.run(run_level(port, n, args.requests, body, f"n{n}"))
-            rows.append(summarize(server, n, timings, wall))
+            rows.append(summarize(server, n, timings, wall) | {"load_avg_1m": load})
             print(f"{server} N={n}: {rows[-1]['aggregate_tok_s']:.1f} tok/s, "
                   f"TTFT p50 {rows[-1]['ttft_p50_ms']:.0f} ms", file=sys.stderr, flush=True)
         return rows
@@ -168,12 +171,13 @@ def serve_table(rows: list[dict], meta: dict) -> str:
              f"{meta['max_tokens']}, {meta['prompt_chars']}-character prompt); llama-cpp-python {meta['llama_cpp']} "
              "serves one request at a time.", "", f"Command: `{meta['command']}`", "",
              "| server | clients | requests | tokens | aggregate tok/s | TTFT p50 ms | TTFT p99 ms | "
-             "luce-compile / peer |", "|---|---|---|---|---|---|---|---|"]
+             "luce-compile / peer | load before |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "" if r["server"] == "luce-compile" or r["clients"] not in ours else \
             f"{ours[r['clients']] / r['aggregate_tok_s']:.2f}×"
         lines.append(f"| {r['server']} | {r['clients']} | {r['requests']} | {r['tokens']} | "
-                     f"{r['aggregate_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {ratio} |")
+                     f"{r['aggregate_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {ratio} | "
+                     f"{r.get('load_avg_1m', float('nan')):.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -185,7 +189,7 @@ def meta_for(args: argparse.Namespace, gguf: Path) -> dict:
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu": platform.processor() or _cpu_name(),
             "threads": args.threads, "load_avg_1m": machine_load(), "model": gguf.name, "requests": args.requests,
             "max_tokens": args.max_tokens, "prompt_chars": len(PROMPT), "clients": args.clients,
-            "llama_cpp": llama_cpp.__version__, "command": "python benchmarks/serve.py " + " ".join(sys.argv[1:])}
+            "llama_cpp": llama_cpp.__version__, "command": " ".join(["python benchmarks/serve.py", *sys.argv[1:]])}
 
 
 def main() -> int:

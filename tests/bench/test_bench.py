@@ -210,13 +210,13 @@ def test_serve_summary_and_table():
     assert ours["aggregate_tok_s"] == pytest.approx(64.0)  # 4 × 32 tokens in 2 s
     assert ours["ttft_p50_ms"] == pytest.approx(250.0)
     assert ours["ttft_p99_ms"] == pytest.approx(397.0)
-    peer = serve.summarize("llama.cpp", 4, timings, wall_s=4.0)
+    peer = serve.summarize("llama.cpp", 4, timings, wall_s=4.0) | {"load_avg_1m": 0.7}
     meta = {"date": "2026-11-30T04:00:00+00:00", "cpu": "AMD EPYC", "threads": 2, "load_avg_1m": 0.5,
             "model": "m.gguf", "requests": 4, "max_tokens": 32, "prompt_chars": 100, "llama_cpp": "0.3.36",
             "command": "python benchmarks/serve.py"}
     lines = serve.serve_table([ours, peer], meta).splitlines()
-    assert "| luce-compile | 4 | 4 | 128 | 64.0 | 250 | 397 |  |" in lines
-    assert "| llama.cpp | 4 | 4 | 128 | 32.0 | 250 | 397 | 2.00× |" in lines
+    assert "| luce-compile | 4 | 4 | 128 | 64.0 | 250 | 397 |  | nan |" in lines
+    assert "| llama.cpp | 4 | 4 | 128 | 32.0 | 250 | 397 | 2.00× | 0.70 |" in lines
 
 
 @pytest.mark.unit
