@@ -9,9 +9,11 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import importlib.util  # noqa: E402
+import secrets  # noqa: E402
 from pathlib import Path
 
-import pytest
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 
 def have_llama_cpp() -> bool:
@@ -33,3 +35,11 @@ def gemma3_path() -> Path:
     from luce_compile.models import fetch
 
     return fetch("gemma3-270m")
+
+
+@pytest.fixture()
+def rng() -> np.random.Generator:
+    """Fresh random inputs each run; the seed is printed (shown when the test fails), LUCE_TEST_SEED replays it."""
+    seed = int(os.environ.get("LUCE_TEST_SEED") or secrets.randbits(32))
+    print(f"LUCE_TEST_SEED={seed}")
+    return np.random.default_rng(seed)

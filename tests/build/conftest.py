@@ -8,13 +8,10 @@ on 2 shared cores). Synthetic GGUFs go to the synthetic cache (their file name h
 from __future__ import annotations
 
 import dataclasses
-import os
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 import tvm  # noqa: F401  (the compiler's TVM first: luce_runtime.engine alone would load the runtime-only library)
 
@@ -97,14 +94,6 @@ def engine_of() -> Callable[..., object]:
         return engines[key]
 
     return get
-
-
-@pytest.fixture()
-def rng() -> np.random.Generator:
-    """Fresh random inputs each run; the seed is printed (shown when the test fails), LUCE_TEST_SEED replays it."""
-    seed = int(os.environ.get("LUCE_TEST_SEED") or secrets.randbits(32))
-    print(f"LUCE_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

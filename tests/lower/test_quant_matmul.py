@@ -23,14 +23,6 @@ FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1":
 FP16_FIELDS |= {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-@pytest.fixture
-def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")  # shown with the failure report; replay with np.random.default_rng(seed)
-    return np.random.default_rng(seed)
-
-
 def random_raw(name: str, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
     """Random raw GGUF rows (uint8, (n_out, row_bytes)) of type `name` with finite, varied fp16 scales."""
     if name in ("F32", "F16", "BF16"):

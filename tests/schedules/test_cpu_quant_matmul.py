@@ -30,14 +30,6 @@ TARGET = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_
 N_OUT, N_IN = 96, 512  # 512: a multiple of every block size (256 for K-quants)
 
 
-@pytest.fixture
-def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")  # shown with the failure report; replay with np.random.default_rng(seed)
-    return np.random.default_rng(seed)
-
-
 @pytest.fixture(scope="session")
 def compiled() -> dict:
     """Compiled kernels by (type, batch, x_dtype, out_dtype, n_out): each is built once per session."""

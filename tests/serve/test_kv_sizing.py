@@ -1,7 +1,6 @@
 """The KV pool's size comes from the free memory when --max-batch is not given."""
 
 import pytest
-
 from luce_runtime.engine import kv_bytes_per_token, max_batch_for_memory
 
 SMOLLM2 = {"n_layer": 30, "n_head_kv": 3, "head_dim": 64}
