@@ -7,9 +7,9 @@ leftmost first among equal ranks. The result for a word depends only on the word
 
 from __future__ import annotations
 
-import heapq
 from functools import cache
 
+from luce_runtime.tokenizer.merge import merge_pairs
 from luce_runtime.tokenizer.pretokenize import split_words
 from luce_runtime.tokenizer.vocab import Vocab
 
@@ -76,28 +76,4 @@ class BPE:
 
     def _merge(self, word: str) -> list[str]:
         ranks = self.vocab.bpe_ranks
-        syms = list(word)
-        n = len(syms)
-        prev = list(range(-1, n - 1))
-        nxt = [*range(1, n), -1]
-        heap: list[tuple[int, int, int, str]] = []
-
-        def push(left: int, right: int) -> None:
-            if left >= 0 and right >= 0:
-                rank = ranks.get((syms[left], syms[right]))
-                if rank is not None:
-                    heapq.heappush(heap, (rank, left, right, syms[left] + syms[right]))
-
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, left, right, text = heapq.heappop(heap)
-            if not syms[left] or not syms[right] or syms[left] + syms[right] != text:
-                continue  # outdated: one side has been merged since
-            syms[left], syms[right] = text, ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            push(prev[left], left)
-            push(left, nxt[left])
-        return [s for s in syms if s]
+        return merge_pairs(list(word), lambda a, b: ranks.get((a, b)))
