@@ -15,6 +15,10 @@ from pathlib import Path
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# The compiler's TVM first, whatever the test order: importing luce_runtime first would load the runtime-only
+# library (TVM_USE_RUNTIME_LIB), and compile_model cannot run in that process. Runtime-only is tested in subprocesses.
+import tvm  # noqa: E402, F401
+
 
 def have_llama_cpp() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
