@@ -133,7 +133,6 @@ def gencode_flags(archs: tuple[str, ...]) -> list[str]:
 @contextlib.contextmanager
 def cuda_fatbin_hook(archs: tuple[str, ...]) -> Iterator[None]:
     """While active, TVM's CUDA compile hook runs nvcc for every arch in `archs` into one fatbin."""
-    import tvm_ffi
     from tvm.support import nvcc as tvm_nvcc
 
     if find_tool("nvcc") is None:
@@ -153,13 +152,22 @@ def cuda_fatbin_hook(archs: tuple[str, ...]) -> Iterator[None]:
         compiled.append(len(binary))
         return binary
 
-    original = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_fatbin, override=True)
+    with overriding_global_func("tvm_callback_cuda_compile", compile_fatbin):
+        yield
+    log.info("nvcc built %d fatbin(s) for %s", len(compiled), ",".join(archs))
+
+
+@contextlib.contextmanager
+def overriding_global_func(name: str, func) -> Iterator[None]:
+    """Replace one of TVM's global callbacks while active; the original is put back even on error."""
+    import tvm_ffi
+
+    original = tvm_ffi.get_global_func(name)
+    tvm_ffi.register_global_func(name, func, override=True)
     try:
         yield
     finally:
-        tvm_ffi.register_global_func("tvm_callback_cuda_compile", original, override=True)
-    log.info("nvcc built %d fatbin(s) for %s", len(compiled), ",".join(archs))
+        tvm_ffi.register_global_func(name, original, override=True)
 
 
 def rocm_path() -> str:
@@ -180,7 +188,6 @@ _ROCM_BITCODE = ("ocml", "oclc_daz_opt_off", "oclc_correctly_rounded_sqrt_on", "
 def rocm_toolchain(mcpu: str) -> Iterator[None]:
     """While active, TVM's ROCm build finds lld and the device libraries and links the wave32 flavour."""
     import tvm
-    import tvm_ffi
     from tvm.support import rocm as tvm_rocm
 
     root = rocm_path()
@@ -197,12 +204,10 @@ def rocm_toolchain(mcpu: str) -> Iterator[None]:
 
     saved_env = os.environ.get("ROCM_PATH")
     os.environ["ROCM_PATH"] = root
-    original = tvm_ffi.get_global_func("tvm_callback_rocm_bitcode_path")
-    tvm_ffi.register_global_func("tvm_callback_rocm_bitcode_path", bitcode_path, override=True)
     try:
-        yield
+        with overriding_global_func("tvm_callback_rocm_bitcode_path", bitcode_path):
+            yield
     finally:
-        tvm_ffi.register_global_func("tvm_callback_rocm_bitcode_path", original, override=True)
         if saved_env is None:
             os.environ.pop("ROCM_PATH", None)
         else:
