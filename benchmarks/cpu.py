@@ -26,7 +26,8 @@ from report import cpu_table, write_results  # noqa: E402
 def run_one(engine: str, model: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, TVM_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, __file__, "--only", engine, "--models", model, "--threads", str(args.threads),
-           "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--batch", str(args.batch)]
+           "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--batch", str(args.batch),
+           "--prefill-lens", *map(str, args.prefill_lens)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         return {"error": out.stderr[-2000:]}
@@ -34,18 +35,22 @@ def run_one(engine: str, model: str, args: argparse.Namespace) -> dict:
 
 
 def measure(engine: str, model: str, args: argparse.Namespace) -> dict:
-    from luce_compile.cli import resolve_model, run_bench
+    from luce_compile.cli import resolve_model
 
     gguf = resolve_model(model)
     if engine == "llama.cpp":
         from peers.llama_cpp_cpu import bench_llama_cpp
 
-        return bench_llama_cpp(gguf, threads=args.threads, prompt_len=args.prompt_len, gen_len=args.gen_len)
+        return bench_llama_cpp(gguf, threads=args.threads, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                               prefill_lens=args.prefill_lens)
     from luce_compile.build.compile import compile_model
     from luce_compile.models import cache_dir
 
     art = compile_model(gguf, "cpu", cache_dir() / "bench" / f"{gguf.stem}.cpu")
-    return run_bench(art, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch, repeat=3).to_dict()
+    from luce_runtime.bench import bench_artifact
+
+    return bench_artifact(art, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch, repeat=3,
+                          prefill_lens=args.prefill_lens, prefill_repeat=1).to_dict()
 
 
 def main() -> int:
@@ -55,6 +60,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[512, 2048], help="also time prefill of these")
     p.add_argument("--only", choices=["luce-compile", "llama.cpp"])
     p.add_argument("--out", type=Path, default=ROOT / "results")
     args = p.parse_args()
@@ -70,7 +76,8 @@ def main() -> int:
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu": platform.processor() or _cpu_name(),
             "threads": args.threads, "load_avg_1m": machine_load(), "luce_compile": luce_compile.__version__,
             "tvm": tvm.__version__, "llama_cpp": llama_cpp.__version__, "prompt_len": args.prompt_len,
-            "gen_len": args.gen_len, "command": "python benchmarks/cpu.py " + " ".join(sys.argv[1:])}
+            "gen_len": args.gen_len,
+            "prefill_lens": args.prefill_lens, "command": "python benchmarks/cpu.py " + " ".join(sys.argv[1:])}
     rows = [{"model": m, "engine": e, "result": run_one(e, m, args)}
             for m in args.models for e in ("luce-compile", "llama.cpp")]
     markdown = cpu_table(rows, meta)

@@ -40,16 +40,28 @@ def ours_vs(rows: list[dict[str, Any]], model: str, engine: str, key: str) -> fl
     return ours / peer if ours is not None and peer else None
 
 
-def _row(r: dict[str, Any], roofs: dict[str, float], rows: list[dict[str, Any]]) -> str:
+def prefill_at(result: dict[str, Any], n: int) -> float | None:
+    """Prefill tok/s of an n-token prompt from a result's extra lengths (JSON turns their int keys into str)."""
+    by_len = result.get("extra", {}).get("prefill_tok_s_by_len", {})
+    value = by_len.get(n, by_len.get(str(n)))
+    return float(value) if value is not None else None
+
+
+def _num(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "n/a"
+
+
+def _row(r: dict[str, Any], roofs: dict[str, float], rows: list[dict[str, Any]], lens: list[int]) -> str:
     res = r["result"]
     if "error" in res:
-        return f"| {r['model']} | {r['engine']} | error | | | | | |"
+        return f"| {r['model']} | {r['engine']} | error |" + " |" * (5 + len(lens))
     roof = roofs.get(r["model"])
     roof_text = f"{100 * res['decode_tok_s'] / roof:.1f}%" if roof else ""
     batch = f"{res['decode_batch_tok_s']:.1f} (B={res['batch']})" if "decode_batch_tok_s" in res else "n/a"
     ratio = "" if r["engine"] == OURS else _ratio_text(ours_vs(rows, r["model"], r["engine"], "decode_tok_s"))
-    return (f"| {r['model']} | {r['engine']} | {res['prefill_tok_s']:.1f} | {res['decode_tok_s']:.1f} | {batch} | "
-            f"{res['ttft_ms']:.1f} | {roof_text} | {ratio} |")
+    extra = "".join(f" {_num(prefill_at(res, n))} |" for n in lens)
+    return (f"| {r['model']} | {r['engine']} | {res['prefill_tok_s']:.1f} |{extra} {res['decode_tok_s']:.1f} | "
+            f"{batch} | {res['ttft_ms']:.1f} | {roof_text} | {ratio} |")
 
 
 def _ratio_text(ratio: float | None) -> str:
@@ -59,6 +71,7 @@ def _ratio_text(ratio: float | None) -> str:
 def cpu_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The CPU table: one row per (model, engine), with % of roofline and ours/peer decode ratio."""
     roofs = model_rooflines(rows)
+    lens = [int(n) for n in meta.get("prefill_lens", [])]
     lines = [f"# CPU: luce-compile vs llama.cpp ({meta['date']})", "",
              f"{meta['cpu']}, {meta['threads']} threads, load before {meta['load_avg_1m']:.2f}; "
              f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, untuned), llama-cpp-python {meta['llama_cpp']}; "
@@ -66,10 +79,11 @@ def cpu_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"Command: `{meta['command']}`", "",
              "% roofline: decode tok/s (b=1) over memory bandwidth / weight bytes per token, both measured in this "
              "run. Ratio: luce-compile decode tok/s over the peer's.", "",
-             "| model | engine | prefill tok/s | decode tok/s (b=1) | decode tok/s (b=B) | TTFT ms | % roofline | "
-             "luce-compile / peer (decode) |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [_row(r, roofs, rows) for r in rows]
+             "| model | engine | prefill tok/s (pp" + str(meta["prompt_len"]) + ") | "
+             + "".join(f"pp{n} tok/s | " for n in lens)
+             + "decode tok/s (b=1) | decode tok/s (b=B) | TTFT ms | % roofline | luce-compile / peer (decode) |",
+             "|---|---|---|" + "---|" * len(lens) + "---|---|---|---|---|"]
+    lines += [_row(r, roofs, rows, lens) for r in rows]
     return "\n".join(lines) + "\n"
 
 

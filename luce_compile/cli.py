@@ -211,24 +211,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return print_generation(tok, ids, engine.generate(ids, params), args.json, "runtime")
 
 
-def run_bench(artifact: Path, *, prompt_len: int, gen_len: int, batch: int, repeat: int, threads: int = 0):
-    """Bench one artifact with the thin runtime; returns a BenchResult."""
-    from luce_runtime.bench import BenchResult, bench_engine, host_bandwidth_gb_s, machine_load, weight_bytes_per_token
-    from luce_runtime.engine import Engine, EngineOptions
-
-    engine = Engine(artifact, EngineOptions(max_batch=max(batch, 1), max_context=prompt_len + gen_len + 8,
-                                            prefill_chunk=max(prompt_len, 16)))
-    load_before = machine_load()
-    timings = bench_engine(engine, prompt_len=prompt_len, gen_len=gen_len, batch=batch, repeat=repeat)
-    manifest = engine.artifact.manifest
-    return BenchResult(
-        name="luce-compile", model=manifest["source"]["file_name"], target=manifest["target"]["name"],
-        prompt_len=prompt_len, gen_len=gen_len, batch=batch, **timings,
-        weight_bytes_per_token=weight_bytes_per_token(manifest["weights"]["params"],
-                                                      bool(engine.config["tied_output"])),
-        bandwidth_gb_s=host_bandwidth_gb_s(), extra={"load_avg_1m": load_before})
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     path = Path(args.model)
     if not (path / "manifest.json").is_file():  # a GGUF (or model name): compile it first, through the cache
@@ -237,8 +219,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         gguf = resolve_model(args.model)
         path = compile_model(gguf, args.target, cache_dir() / "bench" / f"{gguf.stem}.{args.target}")
-    result = run_bench(path, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
-                       repeat=args.repeat)
+    from luce_runtime.bench import bench_artifact  # after compiling: the runtime loads TVM's runtime library only
+
+    result = bench_artifact(path, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
+                            repeat=args.repeat, prefill_lens=args.prefill_lens)
     d = result.to_dict()
     if args.json:
         print(json.dumps(d, indent=2))
@@ -249,6 +233,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{d['batch']}; roofline {d['roofline_tok_s']:.1f} tok/s "
           f"({d['weight_bytes_per_token'] / 2**20:.1f} MiB per token at {d['bandwidth_gb_s']:.1f} GB/s) → "
           f"{100 * d['roofline_fraction']:.1f}% of roofline")
+    for n, tok_s in d["extra"].get("prefill_tok_s_by_len", {}).items():
+        print(f"prefill {tok_s:.1f} tok/s (pp{n})")
     return 0
 
 
@@ -333,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gen-len", type=int, default=32)
     s.add_argument("--batch", type=int, default=4)
     s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--prefill-lens", type=int, nargs="*", default=[], help="also time prefill of these lengths")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_bench)
 

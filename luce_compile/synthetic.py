@@ -127,6 +127,8 @@ PRESETS: dict[str, SyntheticSpec] = {
     # Llama-3.2-1B's body (its own vocabulary is 128k; ours is SmolLM2's 49152)
     "llama-1b-body": SyntheticSpec(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, n_ctx=131072,
                                    rope_base=5e5, quant="Q4_1"),
+    "llama-1b-body-bf16": SyntheticSpec(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, n_ctx=131072,
+                                        rope_base=5e5, quant="BF16"),
     "qwen3-0.6b": SyntheticSpec(arch="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8, head_dim=128,
                                 n_ff=3072, n_ctx=40960, rope_base=1e6, rms_eps=1e-6, quant="Q8_0"),
     "gemma3-270m": SyntheticSpec(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256,

@@ -259,6 +259,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(c["ok"] for c in checks.values()) else 1
 
 
+def make_gguf(args: argparse.Namespace) -> int:
+    """Only write the synthetic GGUF (the benchmark generates every workload's file in parallel up front)."""
+    if not Path(args.gguf).is_file():
+        generate_gguf(Path(args.dir), Path(args.gguf))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -278,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", help="also write the JSON result here")
     r.add_argument("--no-timing", action="store_true")
     r.set_defaults(func=run)
+    g = sub.add_parser("gguf", help="GPU machine: only generate the synthetic GGUF of a prepared folder")
+    g.add_argument("dir")
+    g.add_argument("--gguf", required=True)
+    g.set_defaults(func=make_gguf)
     args = parser.parse_args(argv)
     return args.func(args) or 0
 

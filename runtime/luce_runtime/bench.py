@@ -94,6 +94,25 @@ def host_bandwidth_gb_s(n_bytes: int = 1 << 30, repeat: int = 5) -> float:
     return 2 * src.nbytes / seconds / 1e9
 
 
+def device_bandwidth_gb_s(device, n_bytes: int = 1 << 31, copies: int = 4, repeat: int = 5) -> float:
+    """A GPU's memory bandwidth: read + write bytes of device-to-device copies of a 2 GiB buffer (far past any L2),
+    `copies` back to back between two synchronizations so the host's launch and sync cost is amortized."""
+    import tvm
+
+    if device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type():
+        return host_bandwidth_gb_s()
+    src = tvm.runtime.empty((n_bytes // 4,), "float32", device)
+    dst = tvm.runtime.empty((n_bytes // 4,), "float32", device)
+
+    def copy() -> None:
+        for _ in range(copies):
+            src.copyto(dst)
+        device.sync()
+
+    seconds = median_time(copy, repeat)
+    return 2 * n_bytes * copies / seconds / 1e9
+
+
 def weight_bytes_per_token(params: list[dict[str, Any]], tied_output: bool) -> int:
     """Bytes of weights one decode step reads: all of them, except an untied embedding table (one row is read)."""
     total = 0
@@ -113,23 +132,29 @@ def machine_load() -> float:
         return float("nan")
 
 
-def bench_engine(engine, *, prompt_len: int, gen_len: int, batch: int, repeat: int = 3, seed: int = 0) -> dict:
-    """Time an Engine: prefill of prompt_len random tokens, decode at batch 1 and at `batch`."""
+def bench_engine(engine, *, prompt_len: int, gen_len: int, batch: int, repeat: int = 3, seed: int = 0,
+                 prefill_lens: Sequence[int] = (), prefill_repeat: int | None = None) -> dict:
+    """Time an Engine: prefill of prompt_len random tokens (and of each of prefill_lens, `prefill_repeat` times:
+    long prompts on a CPU take minutes), decode at batch 1 and at `batch` after a prompt_len prompt. Wall-clock
+    times as a user sees them: every call returns host logits."""
     rng = np.random.default_rng(seed)
     vocab = int(engine.config["n_vocab"])
 
-    def prompt() -> list[int]:
-        return rng.integers(0, vocab, prompt_len).tolist()
+    def prompt(n: int = prompt_len) -> list[int]:
+        return rng.integers(0, vocab, n).tolist()
 
-    def prefill_once() -> None:
+    def prefill_once(n: int) -> None:
         seq = engine.add_sequence()
         try:
-            logits = engine.prefill([seq], [prompt()])
+            logits = engine.prefill([seq], [prompt(n)])
             int(np.argmax(logits[0]))
         finally:
             engine.remove_sequence(seq)
 
-    ttft = median_time(prefill_once, repeat)
+    ttft = median_time(lambda: prefill_once(prompt_len), repeat)
+    # no warm-up for the extra lengths: the TTFT runs above loaded and warmed every prefill kernel
+    prefill = {int(n): n / median_time(lambda n=n: prefill_once(n), prefill_repeat or repeat, warmup=0)
+               for n in prefill_lens}
 
     def decode_run(b: int) -> float:
         seqs = [engine.add_sequence() for _ in range(b)]
@@ -150,5 +175,58 @@ def bench_engine(engine, *, prompt_len: int, gen_len: int, batch: int, repeat: i
 
     step1 = decode_run(1)
     step_b = decode_run(batch) if batch > 1 else step1
-    return {"prefill_tok_s": prompt_len / ttft, "ttft_ms": ttft * 1e3, "decode_tok_s": 1 / step1,
-            "decode_batch_tok_s": batch / step_b}
+    out = {"prefill_tok_s": prompt_len / ttft, "ttft_ms": ttft * 1e3, "decode_tok_s": 1 / step1,
+           "decode_batch_tok_s": batch / step_b}
+    if prefill:
+        out["prefill_by_len"] = prefill
+    return out
+
+
+def bench_artifact(artifact, *, prompt_len: int, gen_len: int, batch: int, repeat: int = 3,
+                   prefill_lens: Sequence[int] = (), prefill_repeat: int | None = None) -> BenchResult:
+    """Load an artifact on its device and bench it (luce-compile bench and `python -m luce_runtime.bench`).
+    Each prompt is prefilled in one call (the chunk is the longest prompt), as llama.cpp's pp benchmarks do."""
+    from luce_runtime.engine import Engine, EngineOptions
+
+    longest = max(prompt_len, *prefill_lens)
+    engine = Engine(artifact, EngineOptions(max_batch=max(batch, 1), max_context=longest + gen_len + 8,
+                                            prefill_chunk=max(longest, 16)))
+    load_before = machine_load()
+    timings = bench_engine(engine, prompt_len=prompt_len, gen_len=gen_len, batch=batch, repeat=repeat,
+                           prefill_lens=prefill_lens, prefill_repeat=prefill_repeat)
+    extra: dict[str, Any] = {"load_avg_1m": load_before}
+    if "prefill_by_len" in timings:
+        extra["prefill_tok_s_by_len"] = timings.pop("prefill_by_len")
+    manifest = engine.artifact.manifest
+    bandwidth = device_bandwidth_gb_s(engine.device)
+    del engine  # its KV pool and weights before anything else runs in this process
+    return BenchResult(
+        name="luce-compile", model=manifest["source"]["file_name"], target=manifest["target"]["name"],
+        prompt_len=prompt_len, gen_len=gen_len, batch=batch, **timings,
+        weight_bytes_per_token=weight_bytes_per_token(manifest["weights"]["params"],
+                                                      bool(manifest["config"]["tied_output"])),
+        bandwidth_gb_s=bandwidth, extra=extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bench an artifact with the runtime alone, e.g. on a GPU machine without the compiler:
+    python -m luce_runtime.bench ARTIFACT [--prompt-len 512] [--gen-len 128] [--batch 8] [--prefill-lens 2048]"""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m luce_runtime.bench", description=main.__doc__)
+    p.add_argument("artifact")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[], help="also time prefill of these lengths")
+    args = p.parse_args(argv)
+    result = bench_artifact(args.artifact, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
+                            repeat=args.repeat, prefill_lens=args.prefill_lens)
+    print(json.dumps(result.to_dict(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

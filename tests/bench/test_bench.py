@@ -163,6 +163,23 @@ def test_cpu_table_rows_roofline_and_ratio():
     assert "| smollm2-135m | luce-compile | 80.0 | 25.0 | 34.0 (B=4) | 1600.0 | 12.5% |  |" in lines
     assert "| smollm2-135m | llama.cpp | 160.0 | 50.0 | n/a | 800.0 | 25.0% | 0.50× |" in lines
     assert "| gemma3-270m | luce-compile | error | | | | | |" in lines
+
+
+@pytest.mark.unit
+def test_cpu_table_prefill_length_columns():
+    report = load_benchmark_module("report")
+    res = result().to_dict() | {"extra": {"prefill_tok_s_by_len": {"512": 70.0}}}  # as read back from JSON
+    rows = [{"model": "m", "engine": "luce-compile", "result": res},
+            {"model": "m", "engine": "llama.cpp", "result": {"error": "boom"}}]
+    meta = {"date": "d", "cpu": "c", "threads": 2, "load_avg_1m": 0.0, "luce_compile": "0", "tvm": "0",
+            "llama_cpp": "0", "prompt_len": 128, "gen_len": 8, "prefill_lens": [512, 2048], "command": "x"}
+    lines = report.cpu_table(rows, meta).splitlines()
+    header = next(line for line in lines if line.startswith("| model"))
+    assert "prefill tok/s (pp128) | pp512 tok/s | pp2048 tok/s | decode" in header
+    ours = next(line for line in lines if line.startswith("| m | luce-compile"))
+    assert "| 70.0 | n/a |" in ours  # 2048 was not measured
+    error = next(line for line in lines if line.startswith("| m | llama.cpp"))
+    assert error.count("|") == header.count("|")
     header = next(line for line in lines if line.startswith("| model"))
     assert all(line.count("|") == header.count("|") for line in lines if line.startswith("| "))
 
@@ -200,6 +217,32 @@ def test_bench_engine_on_tiny_artifact(tmp_path):
     assert 0 < weight_bytes_per_token(params, bool(engine.config["tied_output"])) <= total
     r = result(**timings, weight_bytes_per_token=weight_bytes_per_token(params, True), batch=2)
     assert 0 < r.to_dict()["roofline_fraction"] < math.inf
+
+
+@pytest.mark.slow
+def test_bench_artifact_and_its_cli(tmp_path):
+    """bench_artifact times prefill at extra lengths and measures bandwidth; `python -m luce_runtime.bench` prints the
+    same schema with the runtime alone (a subprocess: this one has the compiler's TVM loaded)."""
+    import json
+    import subprocess
+    import sys
+
+    from luce_compile.build.compile import compile_model
+    from luce_compile.synthetic import cached_synthetic
+
+    art = compile_model(cached_synthetic("tiny-llama"), "cpu", tmp_path / "tiny.cpu")
+    from luce_runtime.bench import bench_artifact
+
+    d = bench_artifact(art, prompt_len=8, gen_len=3, batch=2, repeat=1, prefill_lens=[12, 40]).to_dict()
+    assert set(d["extra"]["prefill_tok_s_by_len"]) == {12, 40}
+    assert all(v > 0 for v in d["extra"]["prefill_tok_s_by_len"].values())
+    assert d["bandwidth_gb_s"] > 0 and 0 < d["roofline_fraction"] < math.inf
+    out = subprocess.run([sys.executable, "-m", "luce_runtime.bench", str(art), "--prompt-len", "8", "--gen-len", "2",
+                          "--batch", "2", "--repeat", "1", "--prefill-lens", "16"],
+                         capture_output=True, text=True, check=True, timeout=600)
+    cli = json.loads(out.stdout)
+    assert set(cli) == set(d) and cli["schema_version"] == d["schema_version"]
+    assert list(cli["extra"]["prefill_tok_s_by_len"]) == ["16"]  # JSON keys are strings
 
 
 @pytest.mark.unit
