@@ -1,0 +1,87 @@
+"""Prepare the H200 benchmark here (the build machine): everything `benchmarks/h200/run.sh` needs on the GPU machine.
+
+    .venv/bin/python benchmarks/h200/prepare.py [--dir .gpucheck/h200] [--workloads smollm2-135m llama-1b-body ...]
+
+Writes, under --dir (one folder to carry, < 64 MiB):
+  <workload>/   the sm_90 artifact without weights.bin, the oracle's reference logits and spec.json
+                (scripts/device_check.py prepare); weights and the GGUF are regenerated there from the spec;
+  bundle/       the TVM runtime files and the wheels the GPU machine lacks (apache-tvm-ffi, gguf);
+  peer/llama.cpp.tgz  llama.cpp's source, trimmed to the CUDA backend, from the llama-cpp-python sdist: peer code
+                is fetched at benchmark time and never committed.
+Then one device call: `bash benchmarks/h200/run.sh` with carry [".gpucheck/h200"] (the script's header says more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKLOADS = ("smollm2-135m", "llama-1b-body", "llama-1b-body-bf16", "qwen3-0.6b")
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+# llama.cpp's tree less what a CUDA build of llama-bench never compiles (~7.6 MB left as .tgz)
+KEEP = ("CMakeLists.txt", "cmake", "ggml", "src", "include", "common", "tools", "vendor", "licenses", "app", "LICENSE")
+DROP_BACKENDS = ("cann", "et", "hexagon", "metal", "musa", "opencl", "openvino", "sycl", "virtgpu", "vulkan", "webgpu",
+                 "zdnn", "zendnn", "hip", "rpc", "blas", "kompute", "cpu/kleidiai", "cpu/spacemit")
+
+
+def llama_cpp_source(work: Path) -> Path:
+    """The vendored llama.cpp of the pinned llama-cpp-python sdist (downloaded once into `work`)."""
+    sdists = sorted(work.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        LLAMA_CPP_PYTHON, "-d", str(work)], check=True)
+        sdists = sorted(work.glob("llama_cpp_python-*.tar.gz"))
+    top = sdists[-1].name.removesuffix(".tar.gz")
+    if not (work / top).is_dir():
+        with tarfile.open(sdists[-1]) as tar:
+            tar.extractall(work, filter="data")
+    return work / top / "vendor" / "llama.cpp"
+
+
+def pack_llama_cpp(src: Path, out: Path) -> Path:
+    dropped = tuple(f"llama.cpp/ggml/src/ggml-{b}" for b in DROP_BACKENDS)
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if info.name.startswith(dropped) or "/.git" in info.name else info
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out, "w:gz") as tar:
+        for name in KEEP:
+            if (src / name).exists():
+                tar.add(src / name, arcname=f"llama.cpp/{name}", filter=keep)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", type=Path, default=ROOT / ".gpucheck" / "h200")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    p.add_argument("--target", default="sm_90")
+    p.add_argument("--work", type=Path, default=Path("/tmp/luce-h200-prepare"), help="where the sdist is unpacked")
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    for w in args.workloads:
+        # 32 prompt tokens and 16 decode steps keep each reference small (17 rows of the 49152-token vocabulary)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "prepare", "--preset", w,
+                        "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16"],
+                       check=True)
+    from importlib import util
+
+    spec = util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
+    device_check = util.module_from_spec(spec)
+    spec.loader.exec_module(device_check)
+    device_check.make_bundle(args.dir / "bundle")
+    tgz = pack_llama_cpp(llama_cpp_source(args.work), args.dir / "peer" / "llama.cpp.tgz")
+    size = sum(f.stat().st_size for f in args.dir.rglob("*") if f.is_file())
+    print(f"{args.dir}: {size / 2**20:.1f} MiB to carry (llama.cpp {tgz.stat().st_size / 2**20:.1f} MiB)")
+    if size > 60 * 2**20:
+        print("warning: the device tool carries at most 64 MiB per call; drop a workload", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

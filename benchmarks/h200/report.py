@@ -1,0 +1,223 @@
+"""The H200 table from one device call of benchmarks/h200/run.sh: JSON, markdown and PNG under benchmarks/results/.
+
+    .venv/bin/python benchmarks/h200/report.py RUN_OUT_DIR [RUN_OUT_DIR2] [--out benchmarks/results] [--command ..]
+
+RUN_OUT_DIR is the call's $OUT as fetched here: gpu.csv, versions.txt and one folder per workload with check.json
+(luce-compile vs the float64 oracle), ours.json (python -m luce_runtime.bench), torch.json
+(benchmarks/peers/torch_peer.py), llama_bench.json (llama-bench -o json) and llama_batched.txt (llama-batched-bench
+--output-format jsonl).
+
+Every engine's row has the same metrics: decode tok/s at batch 1 and batch 8 (after a 512-token prompt), prefill
+tok/s of 512 and 2048 tokens, and the fraction of the memory roofline at batch 1: bytes the engine's weights occupy
+per decoded token (its own format: the GGUF's blocks for luce-compile and llama.cpp, bf16 for torch) over the
+device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from report import write_results  # noqa: E402
+
+OURS = "luce-compile"
+ENGINES = (OURS, "llama.cpp", "torch")
+METRICS = ("decode_b1", "decode_b8", "prefill_512", "prefill_2048")
+METRIC_NAMES = {"decode_b1": "decode b=1", "decode_b8": "decode b=8", "prefill_512": "pp512", "prefill_2048": "pp2048"}
+
+
+def _load(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() and path.stat().st_size else None
+
+
+def ours_row(d: dict[str, Any]) -> dict[str, Any]:
+    """luce_runtime.bench's BenchResult (prompt 512, batch 8, extra prefill 2048) → the table's metrics."""
+    by_len = d.get("extra", {}).get("prefill_tok_s_by_len", {})
+    return {"decode_b1": d["decode_tok_s"], "decode_b8": d["decode_batch_tok_s"] if d["batch"] == 8 else None,
+            "prefill_512": d["prefill_tok_s"] if d["prompt_len"] == 512 else by_len.get("512"),
+            "prefill_2048": by_len.get("2048"), "weight_bytes_per_token": d["weight_bytes_per_token"],
+            "bandwidth_gb_s": d["bandwidth_gb_s"], "ttft_ms_512": d["ttft_ms"]}
+
+
+def torch_row(d: dict[str, Any]) -> dict[str, Any]:
+    return {"decode_b1": d["decode_tok_s"].get("1"), "decode_b8": d["decode_tok_s"].get("8"),
+            "prefill_512": d["prefill_tok_s"].get("512"), "prefill_2048": d["prefill_tok_s"].get("2048"),
+            "weight_bytes_per_token": d["weight_bytes_per_token"], "bandwidth_gb_s": d["bandwidth_gb_s"]}
+
+
+def llama_cpp_row(bench: list[dict[str, Any]] | None, batched: str | None, bytes_per_token: int | None) -> dict:
+    """llama-bench's pp512/pp2048/tg128 averages, and llama-batched-bench's S_TG at 1 and 8 parallel sequences.
+    llama-bench's tg128 is the batch-1 decode (5 repetitions); batched-bench's pl=8 row is the batch-8 one."""
+    row: dict[str, Any] = {m: None for m in METRICS}
+    for entry in bench or []:
+        if entry.get("n_gen") == 0 and entry.get("n_prompt") in (512, 2048):
+            row[f"prefill_{entry['n_prompt']}"] = entry["avg_ts"]
+        elif entry.get("n_prompt") == 0 and entry.get("n_gen"):
+            row["decode_b1"] = entry["avg_ts"]
+            row["decode_b1_stddev"] = entry.get("stddev_ts")
+        row.setdefault("build", f"{entry.get('build_commit')} ({entry.get('build_number')})")
+        row["model_size"] = entry.get("model_size")
+    for line in (batched or "").splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            row[f"batched_tg_b{entry['pl']}"] = entry["speed_tg"]
+            if entry["pl"] == 8:
+                row["decode_b8"] = entry["speed_tg"]
+    row["weight_bytes_per_token"] = bytes_per_token or row.get("model_size")
+    return row
+
+
+def gguf_bytes_per_token(preset: str) -> int | None:
+    """The synthetic GGUF's tensor bytes one decode step reads (an untied embedding table: one row), read from the
+    copy this machine generated when preparing the run (the same bytes: run.sh checks the sha256)."""
+    try:
+        from luce_compile.gguf.reader import read_gguf
+        from luce_compile.synthetic import PRESETS, cached_synthetic
+    except ImportError:
+        return None
+    if preset not in PRESETS:  # not a synthetic workload: llama-bench's model_size (every tensor) stands in
+        return None
+    gguf = read_gguf(cached_synthetic(preset))
+    tied = PRESETS[preset].tied_output
+    return sum(t.nbytes for t in gguf.tensors.values() if tied or t.name != "token_embd.weight")
+
+
+def collect(*runs: Path) -> dict[str, Any]:
+    """Every workload folder of the given run outputs (a run split over two device calls gives two)."""
+    workloads: dict[str, Any] = {}
+    folders = [p for run in runs for p in sorted(run.iterdir()) if p.is_dir() and (p / "ours.json").exists()]
+    for folder in folders:
+        ours, torch_d = _load(folder / "ours.json"), _load(folder / "torch.json")
+        batched = (folder / "llama_batched.txt").read_text() if (folder / "llama_batched.txt").is_file() else None
+        engines = {
+            OURS: ours_row(ours) if ours else {"error": (folder / "ours.err").read_text()[-2000:]},
+            "llama.cpp": llama_cpp_row(_load(folder / "llama_bench.json"), batched,
+                                       gguf_bytes_per_token(folder.name)),
+            "torch": torch_row(torch_d) if torch_d else {"error": (folder / "torch.log").read_text()[-2000:]},
+        }
+        check = _load(folder / "check.json") or {}
+        workloads[folder.name] = {"engines": engines, "check": check.get("checks"),
+                                  "weights": check.get("weights")}
+    bandwidths = [e["bandwidth_gb_s"] for w in workloads.values() for e in w["engines"].values()
+                  if e.get("bandwidth_gb_s")]
+    bandwidth = sorted(bandwidths)[len(bandwidths) // 2] if bandwidths else None
+    for w in workloads.values():
+        for e in w["engines"].values():
+            if "error" not in e and bandwidth and e.get("weight_bytes_per_token") and e.get("decode_b1"):
+                e["roofline_tok_s"] = bandwidth * 1e9 / e["weight_bytes_per_token"]
+                e["roofline_fraction"] = e["decode_b1"] / e["roofline_tok_s"]
+    return {"workloads": workloads, "bandwidth_gb_s": bandwidth, "bandwidths_measured_gb_s": bandwidths}
+
+
+def ratio(ours: dict[str, Any], peer: dict[str, Any], metric: str) -> float | None:
+    a, b = ours.get(metric), peer.get(metric)
+    return a / b if a and b else None
+
+
+def _fmt(v: float | None, spec: str = ",.0f") -> str:
+    return format(v, spec) if v is not None else "n/a"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    meta, res = doc["meta"], doc["results"]
+    lines = [f"# H200: luce-compile vs llama.cpp CUDA vs torch, same run ({meta['date']})", "",
+             f"{meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); llama.cpp {meta['llama_cpp']} "
+             f"(from llama-cpp-python {meta['llama_cpp_python']}'s vendored source, CUDA arch 90, FA on); "
+             f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, untuned, float32 activations, CUDA graphs "
+             "per layer).", "",
+             f"Command: `{meta['command']}`", "",
+             "Synthetic random-weight GGUFs at the real shapes (speed does not depend on the values), the same file "
+             "for all three engines. Decode after a 512-token prompt; b=8 is the aggregate of 8 sequences. torch "
+             "runs bf16 weights dequantized from the same GGUF (static KV cache, the whole decode step in one CUDA "
+             "graph). % roofline: decode b=1 over (bandwidth / the engine's weight bytes per token), bandwidth = "
+             f"{_fmt(res['bandwidth_gb_s'], ',.0f')} GB/s measured in this run (device copy, read + write).", "",
+             "| workload | engine | MiB/token | decode b=1 tok/s | % roofline | decode b=8 tok/s | pp512 tok/s | "
+             "pp2048 tok/s | ours / peer (b=1, b=8, pp512, pp2048) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, w in res["workloads"].items():
+        ours = w["engines"][OURS]
+        for engine in ENGINES:
+            e = w["engines"].get(engine, {"error": "not run"})
+            if "error" in e:
+                lines.append(f"| {name} | {engine} | error: see the JSON | | | | | | |")
+                continue
+            ratios = "" if engine == OURS or "error" in ours else ", ".join(
+                _fmt(ratio(ours, e, m), ".2f") + "×" for m in METRICS)
+            mib = e["weight_bytes_per_token"] / 2**20 if e.get("weight_bytes_per_token") else None
+            roof = 100 * e["roofline_fraction"] if e.get("roofline_fraction") else None
+            lines.append(f"| {name} | {engine} | {_fmt(mib, '.1f')} | {_fmt(e['decode_b1'])} | {_fmt(roof, '.1f')}% | "
+                         f"{_fmt(e['decode_b8'])} | {_fmt(e['prefill_512'])} | {_fmt(e['prefill_2048'])} | "
+                         f"{ratios} |")
+    lines += ["", "luce-compile's correctness in the same run (scripts/device_check.py: prefill + decode steps "
+              "teacher-forced against the float64 oracle's logits; 8 sequences batched vs each alone):", "",
+              "| workload | max rel. err vs oracle | greedy ids checked / mismatched | batched vs alone | ok |",
+              "|---|---|---|---|---|"]
+    for name, w in res["workloads"].items():
+        c = w.get("check") or {}
+        o, b = c.get("oracle", {}), c.get("batched", {})
+        ok = bool(o.get("ok") and b.get("ok"))
+        lines.append(f"| {name} | {_fmt(o.get('max_rel_err'), '.1e')} | {o.get('ids_checked', 'n/a')} / "
+                     f"{len(o.get('ids_mismatched', [])) if o else 'n/a'} | {_fmt(b.get('max_rel_diff'), '.1e')} | "
+                     f"{'yes' if ok else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], out: Path) -> Path:
+    import matplotlib.pyplot as plt
+    from plot import grouped_bars, save
+
+    res = doc["results"]
+    names = list(res["workloads"])
+    fig, axes = plt.subplots(1, 5, figsize=(24, 4.5))
+    for ax, metric in zip(axes, METRICS, strict=False):
+        series = {e: [res["workloads"][n]["engines"][e].get(metric) or 0.0 for n in names] for e in ENGINES}
+        grouped_bars(ax, names, series, f"{METRIC_NAMES[metric]} tok/s")
+    series = {e: [100 * (res["workloads"][n]["engines"][e].get("roofline_fraction") or 0.0) for n in names]
+              for e in ENGINES}
+    grouped_bars(axes[4], names, series, "decode b=1, % of memory roofline", "{:.1f}")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=15)
+    meta = doc["meta"]
+    fig.suptitle(f"H200, one run ({meta['date'][:16]}): luce-compile (untuned) vs llama.cpp CUDA vs torch bf16",
+                 fontsize=10)
+    return save(fig, out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", type=Path, nargs="+", help="the fetched $OUT of each device call of this run")
+    p.add_argument("--out", type=Path, default=ROOT / "results")
+    p.add_argument("--command", default="bash benchmarks/h200/run.sh  # device call, carry [\".gpucheck/h200\"]")
+    args = p.parse_args()
+    import importlib.metadata
+
+    import tvm
+
+    import luce_compile
+
+    results = collect(*args.run)
+    first = args.run[0]
+    gpu = (first / "gpu.csv").read_text().splitlines()[-1] if (first / "gpu.csv").is_file() else "?"
+    py, torch_v, cuda = ((first / "versions.txt").read_text().split() + ["?"] * 3)[:3]
+    llama_build = next((e["engines"]["llama.cpp"].get("build") for e in results["workloads"].values()), "?")
+    date = next((json.loads((d / "check.json").read_text())["environment"]["date"]
+                 for d in sorted(first.iterdir()) if (d / "check.json").is_file()), "?")
+    meta = {"date": date, "gpu": gpu, "python": py, "torch": torch_v, "cuda": cuda, "llama_cpp": llama_build,
+            "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
+            "luce_compile": luce_compile.__version__, "tvm": tvm.__version__, "command": args.command}
+    doc = {"meta": meta, "results": results}
+    stem = args.out / f"h200-{date[:10]}"
+    write_results(stem, doc, markdown(doc))
+    plot(doc, stem.with_suffix(".png"))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

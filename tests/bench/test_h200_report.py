@@ -1,0 +1,98 @@
+"""benchmarks/h200/report.py: the raw outputs of one device call → one table. Arithmetic and parsing only, on a
+fabricated run folder whose numbers are chosen so every ratio and roofline fraction is known by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def report():
+    sys.path.insert(0, str(BENCH_DIR))
+    spec = importlib.util.spec_from_file_location("bench_h200_report", BENCH_DIR / "h200" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fabricate(run: Path, bytes_per_token: int = 100_000_000) -> None:
+    w = run / "tiny"
+    w.mkdir(parents=True)
+    (w / "ours.json").write_text(json.dumps({
+        "name": "luce-compile", "prompt_len": 512, "batch": 8, "prefill_tok_s": 10_000.0, "ttft_ms": 51.2,
+        "decode_tok_s": 400.0, "decode_batch_tok_s": 1600.0, "weight_bytes_per_token": bytes_per_token,
+        "bandwidth_gb_s": 4000.0, "extra": {"prefill_tok_s_by_len": {"2048": 5000.0}}}))
+    (w / "torch.json").write_text(json.dumps({
+        "prefill_tok_s": {"512": 20_000.0, "2048": 25_000.0}, "decode_tok_s": {"1": 800.0, "8": 3200.0},
+        "weight_bytes_per_token": 2 * bytes_per_token, "bandwidth_gb_s": 4200.0}))
+    (w / "llama_bench.json").write_text(json.dumps([
+        {"n_prompt": 512, "n_gen": 0, "avg_ts": 40_000.0, "model_size": bytes_per_token, "build_commit": "abc",
+         "build_number": 1},
+        {"n_prompt": 2048, "n_gen": 0, "avg_ts": 50_000.0, "model_size": bytes_per_token},
+        {"n_prompt": 0, "n_gen": 128, "avg_ts": 1000.0, "stddev_ts": 5.0, "model_size": bytes_per_token}]))
+    (w / "llama_batched.txt").write_text(
+        "some log line\n"
+        '{"pp": 512, "tg": 128, "pl": 1, "speed_pp": 1.0, "speed_tg": 990.0}\n'
+        '{"pp": 512, "tg": 128, "pl": 8, "speed_pp": 1.0, "speed_tg": 4000.0}\n')
+    (w / "check.json").write_text(json.dumps({
+        "environment": {"date": "2026-11-30T06:00:00+00:00"},
+        "checks": {"oracle": {"ok": True, "max_rel_err": 2e-6, "ids_checked": 17, "ids_mismatched": []},
+                   "batched": {"ok": True, "max_rel_diff": 1e-6}}}))
+
+
+@pytest.mark.unit
+def test_collect_rows_ratios_and_roofline(report, tmp_path):
+    fabricate(tmp_path)
+    res = report.collect(tmp_path)
+    assert res["bandwidth_gb_s"] == 4200.0  # the median of ours (4000) and torch's (4200) measurements
+    e = res["workloads"]["tiny"]["engines"]
+    assert e["llama.cpp"]["decode_b1"] == 1000.0 and e["llama.cpp"]["decode_b8"] == 4000.0  # tg128; batched pl=8
+    assert e["llama.cpp"]["prefill_512"] == 40_000.0 and e["llama.cpp"]["prefill_2048"] == 50_000.0
+    assert e["luce-compile"]["prefill_2048"] == 5000.0 and e["torch"]["decode_b8"] == 3200.0
+    # roofline: 4200 GB/s over 100 MB = 42,000 tok/s; ours 400 → 0.952%; torch reads bf16, twice the bytes
+    assert e["luce-compile"]["roofline_tok_s"] == pytest.approx(42_000.0)
+    assert e["luce-compile"]["roofline_fraction"] == pytest.approx(400 / 42_000)
+    assert e["torch"]["roofline_fraction"] == pytest.approx(800 / 21_000)
+    assert report.ratio(e["luce-compile"], e["llama.cpp"], "decode_b1") == pytest.approx(0.4)
+    assert report.ratio(e["luce-compile"], e["torch"], "prefill_2048") == pytest.approx(0.2)
+
+
+@pytest.mark.unit
+def test_markdown_rows_and_failed_engine(report, tmp_path):
+    fabricate(tmp_path)
+    (tmp_path / "tiny" / "torch.json").unlink()
+    (tmp_path / "tiny" / "torch.log").write_text("Traceback ... CUDA out of memory")
+    res = report.collect(tmp_path)
+    assert "CUDA out of memory" in res["workloads"]["tiny"]["engines"]["torch"]["error"]
+    doc = {"meta": {"date": "2026-11-30T06:00", "gpu": "H200", "torch": "2.11", "cuda": "13.0", "llama_cpp": "abc",
+                    "llama_cpp_python": "0.3.36", "luce_compile": "0.1.0", "tvm": "0.27", "command": "bash x"},
+           "results": res}
+    lines = report.markdown(doc).splitlines()
+    llama = next(line for line in lines if line.startswith("| tiny | llama.cpp"))
+    # ours / llama.cpp: 400/1000, 1600/4000, 10000/40000, 5000/50000
+    assert llama.endswith("| 0.40×, 0.40×, 0.25×, 0.10× |")
+    assert "| 95.4 | 1,000 | 2.5% |" in llama  # 100 MB = 95.4 MiB; torch failed: 4000 GB/s → 1000 of 40,000
+    assert next(line for line in lines if line.startswith("| tiny | torch")).startswith("| tiny | torch | error")
+    assert "| tiny | 2.0e-06 | 17 / 0 | 1.0e-06 | yes |" in lines
+    header = next(line for line in lines if line.startswith("| workload | engine"))
+    rows = [line for line in lines if line.startswith(("| tiny | luce-compile", "| tiny | llama.cpp", "| tiny | torch"))]
+    assert len(rows) == 3 and all(line.count("|") == header.count("|") for line in rows)
+
+
+@pytest.mark.unit
+def test_gguf_bytes_per_token_counts_every_tensor_of_a_tied_model(report):
+    from luce_compile.gguf.reader import read_gguf
+    from luce_compile.synthetic import cached_synthetic
+
+    gguf = read_gguf(cached_synthetic("tiny-llama"))
+    assert report.gguf_bytes_per_token("tiny-llama") == sum(t.nbytes for t in gguf.tensors.values())
+    untied = read_gguf(cached_synthetic("tiny-qwen2"))  # untied: the embedding table is one row per token, not read
+    assert report.gguf_bytes_per_token("tiny-qwen2") == sum(
+        t.nbytes for t in untied.tensors.values() if t.name != "token_embd.weight")
