@@ -1,6 +1,6 @@
 """CPU table: luce-compile (compiled for this CPU) next to llama.cpp on the same GGUF files, same threads, one run.
 
-    .venv/bin/python benchmarks/cpu.py [--models smollm2-135m gemma3-270m] [--threads 2]
+    .venv/bin/python benchmarks/cpu.py [--models smollm2-135m synthetic:qwen3-0.6b ...] [--threads 2] [--batch 8]
 
 Each engine runs in its own subprocess (TVM's and llama.cpp's thread pools would otherwise compete), one after the
 other. Writes benchmarks/results/cpu-<date>.json and .md.
@@ -22,6 +22,10 @@ sys.path.insert(0, str(ROOT))
 
 from report import cpu_table, write_results  # noqa: E402
 
+# the two real models, then issue 6's workloads as synthetic GGUFs of the real shapes (SmolLM2's is the real file)
+MODELS = ("smollm2-135m", "gemma3-270m", "synthetic:llama-1b-body", "synthetic:llama-1b-body-bf16",
+          "synthetic:qwen3-0.6b")
+
 
 def run_one(engine: str, model: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, TVM_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
@@ -39,10 +43,15 @@ def measure(engine: str, model: str, args: argparse.Namespace) -> dict:
 
     gguf = resolve_model(model)
     if engine == "llama.cpp":
-        from peers.llama_cpp_cpu import bench_llama_cpp
+        from peers.llama_cpp_cpu import bench_llama_cpp, bench_llama_cpp_batched
 
-        return bench_llama_cpp(gguf, threads=args.threads, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                               prefill_lens=args.prefill_lens)
+        result = bench_llama_cpp(gguf, threads=args.threads, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                                 prefill_lens=args.prefill_lens)
+        if args.batch > 1:
+            result["batch"] = args.batch
+            result["decode_batch_tok_s"] = bench_llama_cpp_batched(
+                gguf, threads=args.threads, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch)
+        return result
     from luce_compile.build.compile import compile_model
     from luce_compile.models import cache_dir
 
@@ -55,11 +64,11 @@ def measure(engine: str, model: str, args: argparse.Namespace) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prefill-lens", type=int, nargs="*", default=[512, 2048], help="also time prefill of these")
     p.add_argument("--only", choices=["luce-compile", "llama.cpp"])
     p.add_argument("--out", type=Path, default=ROOT / "results")

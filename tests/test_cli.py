@@ -54,3 +54,12 @@ def test_targets_json_is_honest():
 def test_unknown_model_is_one_line_error():
     out = cli("inspect", "/nonexistent/model.gguf")
     assert out.returncode == 2 and out.stderr.startswith("error: ") and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.unit
+def test_synthetic_preset_names_a_model():
+    out = cli("inspect", "synthetic:tiny-qwen3", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["config"]["arch"] == "qwen3"
+    bad = cli("inspect", "synthetic:no-such-preset")
+    assert bad.returncode == 2 and "known: tiny-llama" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
