@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from report import write_results  # noqa: E402
 
 OURS = "luce-compile"
+WORKLOADS = ("smollm2-135m", "llama-1b-body", "llama-1b-body-bf16", "qwen3-0.6b")
 ENGINES = (OURS, "llama.cpp", "torch")
 METRICS = ("decode_b1", "decode_b8", "prefill_512", "prefill_2048")
 METRIC_NAMES = {"decode_b1": "decode b=1", "decode_b8": "decode b=8", "prefill_512": "pp512", "prefill_2048": "pp2048"}
@@ -52,16 +54,18 @@ def torch_row(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def llama_cpp_row(bench: list[dict[str, Any]] | None, batched: str | None, bytes_per_token: int | None) -> dict:
-    """llama-bench's pp512/pp2048/tg128 averages, and llama-batched-bench's S_TG at 1 and 8 parallel sequences.
-    llama-bench's tg128 is the batch-1 decode (5 repetitions); batched-bench's pl=8 row is the batch-8 one."""
+    """llama-bench's pp512/pp2048/tg128 (the median of its repetitions, as ours: its mean carries a slow first
+    sample), and llama-batched-bench's S_TG at 1 and 8 parallel sequences (one run each): llama-bench's tg128 is
+    the batch-1 decode, batched-bench's pl=8 row the batch-8 one."""
     row: dict[str, Any] = {m: None for m in METRICS}
     for entry in bench or []:
+        value = statistics.median(entry["samples_ts"]) if entry.get("samples_ts") else entry["avg_ts"]
         if entry.get("n_gen") == 0 and entry.get("n_prompt") in (512, 2048):
-            row[f"prefill_{entry['n_prompt']}"] = entry["avg_ts"]
+            row[f"prefill_{entry['n_prompt']}"] = value
+            row[f"prefill_{entry['n_prompt']}_mean"] = entry["avg_ts"]
         elif entry.get("n_prompt") == 0 and entry.get("n_gen"):
-            row["decode_b1"] = entry["avg_ts"]
-            row["decode_b1_stddev"] = entry.get("stddev_ts")
-        row.setdefault("build", f"{entry.get('build_commit')} ({entry.get('build_number')})")
+            row["decode_b1"] = value
+            row["decode_b1_mean"] = entry["avg_ts"]
         row["model_size"] = entry.get("model_size")
     for line in (batched or "").splitlines():
         if line.startswith("{"):
@@ -91,7 +95,9 @@ def gguf_bytes_per_token(preset: str) -> int | None:
 def collect(*runs: Path) -> dict[str, Any]:
     """Every workload folder of the given run outputs (a run split over two device calls gives two)."""
     workloads: dict[str, Any] = {}
-    folders = [p for run in runs for p in sorted(run.iterdir()) if p.is_dir() and (p / "ours.json").exists()]
+    folders = [p for run in runs for p in run.iterdir() if p.is_dir() and (p / "ours.json").exists()]
+    order = {name: i for i, name in enumerate(WORKLOADS)}  # the issue's order; anything else after, by name
+    folders.sort(key=lambda p: (order.get(p.name, len(order)), p.name))
     for folder in folders:
         ours, torch_d = _load(folder / "ours.json"), _load(folder / "torch.json")
         batched = (folder / "llama_batched.txt").read_text() if (folder / "llama_batched.txt").is_file() else None
@@ -127,8 +133,8 @@ def _fmt(v: float | None, spec: str = ",.0f") -> str:
 def markdown(doc: dict[str, Any]) -> str:
     meta, res = doc["meta"], doc["results"]
     lines = [f"# H200: luce-compile vs llama.cpp CUDA vs torch, same run ({meta['date']})", "",
-             f"{meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); llama.cpp {meta['llama_cpp']} "
-             f"(from llama-cpp-python {meta['llama_cpp_python']}'s vendored source, CUDA arch 90, FA on); "
+             f"{meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); llama.cpp as vendored by "
+             f"llama-cpp-python {meta['llama_cpp_python']} (built there: CUDA arch 90, FA on, f16 KV); "
              f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, untuned, float32 activations, CUDA graphs "
              "per layer).", "",
              f"Command: `{meta['command']}`", "",
@@ -205,10 +211,9 @@ def main() -> int:
     first = args.run[0]
     gpu = (first / "gpu.csv").read_text().splitlines()[-1] if (first / "gpu.csv").is_file() else "?"
     py, torch_v, cuda = ((first / "versions.txt").read_text().split() + ["?"] * 3)[:3]
-    llama_build = next((e["engines"]["llama.cpp"].get("build") for e in results["workloads"].values()), "?")
     date = next((json.loads((d / "check.json").read_text())["environment"]["date"]
                  for d in sorted(first.iterdir()) if (d / "check.json").is_file()), "?")
-    meta = {"date": date, "gpu": gpu, "python": py, "torch": torch_v, "cuda": cuda, "llama_cpp": llama_build,
+    meta = {"date": date, "gpu": gpu, "python": py, "torch": torch_v, "cuda": cuda,
             "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
             "luce_compile": luce_compile.__version__, "tvm": tvm.__version__, "command": args.command}
     doc = {"meta": meta, "results": results}

@@ -71,7 +71,7 @@ def test_markdown_rows_and_failed_engine(report, tmp_path):
     (tmp_path / "tiny" / "torch.log").write_text("Traceback ... CUDA out of memory")
     res = report.collect(tmp_path)
     assert "CUDA out of memory" in res["workloads"]["tiny"]["engines"]["torch"]["error"]
-    doc = {"meta": {"date": "2026-11-30T06:00", "gpu": "H200", "torch": "2.11", "cuda": "13.0", "llama_cpp": "abc",
+    doc = {"meta": {"date": "2026-11-30T06:00", "gpu": "H200", "torch": "2.11", "cuda": "13.0",
                     "llama_cpp_python": "0.3.36", "luce_compile": "0.1.0", "tvm": "0.27", "command": "bash x"},
            "results": res}
     lines = report.markdown(doc).splitlines()
