@@ -1,14 +1,21 @@
-"""Serving benchmark on loopback: N concurrent streaming clients against `luce-compile serve` and llama-cpp-python's
-OpenAI server on the same GGUF, one server at a time, each with the same threads.
+"""Serving benchmark on loopback: N concurrent streaming clients against `luce-compile serve` and llama.cpp's own
+`llama-server -np N` on the same GGUF, one server at a time, each with the same threads.
 
-    .venv/bin/python benchmarks/serve.py [--model smollm2-135m] [--clients 1 4 8] [--requests 16] [--max-tokens 32]
+    .venv/bin/python benchmarks/serve.py [--model smollm2-135m] [--clients 1 4 8] [--requests 32] [--max-tokens 64]
 
-For each server and each N: `--requests` identical /v1/completions requests (greedy, streamed) drawn by N clients,
-after one untimed warm-up request. Aggregate tok/s = streamed tokens of all requests / wall time of the level;
-TTFT = request sent → first streamed text. Tokens: the server's usage when it streams one (luce-compile does with
-stream_options.include_usage), else the count of streamed text chunks (llama-cpp-python streams one per token).
-llama-cpp-python's server decodes one request at a time (no -np); llama-server -np N is the GPU-machine peer.
-Writes benchmarks/results/serve-<date>.json and .md.
+For each N, each server is started afresh sized for N: luce-compile with `--max-batch N`, llama-server with `-np N`
+slots (continuous batching) and `-c N × ctx`, so each has N sequences of `--ctx` tokens; the servers alternate
+within a level so a drift in machine load hits both. Per level and server: one untimed warm-up request, then
+`--requests` /v1/completions requests (greedy, streamed, max_tokens) drawn by N clients.
+Aggregate tok/s = generated tokens of all requests / wall time of the level; TTFT = request sent → first streamed
+text. Tokens: the `usage.completion_tokens` each server streams at the end (luce-compile with
+stream_options.include_usage; llama-server always sends usage on its final /v1/completions chunk), else llama-server's
+`timings.predicted_n`, else the count of text chunks; the source is recorded per request. llama-server also gets
+`ignore_eos` (luce-compile's strict schema has no such field): tokens are counted, not assumed, so an early stop shows.
+Each request opens its own loopback connection (both servers). Before a level the script waits for a quiet machine;
+a level during which other processes took more than --max-foreign-pct of the CPU, or that failed, is rerun.
+llama-server is built once from the llama-cpp-python sdist's llama.cpp (benchmarks/peers/llama_server.py).
+Writes benchmarks/results/serve-<date>.json and .md; benchmarks/plot.py draws the PNG.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import asyncio
 import json
 import os
 import platform
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -34,9 +43,16 @@ sys.path.insert(0, str(ROOT))
 
 from report import write_results  # noqa: E402
 
+OURS = "luce-compile"
+PEER = "llama-server"
 PROMPT = ("The history of the lighthouse keepers of the northern coast is a long one. In the winter of that year, "
           "the storms came early, and the keeper wrote in his journal that")
 READY_TIMEOUT_S = 900  # the first `luce-compile serve` of a GGUF compiles it (minutes on 2 cores); cached after
+REQUEST_TIMEOUT_S = 600.0  # one streamed request; a level of 32 × 64 tokens takes ~1.5 min here at worst
+
+
+class LevelError(RuntimeError):
+    """One level of one server failed (a request error or a dead server); bench_level reruns it."""
 
 
 @dataclass
@@ -44,6 +60,7 @@ class RequestTiming:
     ttft_s: float
     tokens: int
     seconds: float
+    source: str = "usage"  # where `tokens` came from: usage, timings (llama-server's predicted_n) or chunks
 
 
 def free_port() -> int:
@@ -52,25 +69,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(server: str, gguf: Path, port: int, threads: int, max_batch: int) -> list[str]:
-    if server == "luce-compile":
-        return [sys.executable, "-m", "luce_compile.cli", "serve", str(gguf), "--port", str(port),
-                "--max-batch", str(max_batch), "--ctx", "512"]
-    return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port), "--host", "127.0.0.1",
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "512",
-            # its default cuts a streaming response short when the next request arrives: queue them instead
-            "--interrupt_requests", "False"]
+def server_command(server: str, gguf: Path, *, port: int, threads: int, clients: int, ctx: int) -> list[str]:
+    """The command line of `server` sized for `clients` concurrent sequences of `ctx` tokens each."""
+    if server == OURS:
+        # threads: TVM_NUM_THREADS in the environment (start_server); --ctx is per sequence
+        return [sys.executable, "-m", "luce_compile.cli", "serve", str(gguf), "--host", "127.0.0.1",
+                "--port", str(port), "--max-batch", str(clients), "--ctx", str(ctx)]
+    if server == PEER:
+        from peers.llama_server import llama_server_binary
+        from peers.llama_server import server_command as llama_server_command
+
+        return llama_server_command(llama_server_binary(), gguf, port=port, threads=threads, parallel=clients,
+                                    ctx_per_slot=ctx)
+    raise ValueError(f"serve bench: unknown server {server!r}; expected {OURS!r} or {PEER!r}")
+
+
+def given(server: str, clients: int) -> str:
+    """What each server was given at a level, for the table's server column."""
+    return f"--max-batch {clients}" if server == OURS else f"-np {clients}"
 
 
 def start_server(cmd: list[str], port: int, threads: int, log: Path) -> subprocess.Popen:
-    """Start a server and wait until /v1/models answers; raises RuntimeError with its log tail if it does not."""
+    """Start a server in its own process group; wait until /v1/models answers 200 (llama-server answers 503 while
+    it loads the model). Raises RuntimeError with its log tail if it exits or is not ready in time."""
     env = dict(os.environ, TVM_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"serve bench: {cmd[2]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"serve bench: `{' '.join(cmd)}` exited with {proc.returncode}: "
+                               f"{log.read_text()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
                 return proc
@@ -78,22 +107,74 @@ def start_server(cmd: list[str], port: int, threads: int, log: Path) -> subproce
             pass
         time.sleep(0.5)
     stop_server(proc)
-    raise RuntimeError(f"serve bench: {cmd[2]} not ready after {READY_TIMEOUT_S} s: {log.read_text()[-2000:]}")
+    raise RuntimeError(f"serve bench: `{' '.join(cmd)}` not ready after {READY_TIMEOUT_S} s: {log.read_text()[-2000:]}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
+    """SIGTERM the server's whole process group (it started it), then SIGKILL what is left after 30 s; returns once
+    nothing of the group runs, so a server's leftovers never share the CPU with the next one."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _group_alive(proc):
+            time.sleep(0.2)
+        if not _group_alive(proc):
+            break
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    proc.poll()  # reap the leader, or the group never empties
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        os.killpg(proc.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat (user … steal; guest is inside user)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)  # minus idle and iowait
+
+
+def own_jiffies(pid: int) -> int:
+    """CPU ticks used by process `pid` (all its threads) plus by this process (the clients)."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    me = os.times()
+    return int(stat[11]) + int(stat[12]) + round((me.user + me.system) * os.sysconf("SC_CLK_TCK"))
+
+
+def wait_quiet(threshold_pct: float, max_wait_s: float) -> float:
+    """Wait (up to max_wait_s) until the machine is under threshold_pct busy over a 2 s sample; returns the last
+    sample. Someone else's job on a 2-core machine halves a 2-thread server (llama.cpp's threads spin)."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        b0, t0 = cpu_jiffies()
+        time.sleep(2)
+        b1, t1 = cpu_jiffies()
+        busy = 100 * (b1 - b0) / max(t1 - t0, 1)
+        if busy <= threshold_pct or time.monotonic() > deadline:
+            return busy
+        print(f"serve bench: machine {busy:.0f}% busy before a level; waiting", file=sys.stderr, flush=True)
+        time.sleep(8)
+
+
+def request_tokens(usage: dict | None, timings: dict | None, chunks: int) -> tuple[int, str]:
+    """Generated tokens of one streamed request and where the number came from (best source first)."""
+    if usage and "completion_tokens" in usage:
+        return int(usage["completion_tokens"]), "usage"
+    if timings and "predicted_n" in timings:
+        return int(timings["predicted_n"]), "timings"
+    return chunks, "chunks"
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
-    """Stream one completion; time to the first text and the tokens streamed."""
+    """Stream one completion; time to the first text and the tokens generated."""
     start = time.perf_counter()
-    ttft, chunks, usage = None, 0, None
+    ttft, chunks, usage, timings = None, 0, None, None
     async with client.stream("POST", url, json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -101,12 +182,13 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
                 continue
             event = json.loads(line[6:])
             usage = event.get("usage") or usage
+            timings = event.get("timings") or timings
             if any(c.get("text") for c in event.get("choices", [])):
                 chunks += 1
                 ttft = ttft if ttft is not None else time.perf_counter() - start
-    tokens = int(usage["completion_tokens"]) if usage else chunks
+    tokens, source = request_tokens(usage, timings, chunks)
     return RequestTiming(ttft_s=ttft if ttft is not None else float("nan"), tokens=tokens,
-                         seconds=time.perf_counter() - start)
+                         seconds=time.perf_counter() - start, source=source)
 
 
 async def run_level(port: int, clients: int, requests: int, body: dict, tag: str) -> tuple[list[RequestTiming], float]:
@@ -122,94 +204,198 @@ async def run_level(port: int, clients: int, requests: int, body: dict, tag: str
             i = todo.pop()
             timings.append(await one_request(client, url, body | {"prompt": f"Log {tag}-{i}. {body['prompt']}"}))
 
-    limits = httpx.Limits(max_connections=clients)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    # a new loopback connection per request, for both servers: llama-server (cpp-httplib) now and then closes a
+    # kept-alive connection after a streamed response, and the next request on it fails at once (RemoteProtocolError)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(clients)))
         return timings, time.perf_counter() - start
 
 
-def summarize(server: str, clients: int, timings: list[RequestTiming], wall_s: float) -> dict:
+def summarize(server: str, clients: int, timings: list[RequestTiming], wall_s: float,
+              max_tokens: int | None = None) -> dict:
+    """One table row: aggregate tok/s over the level's wall time, TTFT percentiles, and (given max_tokens) how many
+    requests stopped before it."""
     from luce_runtime.bench import percentile
 
     ttfts = [t.ttft_s * 1e3 for t in timings]
     tokens = sum(t.tokens for t in timings)
-    return {"server": server, "clients": clients, "requests": len(timings), "tokens": tokens,
-            "wall_s": round(wall_s, 3), "aggregate_tok_s": tokens / wall_s,
-            "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
-            "per_request": [asdict(t) for t in timings]}
+    row = {"server": server, "clients": clients, "requests": len(timings), "tokens": tokens,
+           "wall_s": round(wall_s, 3), "aggregate_tok_s": tokens / wall_s,
+           "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
+           "token_sources": sorted({t.source for t in timings}), "per_request": [asdict(t) for t in timings]}
+    if max_tokens is not None:
+        row["short_requests"] = sum(t.tokens < max_tokens for t in timings)
+    return row
 
 
-def bench_server(server: str, gguf: Path, args: argparse.Namespace, logdir: Path) -> list[dict]:
+def ratios(rows: list[dict]) -> dict[str, dict[int, float]]:
+    """peer → clients → luce-compile's aggregate tok/s over the peer's at the same N (where both ran)."""
+    ours = {r["clients"]: r["aggregate_tok_s"] for r in rows if r["server"] == OURS}
+    out: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r["server"] != OURS and r["clients"] in ours and r["aggregate_tok_s"]:
+            out.setdefault(r["server"], {})[r["clients"]] = ours[r["clients"]] / r["aggregate_tok_s"]
+    return out
+
+
+def results_doc(meta: dict, rows: list[dict]) -> dict:
+    """The JSON document: meta, one row per (server, N) in run order, and the ratios (JSON keys are strings)."""
+    return {"meta": meta, "rows": rows,
+            "ratios": {peer: {str(n): v for n, v in by_n.items()} for peer, by_n in ratios(rows).items()}}
+
+
+def request_body(server: str, gguf: Path, max_tokens: int) -> dict:
+    body = {"model": gguf.stem, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    return body | {"ignore_eos": True} if server == PEER else body
+
+
+def bench_level(server: str, clients: int, gguf: Path, args: argparse.Namespace, logdir: Path) -> dict:
+    """One level of one server on a quiet machine: rerun (up to --retries times) when other processes took more than
+    --max-foreign-pct of the CPU during it, and keep the least disturbed attempt."""
+    best: dict | None = None
+    for attempt in range(1, args.retries + 2):
+        busy = wait_quiet(args.max_foreign_pct, args.quiet_wait_s)
+        try:
+            row = run_level_once(server, clients, gguf, args, logdir) | {"busy_before_pct": busy, "attempt": attempt}
+        except LevelError as e:
+            print(f"{server} N={clients}: attempt {attempt} failed: {e}", file=sys.stderr, flush=True)
+            continue
+        print(f"{server} N={clients}: {row['aggregate_tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
+              f"{row['tokens']} tokens ({'/'.join(row['token_sources'])}), load {row['load_avg_1m']:.2f}, "
+              f"other processes {row['foreign_cpu_pct']:.0f}% CPU", file=sys.stderr, flush=True)
+        if best is None or row["foreign_cpu_pct"] < best["foreign_cpu_pct"]:
+            best = row
+        if row["foreign_cpu_pct"] <= args.max_foreign_pct:
+            break
+    if best is None:
+        raise LevelError(f"serve bench: {server} N={clients} failed {args.retries + 1} times; each attempt's error "
+                         f"and server log tail are printed above; rerun with --servers {server} --clients {clients}")
+    return best | {"attempts": attempt}
+
+
+def run_level_once(server: str, clients: int, gguf: Path, args: argparse.Namespace, logdir: Path) -> dict:
+    """Start `server` sized for `clients`, warm it up, time one level, stop it; returns the row."""
     from luce_runtime.bench import machine_load
 
     port = free_port()
-    cmd = server_command(server, gguf, port, args.threads, max(args.clients))
-    proc = start_server(cmd, port, args.threads, logdir / f"{server}.log")
-    body = {"model": gguf.stem, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    cmd = server_command(server, gguf, port=port, threads=args.threads, clients=clients, ctx=args.ctx)
+    log = logdir / f"{server}-n{clients}.log"
+    proc = start_server(cmd, port, args.threads, log)
+    body = request_body(server, gguf, args.max_tokens)
     try:
         asyncio.run(run_level(port, 1, 1, body, "warm"))  # warm-up: first-call allocations, caches, thread pools
-        rows = []
-        for n in args.clients:
-            load = machine_load()  # a busy 2-core machine stalls llama.cpp's spinning threads: keep it visible
-            timings, wall = asyncio.run(run_level(port, n, args.requests, body, f"n{n}"))
-            rows.append(summarize(server, n, timings, wall) | {"load_avg_1m": load})
-            print(f"{server} N={n}: {rows[-1]['aggregate_tok_s']:.1f} tok/s, "
-                  f"TTFT p50 {rows[-1]['ttft_p50_ms']:.0f} ms", file=sys.stderr, flush=True)
-        return rows
+        load = machine_load()  # a busy 2-core machine stalls llama.cpp's spinning threads: keep it visible
+        (busy0, total0), own0 = cpu_jiffies(), own_jiffies(proc.pid)
+        timings, wall = asyncio.run(run_level(port, clients, args.requests, body, f"n{clients}"))
+        (busy1, total1), own1 = cpu_jiffies(), own_jiffies(proc.pid)
+    except (httpx.HTTPError, OSError) as e:  # a dropped stream or a server that died mid-level
+        raise LevelError(f"{type(e).__name__}: {e}; server exit code {proc.poll()}; its log ends: "
+                         f"{log.read_text(errors='replace')[-1500:]}") from e
     finally:
         stop_server(proc)
+    # CPU that neither this server nor the clients used during the level, as % of all cores: someone else's job
+    foreign = 100 * max(0, (busy1 - busy0) - (own1 - own0)) / max(total1 - total0, 1)
+    row = summarize(server, clients, timings, wall, args.max_tokens) | {
+        "load_avg_1m": load, "foreign_cpu_pct": round(foreign, 1), "given": given(server, clients),
+        "server_command": " ".join(cmd)}
+    if m := re.search(r"n_ctx_slot = (\d+)", log.read_text(errors="replace")):
+        row["ctx_per_slot"] = int(m[1])  # llama-server's own report: -c was split over the -np slots as intended
+    return row
 
 
 def serve_table(rows: list[dict], meta: dict) -> str:
-    """One row per (server, N); the ratio is luce-compile's aggregate tok/s over the peer's at the same N."""
-    ours = {r["clients"]: r["aggregate_tok_s"] for r in rows if r["server"] == "luce-compile"}
-    lines = [f"# Serving on loopback: luce-compile vs llama-cpp-python server ({meta['date']})", "",
+    """One row per (server, N), grouped by server; the ratio is luce-compile's aggregate tok/s over the peer's."""
+    ratio = ratios(rows)
+    order = list(dict.fromkeys(r["server"] for r in rows))
+    ordered = sorted(rows, key=lambda r: (order.index(r["server"]), r["clients"]))
+    lines = [f"# Serving on loopback: luce-compile vs {meta.get('peer', PEER)} ({meta['date']})", "",
              f"{meta['cpu']}, {meta['threads']} threads per server, load before {meta['load_avg_1m']:.2f}; model "
              f"{meta['model']}; {meta['requests']} streamed /v1/completions requests per level (greedy, max_tokens "
-             f"{meta['max_tokens']}, {meta['prompt_chars']}-character prompt); llama-cpp-python {meta['llama_cpp']} "
-             "serves one request at a time.", "", f"Command: `{meta['command']}`", "",
+             f"{meta['max_tokens']}, {meta['prompt_chars']}-character prompt). " + meta.get("setup", ""), "",
+             f"Command: `{meta['command']}`", "",
              "| server | clients | requests | tokens | aggregate tok/s | TTFT p50 ms | TTFT p99 ms | "
-             "luce-compile / peer | load before |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ratio = "" if r["server"] == "luce-compile" or r["clients"] not in ours else \
-            f"{ours[r['clients']] / r['aggregate_tok_s']:.2f}×"
-        lines.append(f"| {r['server']} | {r['clients']} | {r['requests']} | {r['tokens']} | "
-                     f"{r['aggregate_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {ratio} | "
-                     f"{r.get('load_avg_1m', float('nan')):.2f} |")
+             "luce-compile / peer | load before (others' CPU during) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in ordered:
+        name = f"{r['server']} `{r['given']}`" if "given" in r else r["server"]
+        value = ratio.get(r["server"], {}).get(r["clients"])
+        lines.append(f"| {name} | {r['clients']} | {r['requests']} | {r['tokens']} | "
+                     f"{r['aggregate_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+                     f"{'' if value is None else f'{value:.2f}×'} | {load_text(r)} |")
     return "\n".join(lines) + "\n"
 
 
-def meta_for(args: argparse.Namespace, gguf: Path) -> dict:
-    import llama_cpp
+def load_text(row: dict) -> str:
+    """The 1-minute load before the level, and the CPU other processes took during it when measured."""
+    text = f"{row.get('load_avg_1m', float('nan')):.2f}"
+    return text + (f" (others {row['foreign_cpu_pct']:.0f}%)" if "foreign_cpu_pct" in row else "")
+
+
+def setup_text(args: argparse.Namespace, peer_version: str) -> str:
+    """The table's sentence on what each server was given and how tokens were counted."""
+    return (f"Each level restarts each server sized for N sequences of {args.ctx} tokens: luce-compile serve "
+            f"`--max-batch N --ctx {args.ctx}` (TVM_NUM_THREADS={args.threads}); llama-server {peer_version} "
+            f"`-np N -c N×{args.ctx} --cont-batching -t {args.threads} -tb {args.threads}` (CPU backend, native build "
+            "of the llama-cpp-python sdist's llama.cpp) with `ignore_eos`. Tokens are each server's streamed "
+            "usage.completion_tokens; ratio = luce-compile aggregate tok/s over llama-server's at the same N. "
+            "Others' CPU: the share of both cores that processes other than the server and its clients used "
+            "during the level "
+            f"(a level over {args.max_foreign_pct:.0f}% is rerun, up to {args.retries} times).")
+
+
+def meta_for(args: argparse.Namespace, gguf: Path, servers: list[str]) -> dict:
     from cpu import _cpu_name
     from luce_runtime.bench import machine_load
+    from peers import llama_server
 
-    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu": platform.processor() or _cpu_name(),
+    import luce_compile
+
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu": platform.processor() or _cpu_name(),
             "threads": args.threads, "load_avg_1m": machine_load(), "model": gguf.name, "requests": args.requests,
-            "max_tokens": args.max_tokens, "prompt_chars": len(PROMPT), "clients": args.clients,
-            "llama_cpp": llama_cpp.__version__, "command": " ".join(["python benchmarks/serve.py", *sys.argv[1:]])}
+            "max_tokens": args.max_tokens, "ctx": args.ctx, "prompt_chars": len(PROMPT), "clients": args.clients,
+            "luce_compile": luce_compile.__version__, "peer": PEER,
+            "llama_cpp": llama_server.LLAMA_CPP_PYTHON_VERSION,
+            "command": " ".join(["python benchmarks/serve.py", *sys.argv[1:]])}
+    if PEER in servers:
+        binary = llama_server.llama_server_binary()  # built once (~10 min on 2 cores), before any timing
+        meta["llama_server"] = {"version": llama_server.version(binary), "binary": str(binary),
+                                "source": f"llama-cpp-python {llama_server.LLAMA_CPP_PYTHON_VERSION} sdist, "
+                                          "vendor/llama.cpp", "cmake_flags": llama_server.CMAKE_FLAGS,
+                                "build_seconds": llama_server.build_seconds()}
+    meta["setup"] = setup_text(args, meta.get("llama_server", {}).get("version", ""))
+    return meta
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2-135m", help="a known model name or a .gguf path")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--requests", type=int, default=16, help="requests per level (fixed, whatever N is)")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=32, help="requests per level (fixed, whatever N is)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ctx", type=int, default=512, help="context per sequence / slot")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--servers", nargs="+", default=["luce-compile", "llama.cpp"], choices=["luce-compile", "llama.cpp"])
+    p.add_argument("--max-foreign-pct", type=float, default=10.0,
+                   help="rerun a level when other processes took more than this %% of the CPU during it")
+    p.add_argument("--retries", type=int, default=2, help="reruns of a disturbed level (the least disturbed is kept)")
+    p.add_argument("--quiet-wait-s", type=float, default=300.0, help="longest wait for a quiet machine per level")
+    p.add_argument("--servers", nargs="+", default=[OURS, PEER], choices=[OURS, PEER])
     p.add_argument("--out", type=Path, default=ROOT / "results")
     args = p.parse_args()
+    import logging
+
     from luce_compile.models import fetch
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     gguf = Path(args.model) if args.model.endswith(".gguf") else fetch(args.model)
-    meta = meta_for(args, gguf)
+    meta = meta_for(args, gguf, args.servers)
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as logdir:
-        rows = [row for server in args.servers for row in bench_server(server, gguf, args, Path(logdir))]
+        rows = [bench_level(server, n, gguf, args, Path(logdir)) for n in args.clients for server in args.servers]
+    doc = results_doc(meta, rows)
     markdown = serve_table(rows, meta)
-    write_results(args.out / f"serve-{meta['date'][:10]}", {"meta": meta, "rows": rows}, markdown)
+    write_results(args.out / f"serve-{meta['date'][:10]}", doc, markdown)
     print(markdown)
     return 0
 
