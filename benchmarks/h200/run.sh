@@ -15,7 +15,7 @@ set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Raw outputs go to $RAW; $OUT gets them as one tarball, refreshed after every workload (the device tool returns at
 # most 8 files, and whatever is there when a call runs out of time).
-H=.gpucheck/h200; WORK=$H/work; RAW=$WORK/raw-$(date +%H%M%S); OUT=${OUT:-/tmp/h200-out}
+H=.gpucheck/h200; WORK=$PWD/$H/work; RAW=$WORK/raw-$(date +%H%M%S); OUT=${OUT:-/tmp/h200-out}
 WORKLOADS=${WORKLOADS:-"smollm2-135m llama-1b-body llama-1b-body-bf16 qwen3-0.6b"}; REPEAT=${REPEAT:-3}
 mkdir -p "$WORK" "$RAW" "$OUT"
 pack() { tar czf "$OUT/h200-run.tgz" -C "$RAW" . ; }
@@ -34,7 +34,7 @@ if [ ! -d "$WORK/site/tvm" ]; then
   mkdir -p "$WORK/site" && tar xzf $H/bundle/tvm-runtime.tgz -C "$WORK/site" &&
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" $H/bundle/*.whl || exit 3
 fi
-export PYTHONPATH=$PWD/$WORK/site:$PWD/runtime:$PWD
+export PYTHONPATH=$WORK/site:$PWD/runtime:$PWD
 for w in $WORKLOADS; do
   python3 scripts/device_check.py gguf $H/$w --gguf "$WORK/$w.gguf" > "$RAW/gguf-$w.log" 2>&1 &
 done
