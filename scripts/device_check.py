@@ -13,8 +13,8 @@ that travels is capped at 64 MiB (a SmolLM2-135M-shape artifact's weights are ~1
       generator with the tokenizer keys from the artifact: it would otherwise fetch SmolLM2 for them; the sha256
       recorded at build time must match), loads the artifact with luce_runtime (TVM runtime only), and
       checks: prefill + 64 decode steps within 1e-3 relative of the oracle, greedy ids equal until the first
-      near-tie, batched decode of 8 sequences equal to each alone; then times decode (batch 1) and prefill of 512
-      and 2048 tokens. Prints and writes one JSON result.
+      near-tie, batched decode of 2, 5 and 8 sequences equal to each alone; then times decode (batch 1) and prefill
+      of 512 and 2048 tokens. Prints and writes one JSON result.
 """
 
 from __future__ import annotations
@@ -160,28 +160,31 @@ def check_oracle(engine, ref) -> dict:
             "ok": max(errs) <= REL_TOL and not mismatched}
 
 
-def check_batched(engine, n_seq: int = 8, steps: int = 16, seed: int = 1) -> dict:
-    """Decode n_seq sequences together, then each alone from the same prompt and tokens: the same logits."""
+def check_batched(engine, sizes: tuple[int, ...] = (2, 5, 8), steps: int = 16, seed: int = 1) -> dict:
+    """Decode n sequences together, then each alone from the same prompt and tokens: the same logits. The sizes
+    cover each branch of the batched matmuls (schedules/gpu/quant_gemm.py: ≤ 2, ≤ 8 padded to a bucket of 4), and
+    prompts of 4..40 tokens send short prefills through the small-batch branches too."""
     rng = np.random.default_rng(seed)
-    prompts = [[int(t) for t in rng.integers(1, 49152, int(n))] for n in rng.integers(4, 40, n_seq)]
-    seqs = [engine.add_sequence() for _ in prompts]
-    last = engine.prefill(seqs, prompts)
-    fed, together = [], []
-    for _ in range(steps):
-        tokens = [int(t) for t in np.argmax(last, axis=-1)]
-        fed.append(tokens)
-        last = engine.decode(seqs, tokens)
-        together.append(last)
-    for s in seqs:
-        engine.remove_sequence(s)
     worst = 0.0
-    for i, prompt in enumerate(prompts):
-        s = engine.add_sequence()
-        engine.prefill([s], [prompt])
-        for step in range(steps):
-            worst = max(worst, _rel(engine.decode([s], [fed[step][i]])[0], together[step][i]))
-        engine.remove_sequence(s)
-    return {"sequences": n_seq, "steps": steps, "max_rel_diff": worst, "ok": worst <= BATCH_TOL}
+    for n_seq in sizes:
+        prompts = [[int(t) for t in rng.integers(1, 49152, int(n))] for n in rng.integers(4, 40, n_seq)]
+        seqs = [engine.add_sequence() for _ in prompts]
+        last = engine.prefill(seqs, prompts)
+        fed, together = [], []
+        for _ in range(steps):
+            tokens = [int(t) for t in np.argmax(last, axis=-1)]
+            fed.append(tokens)
+            last = engine.decode(seqs, tokens)
+            together.append(last)
+        for s in seqs:
+            engine.remove_sequence(s)
+        for i, prompt in enumerate(prompts):
+            s = engine.add_sequence()
+            engine.prefill([s], [prompt])
+            for step in range(steps):
+                worst = max(worst, _rel(engine.decode([s], [fed[step][i]])[0], together[step][i]))
+            engine.remove_sequence(s)
+    return {"sequences": list(sizes), "steps": steps, "max_rel_diff": worst, "ok": worst <= BATCH_TOL}
 
 
 def _sync(engine) -> None:

@@ -10,7 +10,8 @@
 # GGUFs are generated from their specs (the same bytes as on the build machine: the sha256 is checked).
 # luce-compile's checks against the oracle run while llama.cpp builds (niced). Phase 2 (GPU, one engine at a time,
 # nothing else running): per workload, luce-compile, torch and llama.cpp timings (medians of REPEAT runs). WORKLOADS="a b" limits the set; a warm machine reuses the build and
-# the GGUFs under .gpucheck/h200/work, so the set can also be split over two calls of 10 minutes.
+# the GGUFs under .gpucheck/h200/work, so the set can also be split over two calls of 10 minutes. LLAMA_CPP=0 skips
+# llama.cpp (its build is 5 of the ~7 minutes): luce-compile and torch only, e.g. to re-measure after a change.
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Raw outputs go to $RAW; $OUT gets them as one tarball, refreshed after every workload (the device tool returns at
@@ -22,7 +23,8 @@ pack() { tar czf "$OUT/h200-run.tgz" -C "$RAW" . ; }
 start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 
 L=$WORK/llama.cpp/build/bin
-if [ ! -x "$L/llama-batched-bench" ]; then
+LLAMA_CPP=${LLAMA_CPP:-1}
+if [ "$LLAMA_CPP" = 1 ] && [ ! -x "$L/llama-batched-bench" ]; then
   tar xzf $H/peer/llama.cpp.tgz -C "$WORK"
   ( cd "$WORK/llama.cpp" && nice -n 19 cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
       -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
@@ -61,6 +63,7 @@ for w in $WORKLOADS; do
   stamp "$w luce-compile rc=$?"
   python3 benchmarks/peers/torch_peer.py "$G" --out "$O/torch.json" --repeat $REPEAT > "$O/torch.log" 2>&1
   stamp "$w torch rc=$?"
+  [ "$LLAMA_CPP" = 1 ] || { pack; continue; }
   "$L/llama-bench" -m "$G" -p 512,2048 -n 128 -fa 1 -ngl 99 -r $REPEAT -o json > "$O/llama_bench.json" \
     2> "$O/llama_bench.err"
   stamp "$w llama-bench rc=$?"

@@ -1,22 +1,40 @@
 """GPU schedule for the batched fused dequantize + matmul (prefill, batched decode, verify) of lower/quant_matmul.py.
 
-dlight's Matmul rule accepts our functions as written (a spatial "dequantize" block feeding the matmul): it tiles
-the output over thread blocks, stages tiles of x and of the dequantized W in shared memory (the dequantization
-runs once per tile, so W is never materialized in global memory) and accumulates in registers. This rule claims
-exactly our quantized matmuls with a symbolic or > 1 batch and hands them to it, so they are scheduled as matmuls
-even where another rule earlier in the list would also match; its knobs arrive with tuning (the tile sizes of
-dlight's config), none are exposed yet.
+One function serves every batch size (the batch is symbolic), and no single schedule suits both ends:
+- Large batches (prefill): dlight's Matmul rule tiles the output over thread blocks, stages tiles of x and of the
+  dequantized W in shared memory (the dequantization runs once per tile, so W is never materialized in global
+  memory) and accumulates in registers.
+- Small batches (batched decode, a few sequences): Matmul's tiles are mostly padding there, and the Nsight profile
+  of 2026-11-30 (benchmarks/results/h200-2026-11-30-decode-profile.md) put a batch-8 decode step of the Llama-1B
+  body at 18 ms, 10× the batch-1 step. dlight's LowBatchGEMV is a GEMV that dequantizes each weight into registers
+  once and uses it for a bucket of rows (the batch padded to the bucket), so W is read once per bucket.
+So the function branches on the batch at run time, as MLC-LLM's low-batch specialization does: batch ≤ 2 →
+LowBatchGEMV(2), ≤ 8 → LowBatchGEMV(4), else Matmul. The condition is thread-invariant, and TVM hoists it out of the
+kernels (tirx.HoistIfThenElseExprWithBlock): each branch is its own kernel, chosen on the host. A static batch > 1
+(none is lowered today) keeps Matmul: LowBatchGEMV takes only a symbolic batch. Knobs (bucket limits, Matmul's
+tiles) arrive with tuning; none are exposed yet.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 from luce_schedules.cpu.quant_matmul import match_matmul
 from luce_schedules.gpu.base import GPURule
-from tvm import s_tir, tirx
+from tvm import IRModule, s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
+
+# (largest batch, LowBatchGEMV bucket), smallest first; a batch above the last goes to Matmul
+LOW_BATCH: tuple[tuple[int, int], ...] = ((2, 2), (8, 4))
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """A function already scheduled branch by branch; dlight's ApplyDefaultSchedule reads only `.mod["main"]`."""
+
+    mod: IRModule
 
 
 class QuantGEMM(GPURule):
@@ -24,7 +42,7 @@ class QuantGEMM(GPURule):
     DEFAULTS: ClassVar[dict[str, int]] = {}
     SPACE: ClassVar[dict[str, tuple[int, ...]]] = {}
 
-    def apply(self, func: tirx.PrimFunc, target: Target, knobs=None) -> s_tir.Schedule | None:
+    def apply(self, func: tirx.PrimFunc, target: Target, knobs=None):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name not in ("cuda", "rocm"):
             return None
         blocks = match_matmul(s_tir.Schedule(func))
@@ -32,5 +50,25 @@ class QuantGEMM(GPURule):
             return None
         self.knobs(knobs)
         with target:
-            sch = dl.gpu.Matmul().apply(func, target, False)
-        return sch if isinstance(sch, s_tir.Schedule) else None
+            gemm = dl.gpu.Matmul().apply(func, target, False)
+            # CUDA only: on ROCm LowBatchGEMV's blocks exceed the 256 threads our gfx targets allow, and nothing
+            # was measured there; the build's thread check would refuse them
+            low = {limit: dl.gpu.LowBatchGEMV(bucket).apply(func, target, False) for limit, bucket in LOW_BATCH
+                   if target.kind.name == "cuda"}
+        low = {limit: sch for limit, sch in low.items() if isinstance(sch, s_tir.Schedule)}
+        gemm = gemm if isinstance(gemm, s_tir.Schedule) else None
+        if gemm is None or not low or not isinstance(blocks.batch, tirx.Var):
+            return gemm
+        # a one-element list: dlight's ApplyDefaultSchedule wraps a bare Schedule, and takes other results as a list
+        return [Dispatched(IRModule({"main": dispatch_on_batch(func, blocks.batch, low, gemm)}))]
+
+
+def dispatch_on_batch(func: tirx.PrimFunc, batch: tirx.Var, low: dict[int, s_tir.Schedule],
+                      gemm: s_tir.Schedule) -> tirx.PrimFunc:
+    """func whose body runs low[limit]'s schedule for the smallest limit ≥ batch, else gemm's. Every schedule was
+    made from func itself, so all bodies refer to func's own parameters and buffers."""
+    body = gemm.mod["main"].body
+    for limit, sch in sorted(low.items(), reverse=True):
+        body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(batch <= limit), sch.mod["main"].body, body)
+    body = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
+    return func.with_body(body).with_attr("tirx.HoistIfThenElseExprWithBlock", 1)
