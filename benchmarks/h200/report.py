@@ -93,23 +93,23 @@ def gguf_bytes_per_token(preset: str) -> int | None:
 
 
 def collect(*runs: Path) -> dict[str, Any]:
-    """Every workload folder of the given run outputs (a run split over two device calls gives two)."""
+    """Every workload folder of the given run outputs. With several runs (a run split over device calls, or a
+    re-measure of some engines after a change), each engine's row comes from the last run that measured it, and
+    says which run that was (`run`: the index in `runs`)."""
     workloads: dict[str, Any] = {}
-    folders = [p for run in runs for p in run.iterdir() if p.is_dir() and (p / "ours.json").exists()]
     order = {name: i for i, name in enumerate(WORKLOADS)}  # the issue's order; anything else after, by name
-    folders.sort(key=lambda p: (order.get(p.name, len(order)), p.name))
-    for folder in folders:
-        ours, torch_d = _load(folder / "ours.json"), _load(folder / "torch.json")
-        batched = (folder / "llama_batched.txt").read_text() if (folder / "llama_batched.txt").is_file() else None
-        engines = {
-            OURS: ours_row(ours) if ours else {"error": (folder / "ours.err").read_text()[-2000:]},
-            "llama.cpp": llama_cpp_row(_load(folder / "llama_bench.json"), batched,
-                                       gguf_bytes_per_token(folder.name)),
-            "torch": torch_row(torch_d) if torch_d else {"error": (folder / "torch.log").read_text()[-2000:]},
-        }
-        check = _load(folder / "check.json") or {}
-        workloads[folder.name] = {"engines": engines, "check": check.get("checks"),
-                                  "weights": check.get("weights")}
+    for index, run in enumerate(runs):
+        folders = sorted((p for p in run.iterdir() if p.is_dir() and (p / "ours.json").exists()),
+                         key=lambda p: (order.get(p.name, len(order)), p.name))
+        for folder in folders:
+            w = workloads.setdefault(folder.name, {"engines": {}, "check": None, "weights": None})
+            for engine, row in _engine_rows(folder).items():
+                w["engines"][engine] = row | {"run": index}
+            check = _load(folder / "check.json")
+            if check:
+                w["check"], w["weights"] = check.get("checks"), check.get("weights")
+    for w in workloads.values():  # every table row in the same engine order
+        w["engines"] = {e: w["engines"].get(e, {"error": "not run"}) for e in ENGINES}
     bandwidths = [e["bandwidth_gb_s"] for w in workloads.values() for e in w["engines"].values()
                   if e.get("bandwidth_gb_s")]
     bandwidth = sorted(bandwidths)[len(bandwidths) // 2] if bandwidths else None
@@ -119,6 +119,21 @@ def collect(*runs: Path) -> dict[str, Any]:
                 e["roofline_tok_s"] = bandwidth * 1e9 / e["weight_bytes_per_token"]
                 e["roofline_fraction"] = e["decode_b1"] / e["roofline_tok_s"]
     return {"workloads": workloads, "bandwidth_gb_s": bandwidth, "bandwidths_measured_gb_s": bandwidths}
+
+
+def _engine_rows(folder: Path) -> dict[str, dict[str, Any]]:
+    """The engines this folder holds results (or errors) for; an engine with no files in it was not run there."""
+    rows: dict[str, dict[str, Any]] = {}
+    ours = _load(folder / "ours.json")
+    rows[OURS] = ours_row(ours) if ours else {"error": (folder / "ours.err").read_text()[-2000:]}
+    if (folder / "llama_bench.json").is_file():
+        batched = (folder / "llama_batched.txt").read_text() if (folder / "llama_batched.txt").is_file() else None
+        rows["llama.cpp"] = llama_cpp_row(_load(folder / "llama_bench.json"), batched,
+                                          gguf_bytes_per_token(folder.name))
+    if (folder / "torch.json").is_file() or (folder / "torch.log").is_file():
+        torch_d = _load(folder / "torch.json")
+        rows["torch"] = torch_row(torch_d) if torch_d else {"error": (folder / "torch.log").read_text()[-2000:]}
+    return rows
 
 
 def ratio(ours: dict[str, Any], peer: dict[str, Any], metric: str) -> float | None:
@@ -143,11 +158,16 @@ def markdown(doc: dict[str, Any]) -> str:
              "runs bf16 weights dequantized from the same GGUF (static KV cache, the whole decode step in one CUDA "
              "graph; prefill: the better of eager and one replayed CUDA graph per prompt). luce-compile is timed at "
              "the host, each call returning its logits (what a caller sees); the peers with their own timers "
-             "(llama-bench, CUDA events). % roofline: decode b=1 over (bandwidth / the engine's weight bytes per token), bandwidth = "
+             "(llama-bench, CUDA events). % roofline: decode b=1 over (bandwidth / the engine's weight bytes per "
+             "token), bandwidth = "
              f"{_fmt(res['bandwidth_gb_s'], ',.0f')} GB/s measured in this run (device copy, read + write).", "",
              "| workload | engine | MiB/token | decode b=1 tok/s | % roofline | decode b=8 tok/s | pp512 tok/s | "
              "pp2048 tok/s | ours / peer (b=1, b=8, pp512, pp2048) |",
              "|---|---|---|---|---|---|---|---|---|"]
+    runs = meta.get("runs", [])
+    if len(runs) > 1:  # rows say which run measured them
+        lines[-3:-3] = ["", "Runs: " + "; ".join(f"run {i + 1}: {r}" for i, r in enumerate(runs))
+                        + ". Each engine's row comes from the last run that measured it."]
     for name, w in res["workloads"].items():
         ours = w["engines"][OURS]
         for engine in ENGINES:
@@ -159,7 +179,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 _fmt(ratio(ours, e, m), ".2f") + "×" for m in METRICS)
             mib = e["weight_bytes_per_token"] / 2**20 if e.get("weight_bytes_per_token") else None
             roof = 100 * e["roofline_fraction"] if e.get("roofline_fraction") else None
-            lines.append(f"| {name} | {engine} | {_fmt(mib, '.1f')} | {_fmt(e['decode_b1'])} | {_fmt(roof, '.1f')}% | "
+            label = f"{engine} (run {e['run'] + 1})" if len(runs) > 1 else engine
+            lines.append(f"| {name} | {label} | {_fmt(mib, '.1f')} | {_fmt(e['decode_b1'])} | {_fmt(roof, '.1f')}% | "
                          f"{_fmt(e['decode_b8'])} | {_fmt(e['prefill_512'])} | {_fmt(e['prefill_2048'])} | "
                          f"{ratios} |")
     lines += ["", "luce-compile's correctness in the same run (scripts/device_check.py: prefill + decode steps "
@@ -197,6 +218,14 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
     return save(fig, out)
 
 
+def _run_label(run: Path) -> str:
+    """The run's date (its first check's clock) and luce-compile commit, if it recorded one."""
+    date = next((json.loads((d / "check.json").read_text())["environment"]["date"]
+                 for d in sorted(run.iterdir()) if (d / "check.json").is_file()), "?")
+    commit = (run / "commit.txt").read_text().strip() if (run / "commit.txt").is_file() else ""
+    return f"{date} {commit}".strip()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", type=Path, nargs="+", help="the fetched $OUT of each device call of this run")
@@ -213,11 +242,12 @@ def main() -> int:
     first = args.run[0]
     gpu = (first / "gpu.csv").read_text().splitlines()[-1] if (first / "gpu.csv").is_file() else "?"
     py, torch_v, cuda = ((first / "versions.txt").read_text().split() + ["?"] * 3)[:3]
-    date = next((json.loads((d / "check.json").read_text())["environment"]["date"]
-                 for d in sorted(first.iterdir()) if (d / "check.json").is_file()), "?")
+    runs = [_run_label(run) for run in args.run]
+    date = runs[0].split(" ")[0]
     meta = {"date": date, "gpu": gpu, "python": py, "torch": torch_v, "cuda": cuda,
             "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
-            "luce_compile": luce_compile.__version__, "tvm": tvm.__version__, "command": args.command}
+            "luce_compile": luce_compile.__version__, "tvm": tvm.__version__, "command": args.command,
+            "runs": runs}
     doc = {"meta": meta, "results": results}
     stem = args.out / f"h200-{date[:10]}"
     write_results(stem, doc, markdown(doc))

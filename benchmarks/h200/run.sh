@@ -19,6 +19,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 H=.gpucheck/h200; WORK=$PWD/$H/work; RAW=$WORK/raw-$(date +%H%M%S); OUT=${OUT:-/tmp/h200-out}
 WORKLOADS=${WORKLOADS:-"smollm2-135m llama-1b-body llama-1b-body-bf16 qwen3-0.6b"}; REPEAT=${REPEAT:-3}
 mkdir -p "$WORK" "$RAW" "$OUT"
+# the luce-compile commit measured (the device's copy of the tree may carry no usable git metadata)
+echo "${LUCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" > "$RAW/commit.txt"
 pack() { tar czf "$OUT/h200-run.tgz" -C "$RAW" . ; }
 start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 

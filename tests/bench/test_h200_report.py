@@ -96,3 +96,25 @@ def test_gguf_bytes_per_token_counts_every_tensor_of_a_tied_model(report):
     untied = read_gguf(cached_synthetic("tiny-qwen2"))  # untied: the embedding table is one row per token, not read
     assert report.gguf_bytes_per_token("tiny-qwen2") == sum(
         t.nbytes for t in untied.tensors.values() if t.name != "token_embd.weight")
+
+
+@pytest.mark.unit
+def test_a_later_run_replaces_only_the_engines_it_measured(report, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    fabricate(first)
+    fabricate(second)
+    for name in ("llama_bench.json", "llama_batched.txt"):  # run 2 re-measured luce-compile and torch only
+        (second / "tiny" / name).unlink()
+    ours = json.loads((second / "tiny" / "ours.json").read_text()) | {"decode_batch_tok_s": 3200.0}
+    (second / "tiny" / "ours.json").write_text(json.dumps(ours))
+    e = report.collect(first, second)["workloads"]["tiny"]["engines"]
+    assert list(e) == list(report.ENGINES)
+    assert e["luce-compile"]["decode_b8"] == 3200.0 and e["luce-compile"]["run"] == 1
+    assert e["llama.cpp"]["decode_b8"] == 4000.0 and e["llama.cpp"]["run"] == 0
+    assert e["torch"]["run"] == 1
+    doc = {"meta": {"date": "d", "gpu": "H200", "torch": "2.11", "cuda": "13.0", "llama_cpp_python": "0.3.36",
+                    "luce_compile": "0.1.0", "tvm": "0.27", "command": "bash x", "runs": ["t1 abc", "t2 def"]},
+           "results": report.collect(first, second)}
+    text = report.markdown(doc)
+    assert "run 1: t1 abc; run 2: t2 def" in text
+    assert "| tiny | llama.cpp (run 1) |" in text and "| tiny | luce-compile (run 2) |" in text
