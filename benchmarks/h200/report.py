@@ -147,7 +147,9 @@ def _fmt(v: float | None, spec: str = ",.0f") -> str:
 
 def markdown(doc: dict[str, Any]) -> str:
     meta, res = doc["meta"], doc["results"]
-    lines = [f"# H200: luce-compile vs llama.cpp CUDA vs torch, same run ({meta['date']})", "",
+    runs = meta.get("runs", [])
+    same = "same run" if len(runs) <= 1 else f"{len(runs)} runs on the same machine kind"
+    lines = [f"# H200: luce-compile vs llama.cpp CUDA vs torch, {same} ({meta['date']})", "",
              f"{meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); llama.cpp as vendored by "
              f"llama-cpp-python {meta['llama_cpp_python']} (built there: CUDA arch 90, FA on, f16 KV); "
              f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, untuned, float32 activations, CUDA graphs "
@@ -164,7 +166,6 @@ def markdown(doc: dict[str, Any]) -> str:
              "| workload | engine | MiB/token | decode b=1 tok/s | % roofline | decode b=8 tok/s | pp512 tok/s | "
              "pp2048 tok/s | ours / peer (b=1, b=8, pp512, pp2048) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    runs = meta.get("runs", [])
     if len(runs) > 1:  # rows say which run measured them
         lines[-3:-3] = ["", "Runs: " + "; ".join(f"run {i + 1}: {r}" for i, r in enumerate(runs))
                         + ". Each engine's row comes from the last run that measured it."]
@@ -183,8 +184,10 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {name} | {label} | {_fmt(mib, '.1f')} | {_fmt(e['decode_b1'])} | {_fmt(roof, '.1f')}% | "
                          f"{_fmt(e['decode_b8'])} | {_fmt(e['prefill_512'])} | {_fmt(e['prefill_2048'])} | "
                          f"{ratios} |")
-    lines += ["", "luce-compile's correctness in the same run (scripts/device_check.py: prefill + decode steps "
-              "teacher-forced against the float64 oracle's logits; 8 sequences batched vs each alone):", "",
+    sizes = sorted({n for w in res["workloads"].values() for n in _batched_sizes(w.get("check"))})
+    lines += ["", "luce-compile's correctness in the run that timed it (scripts/device_check.py: prefill + decode "
+              "steps teacher-forced against the float64 oracle's logits; "
+              f"{', '.join(map(str, sizes)) or 'n/a'} sequences decoded together vs each alone):", "",
               "| workload | max rel. err vs oracle | greedy ids checked / mismatched | batched vs alone | ok |",
               "|---|---|---|---|---|"]
     for name, w in res["workloads"].items():
@@ -195,6 +198,11 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{len(o.get('ids_mismatched', [])) if o else 'n/a'} | {_fmt(b.get('max_rel_diff'), '.1e')} | "
                      f"{'yes' if ok else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def _batched_sizes(check: dict[str, Any] | None) -> list[int]:
+    sequences = ((check or {}).get("batched") or {}).get("sequences", [])
+    return sequences if isinstance(sequences, list) else [sequences]
 
 
 def plot(doc: dict[str, Any], out: Path) -> Path:
@@ -230,6 +238,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", type=Path, nargs="+", help="the fetched $OUT of each device call of this run")
     p.add_argument("--out", type=Path, default=ROOT / "results")
+    p.add_argument("--name", help="file name stem under --out (default h200-<date of the first run>)")
     p.add_argument("--command", default="bash benchmarks/h200/run.sh  # device call, carry [\".gpucheck/h200\"]")
     args = p.parse_args()
     import importlib.metadata
@@ -249,7 +258,7 @@ def main() -> int:
             "luce_compile": luce_compile.__version__, "tvm": tvm.__version__, "command": args.command,
             "runs": runs}
     doc = {"meta": meta, "results": results}
-    stem = args.out / f"h200-{date[:10]}"
+    stem = args.out / (args.name or f"h200-{date[:10]}")
     write_results(stem, doc, markdown(doc))
     plot(doc, stem.with_suffix(".png"))
     print(markdown(doc))
