@@ -6,11 +6,9 @@ numbers are positive, finite and carry the documented keys.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,16 +21,7 @@ from luce_runtime.bench import (
     weight_bytes_per_token,
 )
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load_benchmark_module(name: str):
-    """benchmarks/ is a folder of scripts, not a package: load one by path."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.bench._load import load_benchmark_module
 
 
 def result(**over) -> BenchResult:
@@ -225,7 +214,6 @@ def test_bench_artifact_and_its_cli(tmp_path):
     same schema with the runtime alone (a subprocess: this one has the compiler's TVM loaded)."""
     import json
     import subprocess
-    import sys
 
     from luce_compile.build.compile import compile_model
     from luce_compile.synthetic import cached_synthetic

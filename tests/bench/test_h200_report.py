@@ -3,23 +3,17 @@ fabricated run folder whose numbers are chosen so every ratio and roofline fract
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.bench._load import load_benchmark_module
 
 
 @pytest.fixture(scope="module")
 def report():
-    sys.path.insert(0, str(BENCH_DIR))
-    spec = importlib.util.spec_from_file_location("bench_h200_report", BENCH_DIR / "h200" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_module("h200/report")
 
 
 def fabricate(run: Path, bytes_per_token: int = 100_000_000) -> None:

@@ -4,13 +4,11 @@ benchmarks/peers/llama_server.py). No servers run and nothing is timed: streams 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -18,17 +16,7 @@ import httpx
 import pytest
 from luce_runtime.bench import percentile
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load_benchmark_module(name: str):
-    """benchmarks/ is a folder of scripts, not a package: load one by path (as test_bench.py does)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
+from tests.bench._load import load_benchmark_module
 
 serve = load_benchmark_module("serve")
 from peers import llama_server  # noqa: E402  (importable once serve.py put benchmarks/ on sys.path)
