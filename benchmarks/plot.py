@@ -50,15 +50,18 @@ def cpu_series(doc: dict, key: str, roofline: bool = False) -> tuple[list[str], 
         if roofline:
             value = 100 * value / roofs[r["model"]] if r["model"] in roofs else 0.0
         series[r["engine"]][models.index(r["model"])] = value
-    return models, dict(series)
+    return [m.removeprefix("synthetic:") for m in models], dict(series)
 
 
 def plot_cpu(doc: dict, out: Path) -> Path:
     meta = doc["meta"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
     grouped_bars(axes[0], *cpu_series(doc, "prefill_tok_s"), f"prefill tok/s ({meta['prompt_len']} tokens)")
     grouped_bars(axes[1], *cpu_series(doc, "decode_tok_s"), "decode tok/s (batch 1)", "{:.1f}")
-    grouped_bars(axes[2], *cpu_series(doc, "decode_tok_s", roofline=True), "decode, % of memory roofline", "{:.1f}%")
+    grouped_bars(axes[2], *cpu_series(doc, "decode_batch_tok_s"), "decode tok/s (batch 8, aggregate)", "{:.1f}")
+    grouped_bars(axes[3], *cpu_series(doc, "decode_tok_s", roofline=True), "decode, % of memory roofline", "{:.1f}%")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=20)
     fig.suptitle(f"CPU {meta['date'][:10]}: {meta['cpu']}, {meta['threads']} threads (load {meta['load_avg_1m']:.2f})"
                  f"; luce-compile {meta['luce_compile']} untuned vs llama.cpp {meta['llama_cpp']}", fontsize=10)
     return save(fig, out)
