@@ -272,6 +272,8 @@ def add_sampling_args(s: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from luce_runtime.bench import add_bench_arguments  # numpy only: TVM is not loaded by parsing
+
     p = argparse.ArgumentParser(prog="luce-compile", description=__doc__)
     p.add_argument("--version", action="version", version=f"luce-compile {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log what is done and every default filled in")
@@ -321,11 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="prefill/decode tok/s and roofline fraction of an artifact (or a GGUF)")
     s.add_argument("model", help="an artifact directory, a .gguf path or a known model name")
     s.add_argument("--target", default="cpu")
-    s.add_argument("--prompt-len", type=int, default=128)
-    s.add_argument("--gen-len", type=int, default=32)
-    s.add_argument("--batch", type=int, default=4)
-    s.add_argument("--repeat", type=int, default=3)
-    s.add_argument("--prefill-lens", type=int, nargs="*", default=[], help="also time prefill of these lengths")
+    add_bench_arguments(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_bench)
 

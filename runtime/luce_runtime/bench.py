@@ -208,6 +208,15 @@ def bench_artifact(artifact, *, prompt_len: int, gen_len: int, batch: int, repea
         bandwidth_gb_s=bandwidth, extra=extra)
 
 
+def add_bench_arguments(parser) -> None:
+    """The bench options, shared by `luce-compile bench` and `python -m luce_runtime.bench`."""
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--prefill-lens", type=int, nargs="*", default=[], help="also time prefill of these lengths")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Bench an artifact with the runtime alone, e.g. on a GPU machine without the compiler:
     python -m luce_runtime.bench ARTIFACT [--prompt-len 512] [--gen-len 128] [--batch 8] [--prefill-lens 2048]"""
@@ -216,11 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m luce_runtime.bench", description=main.__doc__)
     p.add_argument("artifact")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--prefill-lens", type=int, nargs="*", default=[], help="also time prefill of these lengths")
+    add_bench_arguments(p)
     args = p.parse_args(argv)
     result = bench_artifact(args.artifact, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
                             repeat=args.repeat, prefill_lens=args.prefill_lens)
