@@ -25,6 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from luce_runtime.bench import roofline_tok_s, weight_bytes_per_token  # noqa: E402
 from report import write_results  # noqa: E402
 
 OURS = "luce-compile"
@@ -87,9 +88,9 @@ def gguf_bytes_per_token(preset: str) -> int | None:
         return None
     if preset not in PRESETS:  # not a synthetic workload: llama-bench's model_size (every tensor) stands in
         return None
-    gguf = read_gguf(cached_synthetic(preset))
-    tied = PRESETS[preset].tied_output
-    return sum(t.nbytes for t in gguf.tensors.values() if tied or t.name != "token_embd.weight")
+    tensors = read_gguf(cached_synthetic(preset)).tensors.values()
+    return weight_bytes_per_token([{"source_tensor": t.name, "nbytes": t.nbytes} for t in tensors],
+                                  PRESETS[preset].tied_output)
 
 
 def collect(*runs: Path) -> dict[str, Any]:
@@ -112,11 +113,11 @@ def collect(*runs: Path) -> dict[str, Any]:
         w["engines"] = {e: w["engines"].get(e, {"error": "not run"}) for e in ENGINES}
     bandwidths = [e["bandwidth_gb_s"] for w in workloads.values() for e in w["engines"].values()
                   if e.get("bandwidth_gb_s")]
-    bandwidth = sorted(bandwidths)[len(bandwidths) // 2] if bandwidths else None
+    bandwidth = statistics.median_high(bandwidths) if bandwidths else None
     for w in workloads.values():
         for e in w["engines"].values():
             if "error" not in e and bandwidth and e.get("weight_bytes_per_token") and e.get("decode_b1"):
-                e["roofline_tok_s"] = bandwidth * 1e9 / e["weight_bytes_per_token"]
+                e["roofline_tok_s"] = roofline_tok_s(bandwidth, e["weight_bytes_per_token"])
                 e["roofline_fraction"] = e["decode_b1"] / e["roofline_tok_s"]
     return {"workloads": workloads, "bandwidth_gb_s": bandwidth, "bandwidths_measured_gb_s": bandwidths}
 
@@ -172,7 +173,7 @@ def markdown(doc: dict[str, Any]) -> str:
     for name, w in res["workloads"].items():
         ours = w["engines"][OURS]
         for engine in ENGINES:
-            e = w["engines"].get(engine, {"error": "not run"})
+            e = w["engines"][engine]
             if "error" in e:
                 lines.append(f"| {name} | {engine} | error: see the JSON | | | | | | |")
                 continue
@@ -221,8 +222,9 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=15)
     meta = doc["meta"]
-    fig.suptitle(f"H200, one run ({meta['date'][:16]}): luce-compile (untuned) vs llama.cpp CUDA vs torch bf16",
-                 fontsize=10)
+    runs = len(meta.get("runs", [])) or 1
+    fig.suptitle(f"H200, {'one run' if runs == 1 else f'{runs} runs'} ({meta['date'][:16]}): luce-compile (untuned) "
+                 "vs llama.cpp CUDA vs torch bf16", fontsize=10)
     return save(fig, out)
 
 
@@ -259,9 +261,10 @@ def main() -> int:
             "runs": runs}
     doc = {"meta": meta, "results": results}
     stem = args.out / (args.name or f"h200-{date[:10]}")
-    write_results(stem, doc, markdown(doc))
+    table = markdown(doc)
+    write_results(stem, doc, table)
     plot(doc, stem.with_suffix(".png"))
-    print(markdown(doc))
+    print(table)
     return 0
 
 
