@@ -20,26 +20,15 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from peers.llama_server import extract_llama_cpp, find_sdist  # noqa: E402  (the same sdist the CPU peers build)
+
 WORKLOADS = ("smollm2-135m", "llama-1b-body", "llama-1b-body-bf16", "qwen3-0.6b")
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 # llama.cpp's tree less what a CUDA build of llama-bench never compiles (~7.6 MB left as .tgz)
 KEEP = ("CMakeLists.txt", "cmake", "ggml", "src", "include", "common", "tools", "vendor", "licenses", "app", "LICENSE")
 DROP_BACKENDS = ("cann", "et", "hexagon", "metal", "musa", "opencl", "openvino", "sycl", "virtgpu", "vulkan", "webgpu",
                  "zdnn", "zendnn", "hip", "rpc", "blas", "kompute", "cpu/kleidiai", "cpu/spacemit")
-
-
-def llama_cpp_source(work: Path) -> Path:
-    """The vendored llama.cpp of the pinned llama-cpp-python sdist (downloaded once into `work`)."""
-    sdists = sorted(work.glob("llama_cpp_python-*.tar.gz"))
-    if not sdists:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        LLAMA_CPP_PYTHON, "-d", str(work)], check=True)
-        sdists = sorted(work.glob("llama_cpp_python-*.tar.gz"))
-    top = sdists[-1].name.removesuffix(".tar.gz")
-    if not (work / top).is_dir():
-        with tarfile.open(sdists[-1]) as tar:
-            tar.extractall(work, filter="data")
-    return work / top / "vendor" / "llama.cpp"
 
 
 def pack_llama_cpp(src: Path, out: Path) -> Path:
@@ -61,21 +50,16 @@ def main() -> int:
     p.add_argument("--dir", type=Path, default=ROOT / ".gpucheck" / "h200")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     p.add_argument("--target", default="sm_90")
-    p.add_argument("--work", type=Path, default=Path("/tmp/luce-h200-prepare"), help="where the sdist is unpacked")
+    p.add_argument("--work", type=Path, default=Path("/tmp/luce-h200-prepare"), help="where llama.cpp is unpacked")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    for w in args.workloads:
+    for i, w in enumerate(args.workloads):
         # 32 prompt tokens and 16 decode steps keep each reference small (17 rows of the 49152-token vocabulary)
+        bundle = ["--bundle", str(args.dir / "bundle")] if i == 0 else []
         subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "prepare", "--preset", w,
-                        "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16"],
-                       check=True)
-    from importlib import util
-
-    spec = util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
-    device_check = util.module_from_spec(spec)
-    spec.loader.exec_module(device_check)
-    device_check.make_bundle(args.dir / "bundle")
-    tgz = pack_llama_cpp(llama_cpp_source(args.work), args.dir / "peer" / "llama.cpp.tgz")
+                        "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16",
+                        *bundle], check=True)
+    tgz = pack_llama_cpp(extract_llama_cpp(find_sdist(), args.work), args.dir / "peer" / "llama.cpp.tgz")
     size = sum(f.stat().st_size for f in args.dir.rglob("*") if f.is_file())
     print(f"{args.dir}: {size / 2**20:.1f} MiB to carry (llama.cpp {tgz.stat().st_size / 2**20:.1f} MiB)")
     if size > 60 * 2**20:
