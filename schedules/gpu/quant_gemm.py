@@ -49,15 +49,16 @@ class QuantGEMM(GPURule):
         if blocks is None or (isinstance(blocks.batch, int) and blocks.batch == 1):
             return None
         self.knobs(knobs)
+        # low-batch branches for a symbolic batch on CUDA only: on ROCm LowBatchGEMV's blocks exceed the 256 threads
+        # our gfx targets allow (the build's thread check would refuse them), and nothing was measured there
+        dispatch = isinstance(blocks.batch, tirx.Var) and target.kind.name == "cuda"
         with target:
             gemm = dl.gpu.Matmul().apply(func, target, False)
-            # CUDA only: on ROCm LowBatchGEMV's blocks exceed the 256 threads our gfx targets allow, and nothing
-            # was measured there; the build's thread check would refuse them
-            low = {limit: dl.gpu.LowBatchGEMV(bucket).apply(func, target, False) for limit, bucket in LOW_BATCH
-                   if target.kind.name == "cuda"}
+            low = {limit: dl.gpu.LowBatchGEMV(bucket).apply(func, target, False)
+                   for limit, bucket in (LOW_BATCH if dispatch else ())}
         low = {limit: sch for limit, sch in low.items() if isinstance(sch, s_tir.Schedule)}
         gemm = gemm if isinstance(gemm, s_tir.Schedule) else None
-        if gemm is None or not low or not isinstance(blocks.batch, tirx.Var):
+        if gemm is None or not low:
             return gemm
         # a one-element list: dlight's ApplyDefaultSchedule wraps a bare Schedule, and takes other results as a list
         return [Dispatched(IRModule({"main": dispatch_on_batch(func, blocks.batch, low, gemm)}))]
