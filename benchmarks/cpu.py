@@ -52,7 +52,7 @@ def measure(engine: str, model: str, args: argparse.Namespace) -> dict:
             result["decode_batch_tok_s"] = bench_llama_cpp_batched(
                 gguf, threads=args.threads, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch)
         return result
-    from luce_compile.build.compile import compile_model
+    from luce_compile.codegen.compile import compile_model
     from luce_compile.models import cache_dir
 
     art = compile_model(gguf, "cpu", cache_dir() / "bench" / f"{gguf.stem}.cpu")

@@ -179,7 +179,7 @@ def cmd_targets(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from luce_compile.build.compile import compile_model
+    from luce_compile.codegen.compile import compile_model
 
     out = Path(args.output) if args.output else Path(f"{Path(resolve_model(args.model)).stem}.{args.target}")
     start = time.perf_counter()
@@ -220,7 +220,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     path = Path(args.model)
     if not (path / "manifest.json").is_file():  # a GGUF (or model name): compile it first, through the cache
-        from luce_compile.build.compile import compile_model
+        from luce_compile.codegen.compile import compile_model
         from luce_compile.models import cache_dir
 
         gguf = resolve_model(args.model)
@@ -247,7 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     path = Path(args.artifact)
     if not ((path / "manifest.json").is_file() or (path.is_file() and path.suffix != ".gguf")):
-        from luce_compile.build.compile import compile_model  # a GGUF (or model name): compile through the cache
+        from luce_compile.codegen.compile import compile_model  # a GGUF (or model name): compile through the cache
         from luce_compile.models import cache_dir
 
         gguf = resolve_model(args.artifact)

@@ -5,7 +5,7 @@
 
 Several CUDA archs build into one artifact with a comma list (`--target sm_86,sm_90,sm_120`): the kernels are
 generated once for the lowest arch (so no instruction a lower arch lacks is used) and nvcc emits one cubin per arch
-into a single fatbin (build/device_binaries.py). Facts are the hardware's own numbers (vendor data sheets) that a
+into a single fatbin (codegen/device_binaries.py). Facts are the hardware's own numbers (vendor data sheets) that a
 schedule may size itself by; the limits TVM enforces (threads per block, shared memory) are in the TVM target.
 """
 

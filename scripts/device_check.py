@@ -41,7 +41,7 @@ TVM_SKIP = ("lib/libtvm_compiler.so", "3rdparty", "src", "include", "web", "__py
 
 # ---- prepare (build machine) --------------------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> None:
-    from luce_compile.build.compile import compile_model
+    from luce_compile.codegen.compile import compile_model
     from luce_compile.synthetic import cached_synthetic
 
     out = Path(args.dir)

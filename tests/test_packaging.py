@@ -25,3 +25,15 @@ def test_runtime_never_imports_the_compiler():
     for path in (ROOT / "runtime").rglob("*.py"):
         text = path.read_text()
         assert "import luce_compile" not in text and "from luce_compile" not in text, path
+
+
+# Folder names that build tools and test runners take for their own output and skip or delete: pytest's default
+# norecursedirs skipped the tests of a stage once named build (issue 10), and generic tooling ignores such folders.
+TOOL_OWNED_NAMES = {"build", "dist", "venv", "node_modules", "site-packages"}
+
+
+@pytest.mark.unit
+def test_no_source_or_test_folder_has_a_name_tools_own():
+    bad = [p.relative_to(ROOT) for top in ("luce_compile", "runtime", "schedules", "tests")
+           for p in (ROOT / top).rglob("*") if p.is_dir() and p.name in TOOL_OWNED_NAMES]
+    assert not bad, f"rename these folders (tools skip or delete folders of these names): {bad}"

@@ -188,7 +188,7 @@ def test_write_results_round_trips(tmp_path):
 
 @pytest.mark.slow
 def test_bench_engine_on_tiny_artifact(tmp_path):
-    from luce_compile.build.compile import compile_model
+    from luce_compile.codegen.compile import compile_model
     from luce_compile.synthetic import cached_synthetic
 
     art = compile_model(cached_synthetic("tiny-llama"), "cpu", tmp_path / "tiny.cpu")  # cached after the first
@@ -215,7 +215,7 @@ def test_bench_artifact_and_its_cli(tmp_path):
     import json
     import subprocess
 
-    from luce_compile.build.compile import compile_model
+    from luce_compile.codegen.compile import compile_model
     from luce_compile.synthetic import cached_synthetic
 
     art = compile_model(cached_synthetic("tiny-llama"), "cpu", tmp_path / "tiny.cpu")

@@ -2,7 +2,7 @@
 
 Structure only here (no GPU): which schedule each batch range gets, and that every branch is a complete GPU
 schedule. The numbers are checked on the GPU machine (scripts/device_check.py: 2, 5 and 8 sequences decoded together
-equal each alone; the oracle through prefill), and every GPU build of tests/build compiles the dispatch for real.
+equal each alone; the oracle through prefill), and every GPU build of tests/codegen compiles the dispatch for real.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def smol_artifact(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from luce_compile.build.compile import compile_model
+    from luce_compile.codegen.compile import compile_model
 
     return compile_model(smollm2_path, "cpu", tmp_path_factory.mktemp("serve") / "smol.cpu")  # cached after once
 

@@ -16,7 +16,7 @@ import pytest
 import tvm  # noqa: F401  (the compiler's TVM first: luce_runtime.engine alone would load the runtime-only library)
 
 from luce_compile.graph.oracle import Oracle
-from tests.build._reference import RESULTS, summary_lines
+from tests.codegen._reference import RESULTS, summary_lines
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Model:
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Path], Model]:
     """compiled(name, gguf) → Model: compiled once per session (and cached across sessions by compile_model)."""
-    from luce_compile.build.compile import compile_model
+    from luce_compile.codegen.compile import compile_model
 
     folder = tmp_path_factory.mktemp("artifacts")
     built: dict[Path, Model] = {}
@@ -98,6 +98,6 @@ def engine_of() -> Callable[..., object]:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if RESULTS:
-        terminalreporter.section("engine vs float64 oracle (tests/build)")
+        terminalreporter.section("engine vs float64 oracle (tests/codegen)")
         for line in summary_lines():
             terminalreporter.write_line(line)

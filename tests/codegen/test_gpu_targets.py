@@ -18,8 +18,8 @@ import pytest
 import tvm
 from tvm import relax, te, tirx
 
-from luce_compile.build.device_binaries import DeviceBinaryError, check_library, extract_binaries
-from luce_compile.build.pipeline import UnscheduledError, check_gpu_scheduled, relax_pipeline, thread_extents
+from luce_compile.codegen.device_binaries import DeviceBinaryError, check_library, extract_binaries
+from luce_compile.codegen.pipeline import UnscheduledError, check_gpu_scheduled, relax_pipeline, thread_extents
 from luce_compile.errors import LuceError
 from luce_compile.targets import TARGETS, get_target
 
@@ -36,7 +36,7 @@ def tiny_gguf() -> Path:
 @pytest.fixture(scope="module")
 def built(tiny_gguf, tmp_path_factory):
     """target name → artifact dir, each compiled once per module (and reused from compile_model's cache)."""
-    from luce_compile.build.compile import compile_model
+    from luce_compile.codegen.compile import compile_model
 
     folder = tmp_path_factory.mktemp("gpu")
     cache: dict[str, Path] = {}
@@ -170,7 +170,7 @@ def test_library_with_cuda_source_is_refused(tmp_path):
 def test_registry_facts_and_multi_arch():
     for name in ("sm_86", "sm_120", "gfx1201", "gfx1151"):
         assert TARGETS[name].status == "compiled"
-    # sm_90 ran on the lent H200: its record must be committed (tests/build/test_gpu_device.py checks it passed)
+    # sm_90 ran on the lent H200: its record must be committed (tests/codegen/test_gpu_device.py checks it passed)
     assert TARGETS["sm_90"].status == "measured"
     multi = get_target("sm_120,sm_86,sm_90")
     assert multi.archs == ("sm_86", "sm_90", "sm_120") and multi.name == "sm_86,sm_90,sm_120"

@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from luce_compile.build.gpu_toolchain import find_tool
+from luce_compile.codegen.gpu_toolchain import find_tool
 from luce_compile.errors import LuceError
 from luce_compile.targets import TargetInfo
 
@@ -182,7 +182,7 @@ def check_library(path: str | Path, info: TargetInfo, expected: set[str] | None 
         raise DeviceBinaryError(
             f"build: {path.name} for {info.name} holds no {'/'.join(want_kind)} device binary.{src} TVM embeds "
             "source when its CUDA runtime library did not load (no libcuda.so.1); build through "
-            "luce_compile.build.compile, which loads a stand-in driver library first.")
+            "luce_compile.codegen.compile, which loads a stand-in driver library first.")
     with tempfile.TemporaryDirectory(prefix="luce-bin-") as tmp:
         for i, binary in enumerate(mine):
             file = Path(tmp) / f"{i}.{binary.kind}"

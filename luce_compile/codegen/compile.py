@@ -1,4 +1,4 @@
-"""The build stage: GGUF → graph → Relax module → tvm.compile for one target → artifact on disk.
+"""The codegen stage: GGUF → graph → Relax module → tvm.compile for one target → artifact on disk.
 
 Every step before writing can fail (an unsupported op, a type without a kernel); the artifact is written to a
 temporary directory and renamed into place only when all of it succeeded. A content-addressed cache keyed by the
@@ -20,9 +20,9 @@ import numpy as np
 
 import luce_compile
 from luce_compile.artifact.writer import write_artifact
-from luce_compile.build.device_binaries import export_checked
-from luce_compile.build.gpu_toolchain import gpu_toolchain
-from luce_compile.build.pipeline import relax_pipeline
+from luce_compile.codegen.device_binaries import export_checked
+from luce_compile.codegen.gpu_toolchain import gpu_toolchain
+from luce_compile.codegen.pipeline import relax_pipeline
 from luce_compile.gguf.reader import GGUFFile, read_gguf
 from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph

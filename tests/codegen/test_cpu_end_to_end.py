@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from luce_compile.synthetic import N_VOCAB, SyntheticSpec
-from tests.build._reference import check_against_oracle, engine_logits, oracle_trace, rel_err
+from tests.codegen._reference import check_against_oracle, engine_logits, oracle_trace, rel_err
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

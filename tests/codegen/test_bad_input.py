@@ -29,7 +29,7 @@ from luce_compile.synthetic import (
     tensor_type,
     tensor_values,
 )
-from tests.build._reference import engine_logits, oracle_trace, rel_err
+from tests.codegen._reference import engine_logits, oracle_trace, rel_err
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 CLI = str(Path(sys.executable).parent / "luce-compile")
@@ -177,7 +177,7 @@ UNCOMPILABLE = {  # name → (spec, arch name, tensor types, words of the error)
 
 @pytest.mark.parametrize("case", UNCOMPILABLE)
 def test_compile_refuses_before_writing_anything(case, tmp_path, monkeypatch):
-    from luce_compile.build.compile import compile_model
+    from luce_compile.codegen.compile import compile_model
 
     spec, arch, types, words = UNCOMPILABLE[case]
     gguf = _write_gguf(tmp_path / f"{case}.gguf", spec, arch, types)
@@ -195,7 +195,7 @@ def test_compile_refuses_before_writing_anything(case, tmp_path, monkeypatch):
 def test_half_precision_norm_vector_compiles_right_or_is_refused(vector_type, tmp_path):
     """weight_specs lets 1-D F16/BF16 tensors through as one plane. F16 runs right; BF16 is passed to the norm kernel
     as raw uint16 bits and the logits are garbage (relative error ~1), silently. Fails today for BF16."""
-    from luce_compile.build.compile import compile_model
+    from luce_compile.codegen.compile import compile_model
     from luce_compile.graph.oracle import Oracle
 
     gguf = _write_gguf(tmp_path / "m.gguf", preset("tiny-llama"),
