@@ -188,7 +188,7 @@ def bench_artifact(artifact, *, prompt_len: int, gen_len: int, batch: int, repea
     Each prompt is prefilled in one call (the chunk is the longest prompt), as llama.cpp's pp benchmarks do."""
     from luce_runtime.engine import Engine, EngineOptions
 
-    longest = max(prompt_len, *prefill_lens)
+    longest = max([prompt_len, *prefill_lens])  # max(x) of one int raises: the list form works with no --prefill-lens
     engine = Engine(artifact, EngineOptions(max_batch=max(batch, 1), max_context=longest + gen_len + 8,
                                             prefill_chunk=max(longest, 16)))
     load_before = machine_load()
