@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+from luce_runtime.contract import RuntimeContract
 
 import luce_compile
 from luce_compile.artifact.writer import write_artifact
@@ -27,7 +28,7 @@ from luce_compile.gguf.reader import GGUFFile, read_gguf
 from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
 from luce_compile.lower.quant_layout import repack
-from luce_compile.lower.relax_model import PLANE_SEP, lower_graph
+from luce_compile.lower.relax_model import PLANE_SEP, LowerOptions, lower_graph
 from luce_compile.models import cache_dir
 from luce_compile.targets import TargetInfo, get_target
 
@@ -97,14 +98,14 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     library = work / "model.so"
     binaries = export_checked(executable, info, library)  # refuses a GPU library without real device binaries
     say("writing the artifact (weights repacked into kernel planes)")
-    functions = ["create_kv_cache", "prefill", "decode", "decode1"]
+    contract = RuntimeContract(kv_dtype=LowerOptions().dtype)
     manifest = {
         "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},
         "config": graph.config.to_dict(),
         "target": _target_fields(info, target),
-        "kernels": {"module": "model.so", "functions": functions, "compile_seconds": round(compile_s, 2),
+        "kernels": {"module": "model.so", "functions": list(contract.functions), "compile_seconds": round(compile_s, 2),
                     **({"device_binaries": binaries.to_manifest()} if binaries else {})},
-        "runtime": {"page_size": 16, "prefill_chunk": 512},
+        "runtime": contract.to_manifest(),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     return write_artifact(work / "artifact", manifest_fields=manifest, weights=_weights(gguf, params),

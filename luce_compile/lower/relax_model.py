@@ -1,7 +1,7 @@
 """Lower a Graph to a Relax module: one nn.Module that interprets the graph's ops, and TVM's paged KV cache.
 
-The module exports four functions, the runtime's whole contract (names and argument order are recorded in the
-artifact's manifest):
+The module exports four functions, the runtime's whole contract (luce_runtime/contract.py: names, argument order,
+version; the manifest's "runtime" section records it):
   create_kv_cache(max_batch, max_total_len, prefill_chunk, page_size, support_sliding) → PagedKVCache
   prefill(tokens (1, S) int32, logit_rows (N,) int32, kv, params) → (logits (N, V) f32, kv)
       S tokens of one or several sequences laid end to end (the cache's begin_forward says which); logits only for
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import tvm
+from luce_runtime.contract import Fn, KVCacheArgs
 from tvm import relax, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op, spec
@@ -73,6 +74,7 @@ class GraphModule(nn.Module):
     # ---- exported functions -------------------------------------------------------------------------------------
     def create_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var, prefill_chunk_size: tirx.Var,
                         page_size: tirx.Var, support_sliding_window: tirx.Var) -> PagedKVCache:
+        # the argument names and order are KVCacheArgs' (export_spec builds the signature from it)
         c = self.graph.config
         kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
         return TIRPagedKVCache(
@@ -240,12 +242,11 @@ def export_spec(graph: Graph) -> dict:
     packed = {"param_mode": "packed", "effect_mode": "none"}
     kv = spec.Object(object_type=PagedKVCache)
     return {
-        "create_kv_cache": {"max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
-                            "page_size": int, "support_sliding_window": int, "$": none},
-        "prefill": {"tokens": spec.Tensor([1, "seq_len"], "int32"), "logit_rows": spec.Tensor(["n_rows"], "int32"),
-                    "kv": kv, "$": packed},
-        "decode": {"tokens": spec.Tensor(["batch", 1], "int32"), "kv": kv, "$": packed},
-        "decode1": {"tokens": spec.Tensor([1, 1], "int32"), "kv": kv, "$": packed},
+        Fn.CREATE_KV_CACHE.value: {**dict.fromkeys(KVCacheArgs.names(), int), "$": none},
+        Fn.PREFILL.value: {"tokens": spec.Tensor([1, "seq_len"], "int32"),
+                           "logit_rows": spec.Tensor(["n_rows"], "int32"), "kv": kv, "$": packed},
+        Fn.DECODE.value: {"tokens": spec.Tensor(["batch", 1], "int32"), "kv": kv, "$": packed},
+        Fn.DECODE1.value: {"tokens": spec.Tensor([1, 1], "int32"), "kv": kv, "$": packed},
     }
 
 

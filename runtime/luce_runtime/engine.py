@@ -6,7 +6,8 @@
 
 Only the TVM runtime is imported (`TVM_USE_RUNTIME_LIB=1` is set before `import tvm` unless tvm is already
 loaded): the compiler's library is never mapped, which a test checks. The VM functions and the KV-cache builtins
-are TVM's own (Relax VM, TIRPagedKVCache); their signatures are the artifact's contract (lower/relax_model.py).
+are TVM's own (Relax VM, TIRPagedKVCache); the functions' names and arguments are the artifact's contract
+(luce_runtime/contract.py, written into the manifest by the compiler and checked here at load).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,7 @@ import tvm_ffi  # noqa: E402
 from tvm.runtime import vm as tvm_vm  # noqa: E402
 
 from luce_runtime.artifact import Artifact, load_artifact  # noqa: E402
+from luce_runtime.contract import REQUIRED_FUNCTIONS, Fn, KVCacheArgs, RuntimeContract  # noqa: E402
 from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
 from luce_runtime.sampler import Sampler, SamplingParams  # noqa: E402
 from luce_runtime.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
@@ -42,10 +45,10 @@ class EngineError(LuceError, ValueError):
 
 @dataclass(frozen=True)
 class EngineOptions:
-    max_batch: int = 8  # sequences in flight at once (decode batch)
+    max_batch: int = 8  # sequences live at once (decode batch, forks, cached prefixes)
     max_context: int = 0  # tokens per sequence; 0 → the model's training context, capped at 4096
-    prefill_chunk: int = 512  # prompt tokens per prefill call: longer prompts go in chunks
-    page_size: int = 16  # tokens per KV page
+    prefill_chunk: int = 0  # prompt tokens per prefill call (longer prompts go in chunks); 0 → the artifact's
+    page_size: int = 0  # tokens per KV page; 0 → the artifact's
 
 
 def kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
@@ -93,101 +96,171 @@ def _kv_builtin(name: str):
     return tvm_ffi.get_global_func(f"vm.builtin.{name}")
 
 
+class _KV:
+    """TVM's paged-KV builtins on one cache object: the only place their names appear."""
+
+    def __init__(self, cache: object):
+        self.cache = cache
+        get = _kv_builtin
+        self._add, self._remove = get("kv_state_add_sequence"), get("kv_state_remove_sequence")
+        self._fork, self._popn = get("kv_state_fork_sequence"), get("kv_state_popn")
+        self._begin, self._end = get("kv_state_begin_forward"), get("kv_state_end_forward")
+        self._slide = get("attention_kv_cache_enable_sliding_window_for_seq")
+        self._free = get("attention_kv_cache_get_num_available_pages")
+
+    def add(self, seq: int) -> None:
+        self._add(self.cache, seq)
+
+    def remove(self, seq: int) -> None:
+        self._remove(self.cache, seq)
+
+    def fork(self, parent: int, child: int, length: int) -> None:
+        self._fork(self.cache, parent, child, length)
+
+    def popn(self, seq: int, n: int) -> None:
+        self._popn(self.cache, seq, n)
+
+    def begin(self, seqs: Sequence[int], lengths: Sequence[int]) -> None:
+        self._begin(self.cache, tvm_ffi.Shape(list(seqs)), tvm_ffi.Shape(list(lengths)))
+
+    def end(self) -> None:
+        self._end(self.cache)
+
+    def enable_sliding_window(self, seq: int, window: int) -> None:
+        self._slide(self.cache, seq, window, 0)
+
+    def free_pages(self) -> int:
+        return int(self._free(self.cache))
+
+
 class Engine:
-    """One artifact loaded on one device."""
+    """One artifact loaded on one device, and the one KV pool every step reads and writes.
+
+    Sequences:  add_sequence() → id, fork_sequence(parent, length) → id (shares the parent's first `length` tokens'
+                pages), length(id), rollback(id, n) (drop the last n tokens), remove_sequence(id).
+    Steps:      prefill(ids, token lists) (extend each sequence; logits after each one's last token),
+                decode(ids, one token each) (one batched step; logits (B, V)).
+    A step that fails leaves the pool as it was before the step (the tokens it appended are rolled back) and raises;
+    the sequences stay usable. Not thread-safe: one thread drives an engine (the server's scheduler thread).
+    """
 
     def __init__(self, artifact: str | Path | Artifact, options: EngineOptions = EngineOptions(),
                  *, verify: bool = True):
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact, verify=verify)
         manifest = self.artifact.manifest
         self.config = self.artifact.config
+        self.contract = RuntimeContract.from_manifest(manifest, self.artifact.root)
         kind = manifest["target"]["kind"]
         if not load_device_api(kind):
             raise ArtifactError(f"engine: {self.artifact.root} was compiled for {manifest['target']['name']} "
                                 f"({kind}), which this TVM runtime cannot drive here; run it on that GPU, or "
                                 "recompile for this machine with `luce-compile compile MODEL --target cpu`.")
-        missing = {"create_kv_cache", "prefill", "decode", "decode1"} - set(manifest["kernels"].get("functions", ()))
-        if missing:
-            raise ArtifactError(f"engine: {self.artifact.root} lacks the functions {sorted(missing)} this runtime "
-                                "calls (built by an older luce-compile); recompile it with `luce-compile compile`.")
         self.device = tvm.cpu(0) if kind == "llvm" else tvm.device(kind, 0)
         self.tokenizer = Tokenizer.from_metadata(self.artifact.tokenizer_metadata())
+        self.options = replace(options, page_size=options.page_size or self.contract.page_size,
+                               prefill_chunk=options.prefill_chunk or self.contract.prefill_chunk)
         self.max_context = options.max_context or min(int(self.config["n_ctx_train"]), 4096)
-        self.options = options
+        self.vocab_size = int(self.config["n_vocab"])
         self.vm = tvm_vm.VirtualMachine(tvm.runtime.load_module(str(self.artifact.module_path)), self.device)
+        self._fns = {str(f): self.vm[str(f)] for f in REQUIRED_FUNCTIONS}
         weights = self.artifact.weights()
         self.params = [tvm.runtime.tensor(np.ascontiguousarray(weights[p["name"]]), self.device)
                        for p in manifest["weights"]["params"]]
-        self._sliding = bool(int(self.config.get("sliding_window") or 0) and any(self.config.get("sliding", ())))
-        sliding = int(self._sliding)
+        window = int(self.config.get("sliding_window") or 0)
+        self.sliding_window = window if window and any(self.config.get("sliding", ())) else 0
         # every live sequence may grow to max_context; pages are whole, so round each one up (+1 spare page)
-        pages_per_seq = -(-self.max_context // options.page_size) + 1
-        self.kv = self.vm["create_kv_cache"](
-            tvm_ffi.Shape([options.max_batch]), tvm_ffi.Shape([pages_per_seq * options.page_size * options.max_batch]),
-            tvm_ffi.Shape([options.prefill_chunk]), tvm_ffi.Shape([options.page_size]), tvm_ffi.Shape([sliding]))
-        self._begin, self._end = _kv_builtin("kv_state_begin_forward"), _kv_builtin("kv_state_end_forward")
+        pages_per_seq = -(-self.max_context // self.page_size) + 1
+        args = KVCacheArgs(max_batch_size=self.options.max_batch,
+                           max_total_seq_len=pages_per_seq * self.page_size * self.options.max_batch,
+                           prefill_chunk_size=self.options.prefill_chunk, page_size=self.page_size,
+                           support_sliding_window=int(bool(self.sliding_window)))
+        self._kv = _KV(self._fns[Fn.CREATE_KV_CACHE](*(tvm_ffi.Shape([v]) for v in args.values())))
+        self.total_pages = self._kv.free_pages()
         self._live: dict[int, int] = {}  # seq id → tokens in its cache
         self._next_id = 0
 
+    # ---- facts -----------------------------------------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self.options.page_size
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.options.prefill_chunk
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences the pool holds at once (decode batch, forks and cached prefixes together)."""
+        return self.options.max_batch
+
+    @property
+    def kv(self) -> object:
+        """The paged KV cache object the compiled functions take (TVM's PagedKVCache)."""
+        return self._kv.cache
+
+    def free_pages(self) -> int:
+        """KV pages not held by any sequence (a forked prefix's pages count once)."""
+        return self._kv.free_pages()
+
+    def sequences(self) -> dict[int, int]:
+        """Live sequence id → tokens in its cache (a copy)."""
+        return dict(self._live)
+
     # ---- sequences -------------------------------------------------------------------------------------------------
     def add_sequence(self) -> int:
-        if len(self._live) >= self.options.max_batch:
-            raise EngineError(f"engine: {self.options.max_batch} sequences are already live; remove one first "
-                              "(or load the engine with a larger max_batch).")
-        seq_id, self._next_id = self._next_id, self._next_id + 1
-        _kv_builtin("kv_state_add_sequence")(self.kv, seq_id)
-        if self._sliding:
-            _kv_builtin("attention_kv_cache_enable_sliding_window_for_seq")(
-                self.kv, seq_id, int(self.config["sliding_window"]), 0)
-        self._live[seq_id] = 0
+        """A new, empty sequence."""
+        seq_id = self._new_id()
+        self._kv.add(seq_id)
+        self._register(seq_id, 0)
         return seq_id
 
-    def remove_sequence(self, seq_id: int) -> None:
+    def fork_sequence(self, parent: int, length: int | None = None) -> int:
+        """A new sequence holding the first `length` tokens of `parent` (default: all), sharing their pages
+        (copy-on-write for a partial last page): a cached prompt prefix is computed once."""
+        self._check(parent)
+        length = self._live[parent] if length is None else length
+        if not 0 < length <= self._live[parent]:
+            raise EngineError(f"engine: cannot fork {length} tokens of sequence {parent}, which holds "
+                              f"{self._live[parent]}; fork between 1 and that many.")
+        seq_id = self._new_id()
+        self._kv.fork(parent, seq_id, length)
+        self._register(seq_id, length)
+        return seq_id
+
+    def rollback(self, seq_id: int, n: int) -> None:
+        """Drop the last n tokens of a sequence (rejected draft tokens, a failed step); their pages are freed."""
         self._check(seq_id)
-        _kv_builtin("kv_state_remove_sequence")(self.kv, seq_id)
+        if not 0 <= n <= self._live[seq_id]:
+            raise EngineError(f"engine: cannot roll back {n} tokens of sequence {seq_id}, which holds "
+                              f"{self._live[seq_id]}.")
+        if not self._can_pop(seq_id, self._live[seq_id]):
+            raise EngineError(f"engine: sequence {seq_id} has passed its sliding window of {self.sliding_window} "
+                              "tokens; its cache cannot roll back (TVM's paged cache keeps only the window).")
+        if n:
+            self._kv.popn(seq_id, n)
+            self._live[seq_id] -= n
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Free a sequence and its pages (pages shared with a fork stay until the fork is removed too)."""
+        self._check(seq_id)
+        self._kv.remove(seq_id)
         del self._live[seq_id]
+
+    @contextmanager
+    def sequence(self) -> Iterator[int]:
+        """A new sequence, removed on exit whatever happens."""
+        seq_id = self.add_sequence()
+        try:
+            yield seq_id
+        finally:
+            if seq_id in self._live:
+                self.remove_sequence(seq_id)
 
     def length(self, seq_id: int) -> int:
         self._check(seq_id)
         return self._live[seq_id]
 
-    def _check(self, seq_id: int) -> None:
-        if seq_id not in self._live:
-            raise EngineError(f"engine: sequence {seq_id} is not live.")
-
-    def _reserve(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
-        for sid, n in zip(seq_ids, lengths, strict=True):
-            self._check(sid)
-            if self._live[sid] + n > self.max_context:
-                raise EngineError(f"engine: sequence {sid} would hold {self._live[sid] + n} tokens, over the "
-                                  f"context of {self.max_context}; shorten the prompt or max_tokens.")
-
-    # ---- steps -----------------------------------------------------------------------------------------------------
-    def prefill(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> np.ndarray:
-        """Append each prompt to its sequence; the logits after each one's last token, (N, V) float32."""
-        if any(len(p) == 0 for p in prompts):
-            raise EngineError("engine: an empty prompt has nothing to prefill; give at least one token.")
-        self._reserve(seq_ids, [len(p) for p in prompts])
-        last: dict[int, np.ndarray] = {}
-        pending = [(sid, list(p)) for sid, p in zip(seq_ids, prompts, strict=True)]
-        while pending:  # chunks of at most prefill_chunk tokens, several sequences per call
-            batch, budget = [], self.options.prefill_chunk
-            for sid, rest in pending:
-                take = rest[:min(budget, self._chunk_limit(sid))]
-                if not take:
-                    break
-                batch.append((sid, take))
-                budget -= len(take)
-                if self._sliding:  # see _chunk_limit: a call mixing first chunks and 1-token rows takes the bad path
-                    break
-            logits = self._prefill_call(batch)
-            for (sid, _take), row in zip(batch, logits, strict=True):
-                last[sid] = row
-            done = {sid: len(take) for sid, take in batch}
-            pending = [(sid, rest[done.get(sid, 0):]) for sid, rest in pending if len(rest) > done.get(sid, 0)]
-        return np.stack([last[sid] for sid in seq_ids])
-
-    def _chunk_limit(self, seq_id: int) -> int:
+    def chunk_limit(self, seq_id: int) -> int:
         """Tokens of one sequence that one prefill call may append.
 
         TVM 0.27's CPU prefill kernel for sliding-window layers is wrong once the cache already holds tokens of the
@@ -195,33 +268,118 @@ class Engine:
         window. Both are exact in the cases used here: a first chunk no longer than the window, then one token per
         call (the decode kernel, which applies the window correctly). Long prompts on sliding models are slower.
         """
-        if not self._sliding:
-            return self.options.prefill_chunk
-        return min(self.options.prefill_chunk, int(self.config["sliding_window"])) if self._live[seq_id] == 0 else 1
+        self._check(seq_id)
+        if not self.sliding_window:
+            return self.prefill_chunk
+        return min(self.prefill_chunk, self.sliding_window) if self._live[seq_id] == 0 else 1
 
-    def _prefill_call(self, batch: list[tuple[int, list[int]]]) -> np.ndarray:
-        ids = [sid for sid, _ in batch]
-        lens = [len(t) for _, t in batch]
-        tokens = np.array([[t for _, toks in batch for t in toks]], dtype=np.int32)
-        rows = (np.cumsum(lens) - 1).astype(np.int32)
-        self._begin(self.kv, tvm_ffi.Shape(ids), tvm_ffi.Shape(lens))
-        out = self.vm["prefill"](tvm.runtime.tensor(tokens, self.device), tvm.runtime.tensor(rows, self.device),
-                                 self.kv, self.params)
-        self._end(self.kv)
-        for sid, n in zip(ids, lens, strict=True):
-            self._live[sid] += n
-        return out[0].numpy()
+    def _new_id(self) -> int:
+        if len(self._live) >= self.max_sequences:
+            raise EngineError(f"engine: {self.max_sequences} sequences are already live; remove one first "
+                              "(or load the engine with a larger max_batch).")
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        return seq_id
+
+    def _register(self, seq_id: int, length: int) -> None:
+        if self.sliding_window:
+            self._kv.enable_sliding_window(seq_id, self.sliding_window)
+        self._live[seq_id] = length
+
+    def _check(self, seq_id: int) -> None:
+        if seq_id not in self._live:
+            raise EngineError(f"engine: sequence {seq_id} is not live.")
+
+    def _check_step(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
+        """Everything a step needs, checked before the cache is touched (a bad request never reaches a kernel)."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise EngineError(f"engine: a step names a sequence twice ({list(seq_ids)}).")
+        for sid, toks in zip(seq_ids, tokens, strict=True):
+            self._check(sid)
+            if not toks:
+                raise EngineError("engine: an empty prompt has nothing to prefill; give at least one token.")
+            if self._live[sid] + len(toks) > self.max_context:
+                raise EngineError(f"engine: sequence {sid} would hold {self._live[sid] + len(toks)} tokens, over "
+                                  f"the context of {self.max_context}; shorten the prompt or max_tokens.")
+            bad = [t for t in toks if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise EngineError(f"engine: token ids {bad[:4]} are outside the vocabulary (0..{self.vocab_size - 1}).")
+
+    # ---- steps -----------------------------------------------------------------------------------------------------
+    def prefill(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """Append each prompt to its sequence; the logits after each one's last token, (N, V) float32."""
+        self._check_step(seq_ids, prompts)
+        last: dict[int, np.ndarray] = {}
+        pending = [(sid, list(p)) for sid, p in zip(seq_ids, prompts, strict=True)]
+        appended: dict[int, int] = {}
+        try:
+            while pending:  # chunks of at most prefill_chunk tokens, several sequences per call
+                batch = self._next_chunk(pending)
+                logits = self._forward([sid for sid, _ in batch], [t for _, t in batch], Fn.PREFILL)
+                for (sid, take), row in zip(batch, logits, strict=True):
+                    last[sid] = row
+                    appended[sid] = appended.get(sid, 0) + len(take)
+                done = {sid: len(take) for sid, take in batch}
+                pending = [(sid, rest[done.get(sid, 0):]) for sid, rest in pending if len(rest) > done.get(sid, 0)]
+        except BaseException:
+            for sid, n in appended.items():  # earlier chunks of this call went in: take them out too
+                self.rollback(sid, n)
+            raise
+        return np.stack([last[sid] for sid in seq_ids])
+
+    def _next_chunk(self, pending: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+        batch, budget = [], self.prefill_chunk
+        for sid, rest in pending:
+            take = rest[:min(budget, self.chunk_limit(sid))]
+            if not take:
+                break
+            batch.append((sid, take))
+            budget -= len(take)
+            if self.sliding_window:  # see chunk_limit: a call mixing first chunks and 1-token rows takes the bad path
+                break
+        return batch
 
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One token for each sequence, all in one batched step; logits (B, V) float32."""
-        self._reserve(seq_ids, [1] * len(seq_ids))
-        self._begin(self.kv, tvm_ffi.Shape(list(seq_ids)), tvm_ffi.Shape([1] * len(seq_ids)))
-        x = tvm.runtime.tensor(np.asarray(tokens, dtype=np.int32).reshape(-1, 1), self.device)
-        out = self.vm["decode1" if len(seq_ids) == 1 else "decode"](x, self.kv, self.params)
-        self._end(self.kv)
-        for sid in seq_ids:
-            self._live[sid] += 1
-        return out[0].numpy()
+        self._check_step(seq_ids, [[t] for t in tokens])
+        return self._forward(list(seq_ids), [[t] for t in tokens], Fn.DECODE1 if len(seq_ids) == 1 else Fn.DECODE)
+
+    def _forward(self, seq_ids: list[int], tokens: list[list[int]], fn: Fn) -> np.ndarray:
+        """One call of a compiled step between the cache's begin and end of forward; on failure the appended
+        tokens are popped again, so the pool is as it was and every sequence can go on."""
+        lens = [len(t) for t in tokens]
+        self._kv.begin(seq_ids, lens)
+        try:
+            if fn == Fn.PREFILL:
+                flat = np.array([[t for toks in tokens for t in toks]], dtype=np.int32)
+                rows = (np.cumsum(lens) - 1).astype(np.int32)
+                out = self._fns[fn](tvm.runtime.tensor(flat, self.device), tvm.runtime.tensor(rows, self.device),
+                                    self._kv.cache, self.params)
+            else:
+                x = tvm.runtime.tensor(np.asarray(tokens, dtype=np.int32).reshape(-1, 1), self.device)
+                out = self._fns[fn](x, self._kv.cache, self.params)
+            logits = out[0].numpy()
+        except BaseException:
+            self._kv.end()
+            for sid, n in zip(seq_ids, lens, strict=True):
+                self._undo_append(sid, n)
+            raise
+        self._kv.end()
+        for sid, n in zip(seq_ids, lens, strict=True):
+            self._live[sid] += n
+        return logits
+
+    def _undo_append(self, seq_id: int, n: int) -> None:
+        """Pop the n tokens a failed forward appended; where the cache cannot (a sequence past its sliding window:
+        TVM's popn does not undo the window's wrap-around), drop the sequence instead of keeping a corrupt one."""
+        if self._can_pop(seq_id, self._live[seq_id] + n):
+            self._kv.popn(seq_id, n)
+            return
+        log.warning("engine: sequence %d dropped after a failed step (past its sliding window)", seq_id)
+        self._kv.remove(seq_id)
+        del self._live[seq_id]
+
+    def _can_pop(self, seq_id: int, length: int) -> bool:
+        return not self.sliding_window or length <= self.sliding_window
 
     # ---- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[int]:
@@ -237,12 +395,12 @@ class Engine:
                               f"exceeds the context of {self.max_context} tokens; shorten one of them.")
         sampler = Sampler(params)
         stop_ids = set(params.stop_token_ids or ()) | set(self.tokenizer.eos_ids)
-        seq = self.add_sequence()
-        try:
+        longest_stop = max((len(x) for x in params.stop), default=0)
+        with self.sequence() as seq:
             history = list(prompt_ids)
             logits = self.prefill([seq], [history])[0]
             text = StreamDecoder(self.tokenizer)
-            produced = ""
+            recent = ""  # the last characters that could start a stop string
             for _ in range(limit):
                 token = sampler.sample(logits, history)
                 if token in stop_ids:
@@ -250,9 +408,9 @@ class Engine:
                 history.append(token)
                 yield token
                 if params.stop:
-                    produced += text.feed(token)
-                    if any(s in produced for s in params.stop):
+                    # only text ending in a new character can hold a new match: O(stop length) per token
+                    recent += text.feed(token)
+                    if any(x in recent for x in params.stop):
                         return
+                    recent = recent[len(recent) - longest_stop + 1:] if longest_stop > 1 else ""
                 logits = self.decode([seq], [token])[0]
-        finally:
-            self.remove_sequence(seq)

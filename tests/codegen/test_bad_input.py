@@ -119,7 +119,7 @@ def test_prompt_over_the_context_is_refused_before_any_work(tiny, oracle_of, rng
     model = tiny("tiny-llama")
     engine = Engine(model.artifact, EngineOptions(max_batch=2, max_context=32, prefill_chunk=16))
     calls: list = []
-    monkeypatch.setattr(engine, "_prefill_call", lambda batch: calls.append(batch))
+    monkeypatch.setattr(engine, "_forward", lambda *args: calls.append(args))
     seq = engine.add_sequence()
     with pytest.raises(EngineError, match="over the context of 32"):
         engine.prefill([seq], [[int(t) for t in rng.integers(0, 49152, 33)]])

@@ -1,0 +1,159 @@
+"""The engine's public API on a compiled tiny model: fork, rollback, the one KV pool, and the error boundary (a step
+that fails, injected at the compiled function, leaves every sequence and the page pool as they were).
+
+Each check compares logits with the same work done without the feature (float32 on both sides, same kernels), so
+the tolerance is float rounding of a different batch composition (1e-5 relative)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+TOL = 1e-5
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+@pytest.fixture()
+def engine(tiny, engine_of):
+    engine = engine_of(tiny("tiny-llama"), max_batch=4, max_context=128, prefill_chunk=16)
+    assert engine.sequences() == {} and engine.free_pages() == engine.total_pages
+    yield engine
+    for seq in engine.sequences():
+        engine.remove_sequence(seq)
+
+
+def prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return [int(t) for t in rng.integers(0, vocab, n)]
+
+
+def test_fork_shares_the_prefix_and_continues_like_the_parent(engine, rng):
+    p = prompt(rng, 40, engine.vocab_size)
+    parent = engine.add_sequence()
+    want = engine.prefill([parent], [p])[0]
+    free_before_fork = engine.free_pages()
+    child = engine.fork_sequence(parent)
+    assert engine.length(child) == 40
+    assert engine.free_pages() >= free_before_fork - 1  # shared pages, at most one copied partial page
+    nxt = int(np.argmax(want))
+    a, b = engine.decode([parent, child], [nxt, nxt])
+    assert rel_err(b, a) < TOL
+    # a fork at a shorter length continues from there: the same logits as prefilling that prefix anew
+    short = engine.fork_sequence(parent, 20)
+    got = engine.prefill([short], [p[20:]])[0]
+    assert rel_err(got, want) < TOL
+    with pytest.raises(Exception, match="cannot fork"):
+        engine.fork_sequence(parent, 42)
+
+
+def test_rollback_undoes_tokens_and_frees_their_pages(engine, rng):
+    p = prompt(rng, 30, engine.vocab_size)
+    seq = engine.add_sequence()
+    engine.prefill([seq], [p])
+    free_at_30 = engine.free_pages()
+    first = engine.decode([seq], [5])[0]
+    engine.prefill([seq], [prompt(rng, 20, engine.vocab_size)])  # into new pages
+    assert engine.free_pages() < free_at_30
+    engine.rollback(seq, 21)
+    assert engine.length(seq) == 30 and engine.free_pages() == free_at_30
+    again = engine.decode([seq], [5])[0]
+    assert rel_err(again, first) < TOL
+    with pytest.raises(Exception, match="cannot roll back"):
+        engine.rollback(seq, 32)
+
+
+def test_a_failed_decode_leaves_the_pool_as_it_was(engine, rng, monkeypatch):
+    seqs = [engine.add_sequence() for _ in range(2)]
+    prompts = [prompt(rng, n, engine.vocab_size) for n in (17, 33)]
+    engine.prefill(seqs, prompts)
+    lengths, free = engine.sequences(), engine.free_pages()
+    real = engine._fns["decode"]
+
+    def fails_after_writing(*args):  # the kernels ran and wrote KV entries, then the step failed
+        real(*args)
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setitem(engine._fns, "decode", fails_after_writing)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.decode(seqs, [3, 4])
+    assert engine.sequences() == lengths and engine.free_pages() == free
+    monkeypatch.undo()
+    got = engine.decode(seqs, [3, 4])
+    # the same step on fresh sequences that never saw the fault
+    fresh = [engine.add_sequence() for _ in range(2)]
+    engine.prefill(fresh, prompts)
+    want = engine.decode(fresh, [3, 4])
+    assert rel_err(got, want) < TOL
+
+
+def test_a_failed_prefill_chunk_rolls_back_the_chunks_before_it(engine, rng, monkeypatch):
+    head, tail = prompt(rng, 5, engine.vocab_size), prompt(rng, 48, engine.vocab_size)
+    seq = engine.add_sequence()
+    engine.prefill([seq], [head])
+    free, calls = engine.free_pages(), []
+    real = engine._fns["prefill"]
+
+    def third_chunk_fails(*args):
+        calls.append(1)
+        out = real(*args)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return out
+
+    monkeypatch.setitem(engine._fns, "prefill", third_chunk_fails)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.prefill([seq], [tail])  # chunks of 16, 16, 16: the last one crosses into a fourth page
+    assert len(calls) == 3 and engine.length(seq) == 5 and engine.free_pages() == free
+    monkeypatch.undo()
+    got = engine.prefill([seq], [tail])[0]
+    fresh = engine.add_sequence()
+    assert rel_err(got, engine.prefill([fresh], [head + tail])[0]) < TOL
+
+
+def test_bad_steps_are_refused_before_the_cache_is_touched(engine):
+    seq = engine.add_sequence()
+    for bad in ([engine.vocab_size], [-1]):
+        with pytest.raises(Exception, match="outside the vocabulary"):
+            engine.prefill([seq], [bad])
+    with pytest.raises(Exception, match="twice"):
+        engine.decode([seq, seq], [1, 2])
+    with pytest.raises(Exception, match="not live"):
+        engine.decode([seq + 100], [1])
+    assert engine.length(seq) == 0 and engine.free_pages() == engine.total_pages
+
+
+def test_sequence_context_removes_on_error(engine):
+    with pytest.raises(KeyError), engine.sequence() as seq:
+        assert engine.length(seq) == 0
+        raise KeyError("boom")
+    assert engine.sequences() == {}
+
+
+def test_the_engine_refuses_an_artifact_without_its_contract(tiny, tmp_path):
+    import json
+    import shutil
+
+    from luce_runtime.artifact import MANIFEST
+    from luce_runtime.contract import CONTRACT_VERSION, RuntimeContract
+    from luce_runtime.engine import Engine
+    from luce_runtime.errors import ArtifactError
+
+    src = tiny("tiny-llama").artifact
+    manifest = json.loads((src / MANIFEST).read_text())
+    assert RuntimeContract.from_manifest(manifest, src).contract_version == CONTRACT_VERSION
+    for change, message in [(lambda r: r.clear(), "no runtime contract"),
+                            (lambda r: r.update(contract_version=CONTRACT_VERSION + 1), "newer"),
+                            (lambda r: r.update(functions=["prefill"]), "lacks the functions"),
+                            (lambda r: r.update(kv_cache_args=["page_size"]), "create_kv_cache")]:
+        art = tmp_path / f"art{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(src, art)
+        m = json.loads((art / MANIFEST).read_text())
+        change(m["runtime"])
+        (art / MANIFEST).write_text(json.dumps(m))
+        with pytest.raises(ArtifactError, match=message) as err:
+            Engine(art, verify=False)
+        assert "recompile" in str(err.value)
