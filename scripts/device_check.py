@@ -107,11 +107,12 @@ def _load_runtime() -> None:
 
 
 def rebuild_weights(artifact: Path, gguf_path: Path) -> dict:
-    """weights.bin from the GGUF: each plane repacked exactly as the build wrote it (offsets from the manifest)."""
+    """weights.bin from the GGUF: each plane made by the function the build wrote it with (quant_layout.weight_planes,
+    BF16 vectors widened included), at the manifest's offsets."""
     from luce_runtime.artifact import file_sha256
 
     from luce_compile.gguf.reader import read_gguf
-    from luce_compile.lower.quant_layout import repack
+    from luce_compile.lower.quant_layout import weight_planes
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     target = artifact / manifest["weights"]["file"]
@@ -120,8 +121,8 @@ def rebuild_weights(artifact: Path, gguf_path: Path) -> dict:
         for p in manifest["weights"]["params"]:
             if p["source_tensor"] != current:
                 current = p["source_tensor"]
-                raw = gguf.raw(current)
-                planes = repack(raw.reshape(-1, raw.shape[-1]), gguf.tensor(current).ggml_type)
+                info = gguf.tensor(current)
+                planes = weight_planes(gguf.raw(current), info.ggml_type, len(info.shape))
             f.seek(p["offset"])
             f.write(np.ascontiguousarray(planes[p["plane"]]).tobytes())
     want, got = manifest["files"][target.name], file_sha256(target)

@@ -27,7 +27,7 @@ from luce_compile.codegen.pipeline import relax_pipeline
 from luce_compile.gguf.reader import GGUFFile, read_gguf
 from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
-from luce_compile.lower.quant_layout import repack
+from luce_compile.lower.quant_layout import weight_planes
 from luce_compile.lower.relax_model import PLANE_SEP, LowerOptions, lower_graph
 from luce_compile.models import cache_dir
 from luce_compile.targets import TargetInfo, get_target
@@ -136,15 +136,11 @@ def _weights(gguf: GGUFFile, params: list[tuple[str, tuple[int, ...], str]]) -> 
     planes_of: dict[str, dict[str, np.ndarray]] = {}
     for name, shape, dtype in params:
         tensor, plane = name.split(PLANE_SEP)
+        info = gguf.tensor(tensor)
         if tensor not in planes_of:  # repack once per tensor; the planes of one tensor are consecutive
             planes_of.clear()
-            info = gguf.tensor(tensor)
-            raw = gguf.raw(tensor)
-            planes_of[tensor] = repack(raw.reshape(-1, raw.shape[-1]), info.ggml_type)
+            planes_of[tensor] = weight_planes(gguf.raw(tensor), info.ggml_type, len(info.shape))
         array = planes_of[tensor][plane].reshape(shape)
-        info = gguf.tensor(tensor)
-        if info.ggml_type.name == "BF16" and len(info.shape) == 1:  # widened to F32 (lower/relax_model.weight_specs)
-            array = (array.astype(np.uint32) << 16).view(np.float32)
         if str(array.dtype) != dtype:
             raise AssertionError(f"plane {name} is {array.dtype}, the kernel expects {dtype}")
         yield name, array, {"source_tensor": tensor, "ggml_type": info.ggml_type.name, "plane": plane}

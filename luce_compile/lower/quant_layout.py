@@ -10,7 +10,8 @@ is dequantized: every plane holds the original bits, only moved. The conventions
   and two bits per element for Q6_K (bits 2*(k%16) of word k//16).
 - scales stay float16 (`d`, `m`, `dmin`, one per block or super-block); the 6-bit K-quant sub-block scales and mins
   are unpacked into uint8 planes `sc`/`mn` (8 per super-block), Q6_K's int8 scales into an int8 plane `sc`.
-- F32/F16 keep their values in `w`; BF16 keeps its bits as a uint16 plane `w` (numpy has no bfloat16).
+- F32/F16 keep their values in `w`; BF16 keeps its bits as a uint16 plane `w` (numpy has no bfloat16), except
+  that `weight_planes` widens a BF16 vector to float32.
 
 Block formats: llama.cpp ggml/src/ggml-common.h (block_q4_0 ... block_q6_K); the decoders they must agree with are
 in gguf-py/gguf/quants.py.
@@ -102,6 +103,18 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType | str) -> dict[str, 
     specs = plane_specs(qtype, n_out, n_blocks * block)
     assert planes.keys() == specs.keys(), (qtype.name, planes.keys())
     return {name: np.ascontiguousarray(planes[name], dtype=dt).reshape(shape) for name, (shape, dt) in specs.items()}
+
+
+def weight_planes(raw: np.ndarray, ggml_type: GGMLQuantizationType | str, n_dims: int) -> dict[str, np.ndarray]:
+    """One GGUF tensor's raw bytes (GGUFFile.raw) → the arrays the compiled model takes for it, as weights.bin holds
+    them: the planes of `repack`, except that a BF16 vector (a norm or bias, n_dims 1) is widened to float32, exactly
+    (bf16 is the top half of a float32), because the graph uses vectors as activation-dtype values
+    (relax_model.weight_specs). The compiler's writer and scripts/device_check.py both call this, so the weights a
+    GPU machine rebuilds are the bytes the build wrote."""
+    planes = repack(np.asarray(raw).reshape(-1, raw.shape[-1]), ggml_type)
+    if n_dims == 1 and as_ggml_type(ggml_type).name == "BF16":
+        return {"w": (planes["w"].astype(np.uint32) << 16).view(np.float32)}
+    return planes
 
 
 def _f16(fields: np.ndarray) -> np.ndarray:

@@ -1,0 +1,59 @@
+"""One weight repack: the weights.bin a GPU machine rebuilds from the GGUF (scripts/device_check.py) is byte for byte
+the one the compiler wrote, BF16 vectors (widened to float32 by quant_layout.weight_planes) included."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from luce_compile.lower.quant_layout import weight_planes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.unit
+def test_bf16_vectors_are_widened_exactly_and_matrices_keep_their_bits():
+    values = np.array([1.0, -2.5, 3.140625, 2.0**-100, -0.0], np.float32)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)  # these values are exact in bf16
+    raw = bits.view(np.uint8)
+    assert np.array_equal(weight_planes(raw, "BF16", n_dims=1)["w"].ravel(), values)
+    matrix = weight_planes(np.tile(raw[:8], (2, 1)), "BF16", n_dims=2)["w"]
+    assert matrix.dtype == np.uint16 and np.array_equal(matrix[1], bits[:4])
+
+
+def _device_check():
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_device_check_rebuilds_the_compiled_weights_of_a_bf16_model(tmp_path: Path, monkeypatch):
+    import luce_compile.synthetic as synthetic
+    from luce_compile.codegen.compile import compile_model
+    from luce_compile.gguf.reader import read_gguf
+
+    # synthetic models write their vectors as F32; here they are BF16 too, so the widened path is taken
+    as_generated = synthetic.tensor_type
+    monkeypatch.setattr(synthetic, "tensor_type", lambda spec, name, shape: (
+        GGMLQuantizationType.BF16 if len(shape) == 1 else as_generated(spec, name, shape)))
+    gguf = synthetic.write_synthetic(dataclasses.replace(synthetic.preset("tiny-qwen2"), quant="BF16"),
+                                     tmp_path / "bf16.gguf")
+    monkeypatch.undo()
+    tensors = read_gguf(gguf).tensors.values()
+    assert {t.ggml_type.name for t in tensors if len(t.shape) == 1} == {"BF16"}  # norms and qwen2's biases
+
+    artifact = compile_model(gguf, "cpu", tmp_path / "artifact", use_cache=False)
+    rebuilt = tmp_path / "rebuilt"
+    shutil.copytree(artifact, rebuilt)
+    (rebuilt / "weights.bin").unlink()
+    result = _device_check().rebuild_weights(rebuilt, gguf)
+    assert (rebuilt / "weights.bin").read_bytes() == (artifact / "weights.bin").read_bytes()
+    assert result == {"weights_sha_match": True, "gguf_sha_match": True}
