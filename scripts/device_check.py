@@ -13,8 +13,9 @@ that travels is capped at 64 MiB (a SmolLM2-135M-shape artifact's weights are ~1
       generator with the tokenizer keys from the artifact: it would otherwise fetch SmolLM2 for them; the sha256
       recorded at build time must match), loads the artifact with luce_runtime (TVM runtime only), and
       checks: prefill + 64 decode steps within 1e-3 relative of the oracle, greedy ids equal until the first
-      near-tie, batched decode of 2, 5 and 8 sequences equal to each alone; then times decode (batch 1) and prefill
-      of 512 and 2048 tokens. Prints and writes one JSON result.
+      near-tie, batched decode of 2, 5 and 8 sequences equal to each alone; then times decode (batch 1, median step
+      after a 512-token prompt) and prefill of 512 and 2048 tokens (median, the 512 one up to the first token)
+      with luce_runtime.bench, as `luce-compile bench` does. Prints and writes one JSON result.
 """
 
 from __future__ import annotations
@@ -188,38 +189,17 @@ def check_batched(engine, sizes: tuple[int, ...] = (2, 5, 8), steps: int = 16, s
     return {"sequences": list(sizes), "steps": steps, "max_rel_diff": worst, "ok": worst <= BATCH_TOL}
 
 
-def _sync(engine) -> None:
-    engine.device.sync()
+def time_engine(engine, prompt_len: int = 512, prefill_lens: tuple[int, ...] = (2048,), steps: int = 128) -> dict:
+    """Decode (batch 1, after a prompt_len prompt) and prefill speed, measured by luce_runtime.bench.bench_engine:
+    the method and the medians of `luce-compile bench` and the H200 table, written in this record's fields."""
+    from luce_runtime.bench import bench_engine
 
-
-def time_decode(engine, steps: int = 128, warmup: int = 8) -> dict:
-    seq = engine.add_sequence()
-    engine.prefill([seq], [list(range(1, 65))])
-    for t in range(warmup):
-        engine.decode([seq], [t + 1])
-    _sync(engine)
-    start = time.perf_counter()
-    for t in range(steps):
-        engine.decode([seq], [t + 1])  # returns host logits: each step is synchronized
-    elapsed = time.perf_counter() - start
-    engine.remove_sequence(seq)
-    return {"batch": 1, "steps": steps, "ms_per_token": 1e3 * elapsed / steps, "tok_s": steps / elapsed}
-
-
-def time_prefill(engine, n: int, repeats: int = 3) -> dict:
-    tokens = [int(t) for t in np.random.default_rng(n).integers(1, 49152, n)]
-    times = []
-    for i in range(repeats + 1):  # the first run warms up (allocations, module load)
-        seq = engine.add_sequence()
-        _sync(engine)
-        start = time.perf_counter()
-        engine.prefill([seq], [tokens])
-        _sync(engine)
-        if i:
-            times.append(time.perf_counter() - start)
-        engine.remove_sequence(seq)
-    best = min(times)
-    return {"tokens": n, "chunk": engine.options.prefill_chunk, "seconds": best, "tok_s": n / best}
+    t = bench_engine(engine, prompt_len=prompt_len, gen_len=steps, batch=1, prefill_lens=prefill_lens)
+    by_len = {prompt_len: t["prefill_tok_s"]} | t.get("prefill_by_len", {})
+    return {"decode": {"batch": 1, "steps": steps, "ms_per_token": 1e3 / t["decode_tok_s"],
+                       "tok_s": t["decode_tok_s"]},
+            "prefill": [{"tokens": n, "chunk": engine.options.prefill_chunk, "seconds": n / tok_s, "tok_s": tok_s}
+                        for n, tok_s in by_len.items()]}
 
 
 def _environment() -> dict:
@@ -254,8 +234,7 @@ def run(args: argparse.Namespace) -> int:
     checks = {"oracle": check_oracle(engine, np.load(folder / "reference.npz")), "batched": check_batched(engine)}
     result["checks"] = checks
     if not args.no_timing:
-        result["timing"] = {"decode": time_decode(engine),
-                            "prefill": [time_prefill(engine, n) for n in (512, 2048)]}
+        result["timing"] = time_engine(engine)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

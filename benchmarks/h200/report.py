@@ -159,9 +159,10 @@ def markdown(doc: dict[str, Any]) -> str:
              "Synthetic random-weight GGUFs at the real shapes (speed does not depend on the values), the same file "
              "for all three engines. Decode after a 512-token prompt; b=8 is the aggregate of 8 sequences. torch "
              "runs bf16 weights dequantized from the same GGUF (static KV cache, the whole decode step in one CUDA "
-             "graph; prefill: the better of eager and one replayed CUDA graph per prompt). luce-compile is timed at "
-             "the host, each call returning its logits (what a caller sees); the peers with their own timers "
-             "(llama-bench, CUDA events). % roofline: decode b=1 over (bandwidth / the engine's weight bytes per "
+             "graph; prefill: the better of eager and one replayed CUDA graph per prompt). luce-compile and torch are "
+             "timed alike (luce_runtime.timing: host wall-clock, the GPU synchronized around each call; "
+             "luce-compile's calls return their logits, what a caller sees); llama.cpp by llama-bench's own timer. "
+             "% roofline: decode b=1 over (bandwidth / the engine's weight bytes per "
              "token), bandwidth = "
              f"{_fmt(res['bandwidth_gb_s'], ',.0f')} GB/s measured in this run (device copy, read + write).", "",
              "| workload | engine | MiB/token | decode b=1 tok/s | % roofline | decode b=8 tok/s | pp512 tok/s | "

@@ -1,12 +1,13 @@
-"""llama.cpp on the CPU through llama-cpp-python: the same GGUF, the same threads, timed like bench_engine."""
+"""llama.cpp on the CPU through llama-cpp-python: the same GGUF, the same threads, timed like bench_engine (with
+luce_runtime.timing; llama.cpp's CPU eval returns when its work is done, so there is no device to synchronize)."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
+from luce_runtime.timing import call_times, median_time
 
 
 def bench_llama_cpp(gguf: Path, *, threads: int, prompt_len: int, gen_len: int, repeat: int = 3,
@@ -21,24 +22,23 @@ def bench_llama_cpp(gguf: Path, *, threads: int, prompt_len: int, gen_len: int, 
     rng = np.random.default_rng(seed)
     vocab = llm.n_vocab()
 
-    def prefill(n: int = prompt_len) -> float:
-        llm.reset()
-        tokens = rng.integers(0, vocab, n).tolist()
-        start = time.perf_counter()
-        llm.eval(tokens)
-        return time.perf_counter() - start
+    def prefill_seconds(n: int, repeat: int, warmup: int) -> float:
+        prompts = iter([rng.integers(0, vocab, n).tolist() for _ in range(warmup + repeat)])
 
-    prefill()  # warm-up
-    ttft = statistics.median(prefill() for _ in range(repeat))
-    by_len = {n: n / prefill(n) for n in prefill_lens}
-    prefill()  # decode continues after a prompt_len prompt, as luce-compile's does
+        def once() -> None:
+            llm.reset()  # only rewinds the token count: nothing to time
+            llm.eval(next(prompts))
+
+        return median_time(once, repeat, warmup)
+
+    ttft = prefill_seconds(prompt_len, repeat, warmup=1)
+    by_len = {n: n / prefill_seconds(n, 1, warmup=0) for n in prefill_lens}
+    prefill_seconds(prompt_len, 1, warmup=0)  # decode continues after a prompt_len prompt, as luce-compile's does
     steps = []
     token = int(rng.integers(0, vocab))
     llm.eval([token])  # warm-up step
     for _ in range(gen_len):
-        start = time.perf_counter()
-        llm.eval([token])
-        steps.append(time.perf_counter() - start)
+        steps += call_times(lambda t=token: llm.eval([t]), 1, warmup=0)
         # outside the timed region: llama-cpp-python hands the logits over as a Python list (slow to argmax)
         token = int(np.argmax(llm.eval_logits[-1]))
     return {"prefill_tok_s": prompt_len / ttft, "ttft_ms": ttft * 1e3, "decode_tok_s": 1 / statistics.median(steps),
@@ -83,10 +83,10 @@ def bench_llama_cpp_batched(gguf: Path, *, threads: int, prompt_len: int, gen_le
                    [False] * (prompt_len - 1) + [True])
         tokens, steps = rng.integers(0, n_vocab, batch).tolist(), []
         for step in range(gen_len + 1):  # the first step warms up
-            start = time.perf_counter()
-            submit(tokens, [prompt_len + step] * batch, list(range(batch)), [True] * batch)
-            if step:
-                steps.append(time.perf_counter() - start)
+            positions = [prompt_len + step] * batch
+            seconds = call_times(lambda t=tokens, p=positions: submit(t, p, list(range(batch)), [True] * batch),
+                                 1, warmup=0)
+            steps += seconds if step else []
             tokens = [int(np.argmax(np.ctypeslib.as_array(
                 ctypes.cast(lc.llama_get_logits_ith(ctx, i), ctypes.POINTER(ctypes.c_float)), (n_vocab,))))
                 for i in range(batch)]

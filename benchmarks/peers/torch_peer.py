@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "runtime")) if p not in sys.path]
 
 from luce_runtime.bench import roofline_tok_s  # noqa: E402  (numpy only: no TVM on the GPU machine)
+from luce_runtime.timing import call_times  # noqa: E402
 
 from luce_compile.errors import UnsupportedError  # noqa: E402
 from luce_compile.gguf.config import ModelConfig, model_config  # noqa: E402
@@ -316,16 +317,9 @@ def cuda_graph(fn: Callable[[], None], warmup: int = 3) -> Callable[[], None]:
 
 # --- the benchmark ---------------------------------------------------------------------------------------------------
 def cuda_times(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:
-    """Device seconds of each of `repeat` calls (CUDA events around each, one sync at the end), after warm-up."""
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) / 1e3 for start, end in events]
+    """Seconds of each of `repeat` calls after warm-up, timed as luce-compile is (luce_runtime.timing: host
+    wall-clock, the GPU synchronized before and after each call), so the table compares engines, not timers."""
+    return call_times(fn, repeat, warmup, sync=torch.cuda.synchronize)
 
 
 def device_bandwidth_gb_s(n_bytes: int = 2 << 30, repeat: int = 10) -> float:
@@ -375,7 +369,7 @@ def bench(gguf_path: str | Path, *, prompt_lens: tuple[int, ...] = (512, 2048), 
           seed: int = 0, compile: bool = False) -> dict[str, Any]:
     """Prefill tok/s per prompt length, decode tok/s per batch, bandwidth, roofline: one JSON-able dict."""
     if not (str(device).startswith("cuda") and torch.cuda.is_available()):
-        raise RuntimeError(f"torch peer: bench() times with CUDA events and CUDA graphs, but device={device!r} "
+        raise RuntimeError(f"torch peer: bench() synchronizes CUDA and replays CUDA graphs, but device={device!r} "
                            f"(CUDA available: {torch.cuda.is_available()}); run it on the GPU machine.")
     torch.manual_seed(seed)
     start = time.perf_counter()

@@ -3,18 +3,20 @@
 Roofline for decode: each decoded token reads every weight once (the LM head reads the whole vocabulary table), so
   roofline tok/s = memory bandwidth / weight bytes per token,   fraction = measured tok/s / roofline tok/s.
 The bandwidth is measured here, in the same run: a copy of a buffer far larger than the last-level cache, counting
-bytes read plus bytes written. Timings are medians over repeats after a warm-up.
+bytes read plus bytes written. Timings are medians over repeats after a warm-up, taken by luce_runtime.timing (host
+wall-clock, the device synchronized around each call), the one method every number here and in
+scripts/device_check.py comes from.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from luce_runtime.timing import median_time
 
 SCHEMA_VERSION = 1
 
@@ -58,21 +60,6 @@ def roofline_tok_s(bandwidth_gb_s: float, bytes_per_token: int) -> float:
     return bandwidth_gb_s * 1e9 / bytes_per_token
 
 
-def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1,
-                clock: Callable[[], float] = time.perf_counter) -> float:
-    """Median wall time of fn() in seconds, after `warmup` untimed calls (clock: injectable for tests)."""
-    if repeat <= 0:
-        raise ValueError(f"bench: repeat must be positive, got {repeat}")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return statistics.median(times)
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100), linear between the closest ranks (numpy's default): p50/p99 latencies."""
     if not values:
@@ -107,9 +94,8 @@ def device_bandwidth_gb_s(device, n_bytes: int = 1 << 31, copies: int = 4, repea
     def copy() -> None:
         for _ in range(copies):
             src.copyto(dst)
-        device.sync()
 
-    seconds = median_time(copy, repeat)
+    seconds = median_time(copy, repeat, sync=device.sync)
     return 2 * n_bytes * copies / seconds / 1e9
 
 
@@ -134,52 +120,59 @@ def machine_load() -> float:
 
 def bench_engine(engine, *, prompt_len: int, gen_len: int, batch: int, repeat: int = 3, seed: int = 0,
                  prefill_lens: Sequence[int] = (), prefill_repeat: int | None = None) -> dict:
-    """Time an Engine: prefill of prompt_len random tokens (and of each of prefill_lens, `prefill_repeat` times:
-    long prompts on a CPU take minutes), decode at batch 1 and at `batch` after a prompt_len prompt. Wall-clock
-    times as a user sees them: every call returns host logits."""
+    """Time an Engine (luce-compile bench, benchmarks/, scripts/device_check.py): prefill of prompt_len random tokens
+    up to the first token's argmax (TTFT), and of each of prefill_lens (`prefill_repeat` times: long prompts on a
+    CPU take minutes); the median decode step, greedy, at batch 1 and at `batch` after prompt_len-token prompts.
+    Seconds as a user sees them (luce_runtime.timing): the argmax on host logits is inside each interval."""
     rng = np.random.default_rng(seed)
     vocab = int(engine.config["n_vocab"])
 
-    def prompt(n: int = prompt_len) -> list[int]:
-        return rng.integers(0, vocab, n).tolist()
+    def prompts(n: int, count: int) -> list[list[int]]:
+        return [rng.integers(0, vocab, n).tolist() for _ in range(count)]
 
-    def prefill_once(n: int) -> None:
-        seq = engine.add_sequence()
-        try:
-            logits = engine.prefill([seq], [prompt(n)])
-            int(np.argmax(logits[0]))
-        finally:
-            engine.remove_sequence(seq)
-
-    ttft = median_time(lambda: prefill_once(prompt_len), repeat)
+    ttft = _prefill_seconds(engine, prompts(prompt_len, repeat + 1), warmup=1)
     # no warm-up for the extra lengths: the TTFT runs above loaded and warmed every prefill kernel
-    prefill = {int(n): n / median_time(lambda n=n: prefill_once(n), prefill_repeat or repeat, warmup=0)
+    prefill = {int(n): n / _prefill_seconds(engine, prompts(n, prefill_repeat or repeat), warmup=0)
                for n in prefill_lens}
-
-    def decode_run(b: int) -> float:
-        seqs = [engine.add_sequence() for _ in range(b)]
-        try:
-            engine.prefill(seqs, [prompt() for _ in seqs])
-            tokens = rng.integers(0, vocab, b).tolist()
-            engine.decode(seqs, tokens)  # warm-up step
-            steps = []
-            for _ in range(gen_len):
-                start = time.perf_counter()
-                logits = engine.decode(seqs, tokens)
-                tokens = np.argmax(logits, axis=-1).tolist()
-                steps.append(time.perf_counter() - start)
-            return statistics.median(steps)
-        finally:
-            for s in seqs:
-                engine.remove_sequence(s)
-
-    step1 = decode_run(1)
-    step_b = decode_run(batch) if batch > 1 else step1
+    step1 = _decode_step_seconds(engine, prompts(prompt_len, 1), rng.integers(0, vocab, 1).tolist(), gen_len)
+    step_b = (_decode_step_seconds(engine, prompts(prompt_len, batch), rng.integers(0, vocab, batch).tolist(),
+                                   gen_len) if batch > 1 else step1)
     out = {"prefill_tok_s": prompt_len / ttft, "ttft_ms": ttft * 1e3, "decode_tok_s": 1 / step1,
            "decode_batch_tok_s": batch / step_b}
     if prefill:
         out["prefill_by_len"] = prefill
     return out
+
+
+def _prefill_seconds(engine, prompts: list[list[int]], warmup: int) -> float:
+    """Median seconds from a new sequence's prefill call to its first token (argmax), one prompt per call (drawn
+    before the clock runs), the first `warmup` calls untimed."""
+    pending = iter(prompts)
+
+    def once() -> None:
+        seq = engine.add_sequence()
+        try:
+            int(np.argmax(engine.prefill([seq], [next(pending)])[0]))
+        finally:
+            engine.remove_sequence(seq)
+
+    return median_time(once, len(prompts) - warmup, warmup, sync=engine.device.sync)
+
+
+def _decode_step_seconds(engine, prompts: list[list[int]], tokens: list[int], steps: int) -> float:
+    """Median seconds of one greedy decode step of len(prompts) sequences after those prompts (one warm-up step):
+    each step's argmax, taken inside the interval, is the next step's input."""
+    seqs = [engine.add_sequence() for _ in prompts]
+    try:
+        engine.prefill(seqs, prompts)
+
+        def step() -> None:
+            tokens[:] = np.argmax(engine.decode(seqs, tokens), axis=-1).tolist()
+
+        return median_time(step, steps, warmup=1, sync=engine.device.sync)
+    finally:
+        for s in seqs:
+            engine.remove_sequence(s)
 
 
 def bench_artifact(artifact, *, prompt_len: int, gen_len: int, batch: int, repeat: int = 3,

@@ -15,7 +15,6 @@ import pytest
 from luce_runtime.bench import (
     SCHEMA_VERSION,
     BenchResult,
-    median_time,
     percentile,
     roofline_tok_s,
     weight_bytes_per_token,
@@ -45,41 +44,6 @@ def test_roofline_known_numbers():
 def test_roofline_rejects_empty_model():
     with pytest.raises(ValueError, match="bytes per token must be positive"):
         roofline_tok_s(20.0, 0)
-
-
-class FakeClock:
-    """Each fn() call advances time by the next duration; the clock reads the current time."""
-
-    def __init__(self, durations: list[float]):
-        self.now, self.durations, self.calls = 0.0, list(durations), 0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def work(self) -> None:
-        self.calls += 1
-        self.now += self.durations.pop(0)
-
-
-@pytest.mark.unit
-def test_median_time_skips_warmup_and_takes_median():
-    # the warm-up calls (100 s each) must not be timed; the timed ones are 3, 1, 2, 50, 4 → median 3
-    clock = FakeClock([100.0, 100.0, 3.0, 1.0, 2.0, 50.0, 4.0])
-    assert median_time(clock.work, repeat=5, warmup=2, clock=clock) == pytest.approx(3.0)
-    assert clock.calls == 7
-
-
-@pytest.mark.unit
-def test_median_time_even_repeat_and_no_warmup():
-    clock = FakeClock([1.0, 2.0, 10.0, 20.0])
-    assert median_time(clock.work, repeat=4, warmup=0, clock=clock) == pytest.approx(6.0)
-    assert clock.calls == 4
-
-
-@pytest.mark.unit
-def test_median_time_rejects_zero_repeat():
-    with pytest.raises(ValueError, match="repeat must be positive"):
-        median_time(lambda: None, repeat=0)
 
 
 @pytest.mark.unit
