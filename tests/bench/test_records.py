@@ -1,0 +1,102 @@
+"""The committed GPU records are well-formed, consistent and passing, in the schema the code writes today.
+
+Two kinds, both under benchmarks/results/:
+- the H200 table's JSON (h200-<date>*.json, benchmarks/h200/report.py): every workload has a row per engine, every
+  number is a positive finite value, the roofline follows from the bytes and the run's bandwidth, the committed
+  markdown's tables are the rendering of the JSON, and luce-compile's correctness check in that run passed;
+- scripts/device_check.py's records (h200/<date>-<model>.json): the check passed, and the timing section (when
+  there) is the one `time_engine` writes.
+A record that stops matching (a field renamed, a check that failed, a hand-edited number) fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.bench._load import load_benchmark_module
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+REPORTS = sorted(RESULTS.glob("h200-*.json"))
+DEVICE_CHECKS = sorted(p for p in (RESULTS / "h200").glob("*.json") if p.stem.split("-")[-1] in
+                       ("tiny", "smollm2", "gemma3"))
+REL_TOL, BATCH_TOL = 1e-3, 1e-4  # scripts/device_check.py's bars
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def check_correctness(checks: dict[str, Any], weights: dict[str, Any]) -> None:
+    """device_check's `checks` and `weights` sections: present, in today's schema, and passing."""
+    assert weights == {"weights_sha_match": True, "gguf_sha_match": True}
+    oracle, batched = checks["oracle"], checks["batched"]
+    assert set(oracle) == {"steps", "max_rel_err", "prefill_rel_err", "ids_checked", "ids_mismatched", "ok"}
+    assert oracle["ok"] is True and oracle["ids_mismatched"] == []
+    assert 0 <= oracle["prefill_rel_err"] <= oracle["max_rel_err"] <= REL_TOL
+    assert oracle["steps"] >= 1 and 0 <= oracle["ids_checked"] <= oracle["steps"] + 1
+    assert set(batched) == {"sequences", "steps", "max_rel_diff", "ok"}
+    sizes = batched["sequences"]  # the batch sizes decoded together, each checked against its sequences alone
+    assert isinstance(sizes, list) and sizes and all(isinstance(n, int) and n > 1 for n in sizes), sizes
+    assert batched["ok"] is True and 0 <= batched["max_rel_diff"] <= BATCH_TOL and batched["steps"] >= 1
+
+
+@pytest.fixture(scope="module")
+def report():
+    return load_benchmark_module("h200/report")
+
+
+@pytest.mark.unit
+def test_there_are_records_to_check():
+    assert REPORTS and DEVICE_CHECKS, "the committed records moved: point this test at them"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("path", REPORTS, ids=lambda p: p.name)
+def test_h200_report_record(path: Path, report):
+    doc = json.loads(path.read_text())
+    meta, res = doc["meta"], doc["results"]
+    assert meta["gpu"].startswith("NVIDIA") and meta["runs"] and meta["command"]
+    assert set(res) == {"workloads", "bandwidth_gb_s", "bandwidths_measured_gb_s"}
+    assert all(_positive(b) for b in res["bandwidths_measured_gb_s"])
+    assert res["bandwidth_gb_s"] == statistics.median_high(res["bandwidths_measured_gb_s"])
+    assert set(res["workloads"]) == set(report.WORKLOADS)
+    for name, w in res["workloads"].items():
+        assert list(w["engines"]) == list(report.ENGINES), name
+        for engine, row in w["engines"].items():
+            assert "error" not in row, (name, engine, row.get("error", "")[:200])
+            assert all(_positive(row[m]) for m in (*report.METRICS, "weight_bytes_per_token")), (name, engine)
+            assert row["run"] < len(meta["runs"])
+            roof = report.roofline_tok_s(res["bandwidth_gb_s"], row["weight_bytes_per_token"])
+            assert row["roofline_tok_s"] == pytest.approx(roof)
+            assert row["roofline_fraction"] == pytest.approx(row["decode_b1"] / roof)
+            assert 0 < row["roofline_fraction"] < 1, (name, engine)
+        check_correctness(w["check"], w["weights"])
+    # the committed tables are this JSON rendered (the prose around them may describe the method of its day)
+    rendered = [line for line in report.markdown(doc).splitlines() if line.startswith("|")]
+    committed = [line for line in path.with_suffix(".md").read_text().splitlines() if line.startswith("|")]
+    assert rendered == committed
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("path", DEVICE_CHECKS, ids=lambda p: p.name)
+def test_device_check_record(path: Path):
+    record = json.loads(path.read_text())
+    assert set(record) >= {"spec", "environment", "weights", "load_seconds", "manifest_kernels", "checks"}
+    assert record["environment"]["gpu"].startswith("NVIDIA"), "the record names the GPU and driver"
+    assert record["spec"]["target"].startswith("sm_")
+    check_correctness(record["checks"], record["weights"])
+    if "timing" not in record:  # device_check run --no-timing
+        return
+    timing = record["timing"]
+    decode = timing["decode"]
+    assert set(decode) == {"batch", "steps", "ms_per_token", "tok_s"} and decode["batch"] == 1
+    assert decode["ms_per_token"] == pytest.approx(1e3 / decode["tok_s"])
+    for p in timing["prefill"]:
+        assert set(p) == {"tokens", "chunk", "seconds", "tok_s"}
+        assert _positive(p["seconds"]) and p["tok_s"] == pytest.approx(p["tokens"] / p["seconds"])
