@@ -181,13 +181,14 @@ def cmd_targets(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     from luce_compile.codegen.compile import compile_model
 
-    out = Path(args.output) if args.output else Path(f"{Path(resolve_model(args.model)).stem}.{args.target}")
+    gguf = resolve_model(args.model)
+    out = Path(args.output) if args.output else Path(f"{gguf.stem}.{args.target}")
     start = time.perf_counter()
 
     def progress(msg: str) -> None:
         print(f"[{time.perf_counter() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
-    compile_model(resolve_model(args.model), args.target, out, use_cache=not args.no_cache, progress=progress)
+    compile_model(gguf, args.target, out, use_cache=not args.no_cache, overwrite=args.force, progress=progress)
     print(out)
     return 0
 
@@ -224,7 +225,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from luce_compile.models import cache_dir
 
         gguf = resolve_model(args.model)
-        path = compile_model(gguf, args.target, cache_dir() / "bench" / f"{gguf.stem}.{args.target}")
+        path = compile_model(gguf, args.target, cache_dir() / "bench" / f"{gguf.stem}.{args.target}",
+                             overwrite=True)  # the cache's own copy: replace what an earlier bench left
     from luce_runtime.bench import bench_artifact  # after compiling: the runtime loads TVM's runtime library only
 
     result = bench_artifact(path, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
@@ -251,7 +253,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from luce_compile.models import cache_dir
 
         gguf = resolve_model(args.artifact)
-        path = compile_model(gguf, args.target, cache_dir() / "serve" / f"{gguf.stem}.{args.target}")
+        path = compile_model(gguf, args.target, cache_dir() / "serve" / f"{gguf.stem}.{args.target}",
+                             overwrite=True)  # the cache's own copy: replace what an earlier serve left
     from luce_runtime.serve import ServeOptions, serve  # after compiling: the runtime loads TVM's runtime library only
 
     print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
@@ -304,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default="cpu", help="see `luce-compile targets` (default: cpu)")
     s.add_argument("-o", "--output", help="artifact directory (default: <model>.<target>)")
     s.add_argument("--no-cache", action="store_true", help="rebuild even if this exact build is cached")
+    s.add_argument("--force", action="store_true",
+                   help="replace an existing artifact at -o (anything else there is always refused)")
     s.set_defaults(func=cmd_compile)
 
     s = sub.add_parser("pack", help="pack an artifact directory into one file")

@@ -40,7 +40,8 @@ from luce_runtime.artifact import (
 from luce_compile import __version__
 from luce_compile.errors import ArtifactError
 
-__all__ = ["describe_source", "pack", "tokenizer_metadata_from", "unpack", "write_artifact"]
+__all__ = ["check_destination", "describe_source", "is_artifact", "move_into_place", "pack", "tokenizer_metadata_from",
+           "unpack", "write_artifact"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def write_artifact(
     _check_fields(manifest_fields)
     if (module_path is None) == (export_fn is None):
         raise ArtifactError("artifact writer: pass exactly one of module_path and export_fn.")
-    _check_destination(out_dir, overwrite)
+    check_destination(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
@@ -94,7 +95,7 @@ def write_artifact(
         files = {rel: (weights_sha if rel == WEIGHTS_FILE else file_sha256(tmp / rel)) for rel in _tree(tmp)}
         _write_json(tmp / MANIFEST, _manifest(manifest_fields, params, files, module_name))
         _fsync_tree(tmp)
-        _move_into_place(tmp, out_dir)
+        move_into_place(tmp, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -133,14 +134,30 @@ def _check_fields(fields: Mapping[str, Any]) -> None:
         raise ArtifactError("artifact writer: bad manifest_fields: " + "; ".join(problems) + ".")
 
 
-def _check_destination(out_dir: Path, overwrite: bool) -> None:
-    if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
+def is_artifact(path: Path) -> bool:
+    """A directory whose manifest.json says format "luce-artifact": something this project wrote (so it may replace
+    it). Presence of a manifest.json alone is not enough: many tools write a file of that name."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME
+
+
+def check_destination(out_dir: Path, overwrite: bool) -> None:
+    """Refuse a destination that would lose data: anything that is not an artifact, always; an artifact unless
+    `overwrite` (the CLI's --force). The one guard for every writer of artifacts (this module, codegen's copies)."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
         return  # an empty folder (made ahead, e.g. by a job runner) is replaced as if absent
+    if not out_dir.is_dir() or out_dir.is_symlink() or not is_artifact(out_dir):
+        raise ArtifactError(f"artifact: {out_dir} exists and is not an artifact; refusing to replace it (that would "
+                            f"delete what is in it, --force or not). Choose another -o, or move it away first.")
     if not overwrite:
-        raise ArtifactError(f"artifact: {out_dir} already exists; remove it, choose another -o, or pass --force.")
-    if not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file()):
-        raise ArtifactError(f"artifact: {out_dir} exists and is not an artifact; refusing to replace it. "
-                            f"Choose another -o.")
+        raise ArtifactError(f"artifact: {out_dir} already exists (an artifact); pass --force to replace it, or "
+                            f"choose another -o.")
 
 
 def _as_bytes(name: str, array: np.ndarray, meta: Mapping[str, Any]) -> tuple[str, np.ndarray]:
@@ -262,14 +279,23 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
+def move_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """Publish the finished folder `tmp` (a sibling of out_dir) as out_dir. The guard runs again here: a compile
+    takes minutes, and the destination may have changed meanwhile."""
+    check_destination(out_dir, overwrite)
     if not out_dir.exists():
         os.replace(tmp, out_dir)
         return
-    # Replacing (--force): move the old one aside first; rename(2) cannot replace a non-empty directory.
+    # Replacing: move the old one aside first (rename(2) cannot replace a non-empty directory), and back if the
+    # second rename fails, so out_dir is never left missing. Only the old artifact (checked above) is deleted.
     old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
     os.replace(out_dir, old / out_dir.name)
-    os.replace(tmp, out_dir)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        os.replace(old / out_dir.name, out_dir)
+        old.rmdir()
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from luce_runtime.contract import RuntimeContract
 
 import luce_compile
-from luce_compile.artifact.writer import write_artifact
+from luce_compile.artifact.writer import check_destination, move_into_place, write_artifact
 from luce_compile.codegen.device_binaries import export_checked
 from luce_compile.codegen.gpu_toolchain import gpu_toolchain
 from luce_compile.codegen.pipeline import relax_pipeline
@@ -57,10 +57,15 @@ def compiler_fingerprint() -> str:
 
 
 def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, use_cache: bool = True,
-                  progress: Progress | None = None) -> Path:
-    """Compile a GGUF model for a target into an artifact directory at out_dir (replaced if it exists)."""
+                  overwrite: bool = False, progress: Progress | None = None) -> Path:
+    """Compile a GGUF model for a target into an artifact directory at out_dir.
+
+    An existing out_dir is replaced only if it is an artifact and `overwrite` is set (the CLI's --force); anything
+    else there is refused before any work, so a user's folder is never deleted (artifact.writer.check_destination).
+    """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    check_destination(out_dir, overwrite)  # before minutes of work, and again when the result is moved into place
     info = get_target(target)
     say("hashing the model")
     gguf_sha = file_sha256(gguf_path)
@@ -68,16 +73,18 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     cached = cache_dir() / "artifacts" / key
     if use_cache and (cached / "manifest.json").is_file():
         say(f"reusing the cached build {cached}")
-        _copy_tree(cached, out_dir)
+        _copy_tree(cached, out_dir, overwrite)
         return out_dir
     gguf = read_gguf(gguf_path)
     graph = build_graph(gguf)  # refuses unsupported models before any work
     built = _build(gguf, graph, info, gguf_sha, say)
-    if use_cache:
-        _copy_tree(built, cached)
-        _prune(cached.parent, keep=KEEP_CACHED)
-    _copy_tree(built, out_dir)
-    shutil.rmtree(built.parent, ignore_errors=True)
+    try:
+        if use_cache:
+            _copy_tree(built, cached, overwrite=True)  # the cache is ours: a stale entry is replaced
+            _prune(cached.parent, keep=KEEP_CACHED)
+        _copy_tree(built, out_dir, overwrite)
+    finally:
+        shutil.rmtree(built.parent, ignore_errors=True)  # the mkdtemp work folder _build made
     return out_dir
 
 
@@ -162,9 +169,14 @@ def _prune(folder: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _copy_tree(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    shutil.rmtree(dst, ignore_errors=True)
-    tmp.replace(dst)
+def _copy_tree(src: Path, dst: Path, overwrite: bool) -> None:
+    """Copy an artifact to dst through a fresh sibling folder swapped into place: an interrupted copy never leaves
+    half an artifact at dst, and nothing at dst is deleted unless the guard allows it."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        tmp = staging / dst.name
+        shutil.copytree(src, tmp)
+        move_into_place(tmp, dst, overwrite)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -76,6 +76,40 @@ def test_existing_destination(tmp_path: Path):
 
 
 @pytest.mark.unit
+def test_a_manifest_json_alone_does_not_make_an_artifact(tmp_path: Path):
+    """Many tools write a manifest.json; only format "luce-artifact" marks a folder this project may replace. The old
+    guard took any manifest.json as an artifact and deleted the folder under overwrite=True."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / MANIFEST).write_text(json.dumps({"name": "my web app"}))
+    (app / "index.html").write_text("<p>mine</p>")
+    with pytest.raises(ArtifactError, match="not an artifact; refusing"):
+        make_artifact(tmp_path, name="app", overwrite=True)
+    assert (app / "index.html").read_text() == "<p>mine</p>"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app", "built.so"]
+
+
+@pytest.mark.unit
+def test_a_failed_swap_puts_the_old_artifact_back(tmp_path: Path, monkeypatch):
+    from luce_compile.artifact import writer
+
+    art = make_artifact(tmp_path)
+    before = (art / MANIFEST).read_bytes()
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(dst) == art and ".partial-" in str(src):  # the new artifact's rename into place
+            raise OSError("interrupted")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(writer.os, "replace", replace)
+    with pytest.raises(OSError, match="interrupted"):
+        make_artifact(tmp_path, weights=[("w", np.zeros(3, np.float32), {})], overwrite=True)
+    assert (art / MANIFEST).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "built.so"]
+
+
+@pytest.mark.unit
 def test_bad_manifest_fields(tmp_path: Path):
     fields = manifest_fields({"name": "cpu", "kind": "metal", "tvm_target": {}})
     del fields["source"]
