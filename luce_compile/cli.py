@@ -180,7 +180,11 @@ def cmd_targets(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from luce_compile.codegen.compile import compile_model
+    from luce_compile.codegen.gpu_toolchain import require_gpu_toolchain
+    from luce_compile.targets import get_target
 
+    info = get_target(args.target)
+    require_gpu_toolchain(info.kind, info.name)  # before a model is fetched or lowered: minutes, then a late failure
     gguf = resolve_model(args.model)
     out = Path(args.output) if args.output else Path(f"{gguf.stem}.{args.target}")
     start = time.perf_counter()

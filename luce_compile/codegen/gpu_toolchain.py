@@ -234,6 +234,60 @@ def _register_rocm_f64_math() -> None:
     _state["rocm_f64"] = True
 
 
+# How to get each missing piece. The apt packages are Debian's (what scripts/setup.sh installs, as root, for the
+# tests); the CUDA checkers are pip wheels (the gpu extra). The CPU target needs none of this.
+_APT_GPU = "apt-get install lld-{major} llvm-{major} rocm-device-libs (as root; bash scripts/setup.sh does it)"
+_PIP_GPU = "pip install -e '.[gpu]' (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)"
+
+
+def missing_gpu_tools(kind: str) -> list[str]:
+    """What a build (and its binary check) for a target of this TVM kind needs and this machine lacks, each with how
+    to get it; empty when everything is there (and always for the CPU)."""
+    if kind == "cuda":
+        missing = []
+        if find_tool("nvcc") is None:
+            missing.append("nvcc (the CUDA 13 toolkit: https://developer.nvidia.com/cuda-downloads, then "
+                           "/usr/local/cuda/bin on PATH)")
+        if find_tool("cuobjdump") is None:
+            missing.append(f"cuobjdump: {_PIP_GPU}")
+        has_cc = bool((shutil.which("gcc") or shutil.which("cc")) and shutil.which("nm"))
+        if not has_cc and not _loads("libcuda.so.1"):
+            missing.append("gcc and nm, to stand in for the GPU driver: apt-get install gcc binutils")
+        return missing
+    if kind != "rocm":
+        return []
+    import tvm
+    from tvm.support import rocm as tvm_rocm
+
+    major = tvm.target.codegen.llvm_version_major(allow_none=True) or 22
+    missing = []
+    try:
+        rocm_path()
+    except ToolchainError:
+        missing.append("the ROCm device libraries (ocml.bc)")
+    if not tvm_rocm.find_lld(required=False):
+        missing.append(f"ld.lld-{major}")
+    if not all(shutil.which(f"{tool}-{major}") or shutil.which(tool) for tool in ("llvm-readelf", "llvm-objdump")):
+        missing.append(f"llvm-readelf-{major} and llvm-objdump-{major}")
+    return [f"{', '.join(missing)}: {_APT_GPU.format(major=major)}"] if missing else []
+
+
+def require_gpu_toolchain(kind: str, target: str) -> None:
+    """Fail fast, before a model is fetched or lowered, when a GPU target's toolchain is not installed."""
+    missing = missing_gpu_tools(kind)
+    if missing:
+        raise ToolchainError(f"build: --target {target} needs a GPU toolchain this machine lacks: "
+                             f"{'; '.join(missing)}. The CPU target (--target cpu) needs none of it.")
+
+
+def _loads(library: str) -> bool:
+    try:
+        ctypes.CDLL(library)
+    except OSError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def gpu_toolchain(kind: str, archs: tuple[str, ...], mcpu: str = "") -> Iterator[str]:
     """Everything a build for a cuda/rocm target needs around tvm.compile; yields how CUDA codegen was enabled."""
