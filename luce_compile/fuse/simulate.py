@@ -1,0 +1,250 @@
+"""A float64 numpy executor of the megakernel's task graph: the reference for the generated kernel's task bodies,
+and the check of the task graph itself.
+
+It runs a plan's per-SM queues the way the persistent kernel does (a block takes the next task of its queue once
+the tasks it depends on are done), in an interleaving chosen by a seeded random generator or adversarially, and
+refuses any read of a value region no task has written yet in this step: a missing dependency is an error here,
+not a silent race. Each task computes only from the regions it declares; the float64 oracle's op functions give the
+arithmetic, so the logits must equal the oracle's to float64 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from luce_compile.fuse.plan import Plan
+from luce_compile.fuse.taskgraph import (
+    ARGMAX_PARTIAL,
+    TOKEN_IDS,
+    Region,
+    Task,
+    TaskGraph,
+    kv_cache_value,
+    split_value,
+)
+from luce_compile.graph.ir import LOGITS, POSITIONS, Op, OpKind
+from luce_compile.graph.oracle import Oracle, gelu_tanh, rms_norm, rope, silu
+
+
+class ScheduleError(AssertionError):
+    """The plan or task graph let a task read what was not written yet, or the blocks could not all go on."""
+
+
+@dataclass
+class _Partial:
+    m: np.ndarray  # (group,) running max of the scores per query head
+    total: np.ndarray  # (group,) sum of exp(score - m)
+    o: np.ndarray  # (group, Dv) sum of exp(score - m) · v
+
+
+class TaskSimulator:
+    """Decode steps of `tg` for tg.batch sequences; weights come from the oracle (dequantized float64)."""
+
+    def __init__(self, tg: TaskGraph, plan: Plan, oracle: Oracle):
+        plan.check(tg)
+        self.tg, self.plan, self.oracle = tg, plan, oracle
+        self.values = tg.graph.values()
+        self.length = [0] * tg.batch  # tokens in each sequence's cache
+        self.cache: dict[str, np.ndarray] = {}  # kvcache value → (B, max_context, features)
+        for value, (layer, which) in tg.kv_slots.items():
+            width = self.width(value)
+            self.cache[kv_cache_value(layer, which)] = np.zeros((tg.batch, tg.max_context, width))
+
+    def width(self, name: str) -> int:
+        return int(np.prod([int(d) for d in self.values[name].shape[2:]]))
+
+    def load_prefix(self, row: int, keys_values: dict[str, np.ndarray]) -> None:
+        """Fill a sequence's cache with a prefix computed elsewhere: attention k/v value → (L, features)."""
+        for value, (layer, which) in self.tg.kv_slots.items():
+            kv = keys_values[value]
+            self.cache[kv_cache_value(layer, which)][row, :len(kv)] = kv
+            self.length[row] = len(kv)
+
+    def step(self, tokens: list[int], *, seed: int | None = 0, adversarial: bool = False) -> tuple[np.ndarray, list]:
+        """One decode step: each sequence's next token → (logits (B, V), greedy token ids)."""
+        if any(n >= self.tg.max_context for n in self.length):
+            raise ScheduleError("simulate: a sequence is at the maximum context")
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.pos = np.asarray(self.length, dtype=np.int64)
+        self.buf: dict[str, np.ndarray] = {}
+        self.written: dict[str, np.ndarray] = {}
+        self.partials: dict[tuple, _Partial] = {}
+        self.lm_best: dict[tuple[int, int], tuple[float, int]] = {}
+        for task in self._order(seed, adversarial):
+            for r in task.reads:
+                self._check_read(task, r)
+            getattr(self, f"_{task.kind.value}")(task)
+        self.length = [n + 1 for n in self.length]
+        return self.buf[LOGITS], [int(t) for t in self.buf[TOKEN_IDS][:, 0]]
+
+    # ---- the blocks ---------------------------------------------------------------------------------------------
+    def _order(self, seed: int | None, adversarial: bool) -> list[Task]:
+        """The tasks in an order the kernel's blocks could run them: a random ready block each time (seeded), or
+        the ready task with the highest id (adversarial: it runs a task as early as its declared deps allow)."""
+        rng = np.random.default_rng(seed)
+        heads = [0] * len(self.plan.queues)
+        done = np.zeros(len(self.tg.tasks), dtype=bool)
+        order: list[Task] = []
+        while len(order) < len(self.tg.tasks):
+            ready = [s for s, q in enumerate(self.plan.queues)
+                     if heads[s] < len(q) and all(done[d] for d in self.tg.tasks[q[heads[s]]].deps)]
+            if not ready:
+                raise ScheduleError("simulate: no block can take its next task (a deadlock)")
+            if adversarial:
+                sm = max(ready, key=lambda s: self.plan.queues[s][heads[s]])
+            else:
+                sm = ready[int(rng.integers(len(ready)))]
+            task = self.tg.tasks[self.plan.queues[sm][heads[sm]]]
+            heads[sm] += 1
+            done[task.id] = True
+            order.append(task)
+        return order
+
+    # ---- regions ------------------------------------------------------------------------------------------------
+    def _rows(self, r: Region) -> slice:
+        return slice(None) if r.row is None else slice(r.row, r.row + 1)
+
+    def _check_read(self, task: Task, r: Region) -> None:
+        if r.value.startswith("kvcache:"):
+            return  # older positions were written by earlier steps; this step's by the tiles checked below
+        w = self.written.get(r.value)
+        if w is None or not w[self._rows(r), r.lo:r.hi].all():
+            raise ScheduleError(f"simulate: task {task.id} ({task.kind}) reads {r} before it is written")
+
+    def read(self, name: str, lo: int, hi: int, row: int | None = None) -> np.ndarray:
+        if name == POSITIONS:
+            return self.pos if row is None else self.pos[row:row + 1]
+        region = Region(name, lo, hi, row)
+        w = self.written.get(name)
+        if w is None or not w[self._rows(region), lo:hi].all():
+            raise ScheduleError(f"simulate: {region} is read before it is written")
+        return self.buf[name][self._rows(region), lo:hi]
+
+    def write(self, name: str, lo: int, hi: int, data: np.ndarray, row: int | None = None) -> None:
+        if name not in self.buf:
+            width = {TOKEN_IDS: 1, ARGMAX_PARTIAL: self.width(LOGITS)}.get(name) or self.width(name.split("#")[0])
+            self.buf[name] = np.full((self.tg.batch, width), np.nan)
+            self.written[name] = np.zeros((self.tg.batch, width), dtype=bool)
+        rows = slice(None) if row is None else slice(row, row + 1)
+        self.buf[name][rows, lo:hi] = data
+        self.written[name][rows, lo:hi] = True
+
+    # ---- task bodies --------------------------------------------------------------------------------------------
+    def _embed(self, task: Task) -> None:
+        op = self.tg.stages[task.stage].ops[0]
+        table = self.oracle.weight(op.weights["weight"])
+        self.write(op.outputs[0], task.lo, task.hi, table[self.tokens, task.lo:task.hi] * op.attrs["scale"])
+
+    def _matvec(self, task: Task) -> None:
+        st = self.tg.stages[task.stage]
+        unit = st.units[task.unit]
+        lo, hi = task.lo, task.hi
+        x = self.read(st.input, 0, self.width(st.input))  # (B, K): the whole input row
+        if st.prologue is not None:
+            x = rms_norm(x, self.oracle.weight(st.prologue.weights["weight"]), st.prologue.attrs["eps"])
+        env: dict[str, np.ndarray] = {}
+        for m in unit.matmuls:
+            y = x @ self.oracle.weight(m.weights["weight"])[lo:hi].T
+            env[m.outputs[0]] = y + self.oracle.weight(m.weights["bias"])[lo:hi] if "bias" in m.weights else y
+        for op in unit.epilogue:
+            ins = [env[n] if n in env else self.read(n, lo, hi) for n in op.inputs]
+            env[op.outputs[0]] = self._local(op, ins, lo, hi)
+        for name, y in env.items():
+            self.write(name, lo, hi, y)
+            if name in self.tg.kv_slots:  # the KV append: this step's keys or values at each sequence's position
+                self.cache[kv_cache_value(*self.tg.kv_slots[name])][np.arange(self.tg.batch), self.pos, lo:hi] = y
+        if any(m.kind == OpKind.LM_HEAD for m in unit.matmuls):
+            logits = env[unit.epilogue[-1].outputs[0] if unit.epilogue else unit.matmuls[0].outputs[0]]
+            for b in range(self.tg.batch):  # the tile's partial argmax (first index on ties, as numpy's argmax)
+                i = int(np.argmax(logits[b]))
+                self.lm_best[(b, lo)] = (float(logits[b, i]), lo + i)
+            self.write(ARGMAX_PARTIAL, lo, hi, np.zeros((self.tg.batch, hi - lo)))
+
+    def _local(self, op: Op, ins: list[np.ndarray], lo: int, hi: int, row: int | None = None) -> np.ndarray:
+        """A row-local op on features [lo, hi) of every batch row (or of one)."""
+        x = ins[0]
+        match op.kind:
+            case OpKind.RESHAPE:
+                return x
+            case OpKind.SCALE:
+                return x * op.attrs["scale"]
+            case OpKind.SOFTCAP:
+                return op.attrs["cap"] * np.tanh(x / op.attrs["cap"])
+            case OpKind.ADD:
+                return x + ins[1]
+            case OpKind.GLU:
+                return (silu if op.attrs["activation"] == "silu" else gelu_tanh)(x) * ins[1]
+            case OpKind.RMS_NORM:
+                w = self.oracle.weight(op.weights["weight"])
+                if len(self.values[op.inputs[0]].shape) == 3:
+                    return rms_norm(x, w, op.attrs["eps"])  # a whole row (row stages only)
+                d = w.shape[0]
+                return rms_norm(x.reshape(len(x), -1, d), w, op.attrs["eps"]).reshape(x.shape)
+            case OpKind.ROPE:
+                d = int(self.values[op.inputs[0]].shape[-1])
+                a = op.attrs
+                factors = self.oracle.weight(op.weights["freq_factors"]) if "freq_factors" in op.weights else None
+                heads = x.reshape(len(x), 1, -1, d)  # (B, S=1, heads of the tile, D)
+                return rope(heads, ins[1].reshape(-1, 1), a["layout"], a["dim"], a["base"], a["freq_scale"],
+                            factors).reshape(x.shape)
+        raise ScheduleError(f"simulate: {op.kind} is not a row-local op")
+
+    def _row(self, task: Task) -> None:
+        st, b = self.tg.stages[task.stage], task.row
+        env: dict[str, np.ndarray] = {}
+        for op in st.ops:
+            ins = [env[n] if n in env else self.read(n, 0, self.width(n) if n != POSITIONS else 1, b)
+                   for n in op.inputs]
+            env[op.outputs[0]] = self._local(op, ins, 0, self.width(op.outputs[0]), b)
+        for name, y in env.items():
+            self.write(name, 0, self.width(name), y, b)
+
+    def _attn_partial(self, task: Task) -> None:
+        st, b, g = self.tg.stages[task.stage], task.row, task.lo
+        op = st.attention
+        q_name, k_name, v_name, _ = op.inputs
+        a = op.attrs
+        group = a["n_head"] // a["n_head_kv"]
+        d, dv = int(self.values[q_name].shape[-1]), int(self.values[v_name].shape[-1])
+        q = self.read(q_name, g * group * d, (g + 1) * group * d, b).reshape(group, d)
+        pos = int(self.pos[b])
+        window = int(a.get("sliding_window") or 0)
+        first = max(0, pos - window + 1) if window else 0  # the oldest visible key
+        lo = first + task.split * self.tg.kv_chunk
+        hi = min(pos + 1, lo + self.tg.kv_chunk) if st.n_splits > 1 else pos + 1
+        keys = self.cache[kv_cache_value(a["layer"], "k")][b, lo:hi, g * d:(g + 1) * d]
+        vals = self.cache[kv_cache_value(a["layer"], "v")][b, lo:hi, g * dv:(g + 1) * dv]
+        if hi <= lo:  # an empty chunk: nothing to add (the kernel's early exit)
+            part = _Partial(np.full(group, -np.inf), np.zeros(group), np.zeros((group, dv)))
+        else:
+            s = q @ keys.T  # (group, keys)
+            if a["softcap"]:
+                s = a["softcap"] * np.tanh(s / a["softcap"])
+            s = s * a["scale"]
+            m = s.max(axis=1)
+            p = np.exp(s - m[:, None])
+            part = _Partial(m, p.sum(axis=1), p @ vals)
+        o_lo, o_hi = g * group * dv, (g + 1) * group * dv
+        if st.n_splits == 1:
+            self.write(op.outputs[0], o_lo, o_hi, (part.o / part.total[:, None]).reshape(1, -1), b)
+            return
+        self.partials[(op.outputs[0], b, g, task.split)] = part
+        self.write(split_value(op.outputs[0], task.split), o_lo, o_hi, np.zeros((1, o_hi - o_lo)), b)
+
+    def _attn_merge(self, task: Task) -> None:
+        st, b, g = self.tg.stages[task.stage], task.row, task.lo
+        out = st.attention.outputs[0]
+        parts = [self.partials[(out, b, g, j)] for j in range(st.n_splits)]
+        m = np.max([p.m for p in parts], axis=0)  # (group,)
+        scale = [np.exp(p.m - m) for p in parts]  # exp(-inf) = 0 for the empty chunks
+        num = sum(s[:, None] * p.o for s, p in zip(scale, parts, strict=True))
+        den = sum(s * p.total for s, p in zip(scale, parts, strict=True))
+        o_lo, o_hi = task.writes[0].lo, task.writes[0].hi
+        self.write(out, o_lo, o_hi, (num / den[:, None]).reshape(1, -1), b)
+
+    def _argmax(self, task: Task) -> None:
+        b = task.row
+        best = max((v, -i) for (row, _lo), (v, i) in self.lm_best.items() if row == b)
+        self.write(TOKEN_IDS, 0, 1, np.array([[-best[1]]]), b)

@@ -1,0 +1,340 @@
+"""The megakernel's task graph: one decode step of any graph IR as tiles of fused tasks with exact dependencies.
+
+The graph's ops are grouped into stages (the fusions Hazy's megakernels, Mirage MPK and Lucebox all make):
+  embed     token rows → embedding features, tiled over the features
+  matvec    matmuls that read one input, tiled over their output rows, each tile a task: an RMS norm feeding only
+            matmuls is recomputed inside every tile (prologue); the row-local ops after the matmuls run on the tile
+            (epilogue: bias is the matmul's, then reshape, q/k norm, RoPE, scale, residual add, GLU pairing the
+            gate and up tiles, final softcap); a tile that produces an attention's keys or values appends them to
+            the KV cache; the LM head's tiles also leave a partial argmax
+  row       a whole-row op no projection absorbs (gemma's post-norms) with its row-local epilogue, per sequence
+  attention split-KV partials per (sequence, KV head, key chunk) and a merge per (sequence, KV head); the number
+            of chunks is static (max context / chunk; sliding layers: window / chunk), empty chunks exit early
+  argmax    one per sequence: the token id from the LM head tiles' partial maxima (only ids leave the device)
+
+Every task lists the regions (value, feature range, batch row) it reads and writes; a task depends on exactly the
+earlier tasks whose writes overlap its reads. Task ids are a topological order, which the planner keeps on every
+SM's queue, so a persistent kernel whose blocks are all resident cannot deadlock (fuse/plan.py). The numpy executor
+of this task graph (fuse/simulate.py) is the reference for the generated kernel's task bodies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from luce_compile.errors import UnsupportedError
+from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, Op, OpKind, Value
+
+ROW_LOCAL = {OpKind.RESHAPE, OpKind.SCALE, OpKind.SOFTCAP, OpKind.ADD, OpKind.GLU, OpKind.ROPE, OpKind.RMS_NORM}
+LINEAR = {OpKind.MATMUL, OpKind.LM_HEAD}
+
+
+class TaskKind(StrEnum):
+    EMBED = "embed"
+    MATVEC = "matvec"
+    ROW = "row"
+    ATTN_PARTIAL = "attn_partial"
+    ATTN_MERGE = "attn_merge"
+    ARGMAX = "argmax"
+
+
+@dataclass(frozen=True)
+class Region:
+    """Features [lo, hi) of a value (its trailing dims flattened), for batch row `row` or all rows (None)."""
+
+    value: str
+    lo: int
+    hi: int
+    row: int | None = None
+
+    def overlaps(self, other: Region) -> bool:
+        same_row = self.row is None or other.row is None or self.row == other.row
+        return self.value == other.value and same_row and self.lo < other.hi and other.lo < self.hi
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Matmuls tiled together (GLU pairs a gate and an up matmul row for row) and the epilogue ops on their tiles."""
+
+    matmuls: tuple[Op, ...]
+    epilogue: tuple[Op, ...]
+    rows: int  # output rows of each matmul
+    align: int  # tiles start and end on multiples of this (a head, for per-head epilogue ops)
+
+
+@dataclass(frozen=True)
+class Stage:
+    kind: TaskKind
+    ops: tuple[Op, ...]  # every graph op the stage computes, in graph order
+    input: str | None = None  # the value read whole (matvec: the prologue norm's input or the matmuls' input)
+    prologue: Op | None = None
+    units: tuple[Unit, ...] = ()
+    attention: Op | None = None
+    n_splits: int = 1  # attention: key chunks per (sequence, KV head)
+
+
+@dataclass(frozen=True)
+class Task:
+    id: int
+    kind: TaskKind
+    stage: int
+    reads: tuple[Region, ...]
+    writes: tuple[Region, ...]
+    deps: tuple[int, ...]
+    weight_bytes: int = 0  # bytes of weights (or KV cache, estimated) the task streams: the planner's cost
+    unit: int = 0  # matvec: which unit of the stage
+    lo: int = 0  # matvec/embed: the tile's output rows; attention: the KV head
+    hi: int = 0
+    row: int | None = None  # per-sequence tasks: the batch row
+    split: int = 0  # attention partial: the key chunk
+
+
+@dataclass
+class TaskGraph:
+    graph: Graph
+    batch: int
+    max_context: int
+    kv_chunk: int
+    stages: list[Stage]
+    tasks: list[Task] = field(default_factory=list)
+    kv_slots: dict[str, tuple[int, str]] = field(default_factory=dict)  # value → (layer, "k" | "v") it appends
+
+    def describe(self) -> str:
+        """One line per stage: kind, tasks, the ops it fuses (for reading and golden tests)."""
+        lines = []
+        for i, st in enumerate(self.stages):
+            n = sum(t.stage == i for t in self.tasks)
+            ops = ", ".join(f"{op.kind}" for op in st.ops)
+            lines.append(f"{i:3d} {st.kind:7s} {n:4d} tasks  {ops}")
+        return "\n".join(lines)
+
+
+def kv_cache_value(layer: int, which: str) -> str:
+    return f"kvcache:{layer}:{which}"
+
+
+def split_value(out: str, split: int) -> str:
+    return f"{out}#split{split}"
+
+
+ARGMAX_PARTIAL = "argmax#partial"
+TOKEN_IDS = "token_ids"
+
+
+def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_chunk: int = 256,
+                     tiles_per_sm: int = 1) -> TaskGraph:
+    """The decode step of `graph` for `batch` sequences as tasks for `n_sms` persistent blocks."""
+    if graph.outputs != (LOGITS,):
+        raise UnsupportedError(f"fuse: the megakernel needs a graph whose one output is {LOGITS!r}.")
+    values = graph.values()
+    tg = TaskGraph(graph, batch, max_context, kv_chunk, stages=_stages(graph, values, max_context, kv_chunk))
+    for op in graph.attention_ops():
+        tg.kv_slots[op.inputs[1]] = (op.attrs["layer"], "k")
+        tg.kv_slots[op.inputs[2]] = (op.attrs["layer"], "v")
+    _Tiler(tg, values, target_tiles=max(1, n_sms * tiles_per_sm)).run()
+    return tg
+
+
+# ---- stages -----------------------------------------------------------------------------------------------------
+def _stages(graph: Graph, values: dict[str, Value], max_context: int, kv_chunk: int) -> list[Stage]:
+    consumers: dict[str, list[Op]] = {}
+    for op in graph.ops:
+        for name in op.inputs:
+            consumers.setdefault(name, []).append(op)
+    producer = {op.outputs[0]: op for op in graph.ops}
+    done: set[int] = set()  # id() of assigned ops
+    stages: list[Stage] = []
+
+    def is_prologue_norm(op: Op) -> bool:  # a whole-row norm read only by matmuls: recomputed in their tiles
+        return (op.kind == OpKind.RMS_NORM and len(values[op.inputs[0]].shape) == 3
+                and all(c.kind in LINEAR for c in consumers.get(op.outputs[0], ())))
+
+    for op in graph.ops:
+        if id(op) in done:
+            continue
+        if op.kind == OpKind.EMBEDDING:
+            stage = Stage(TaskKind.EMBED, (op,))
+        elif op.kind in LINEAR:
+            stage = _matvec_stage(graph, values, consumers, producer, op, done, is_prologue_norm)
+        elif op.kind == OpKind.ATTENTION:
+            stage = _attention_stage(op, max_context, kv_chunk)
+        elif is_prologue_norm(op):
+            done.add(id(op))  # computed inside the tiles of the stage that reads it
+            continue
+        else:
+            epi = _epilogue(graph, {op.outputs[0]}, done | {id(op)}, first=graph.ops.index(op))
+            stage = Stage(TaskKind.ROW, (op, *(o for o, _ in epi)), input=op.inputs[0])
+        done.update(id(o) for o in stage.ops)
+        stages.append(stage)
+    return stages
+
+
+def _matvec_stage(graph, values, consumers, producer, first: Op, done: set[int], is_prologue_norm) -> Stage:
+    src = first.inputs[0]
+    matmuls = [c for c in consumers[src] if c.kind in LINEAR and id(c) not in done]
+    norm = producer.get(src)
+    prologue = norm if norm is not None and is_prologue_norm(norm) else None
+    first_index = min(graph.ops.index(m) for m in matmuls)
+    epi = _epilogue(graph, {m.outputs[0] for m in matmuls}, done | {id(m) for m in matmuls}, first_index)
+    units = _units(matmuls, epi, values)
+    ops = tuple(sorted([*matmuls, *(o for o, _ in epi)], key=graph.ops.index))
+    return Stage(TaskKind.MATVEC, ops, input=prologue.inputs[0] if prologue else src, prologue=prologue,
+                 units=units)
+
+
+def _epilogue(graph: Graph, seeds: set[str], taken: set[int], first: int) -> list[tuple[Op, str]]:
+    """Row-local ops after op `first` that read at least one seed-derived value and otherwise only values computed
+    by earlier stages: (op, the seed-derived input that decides its tile)."""
+    have = set(seeds)
+    earlier = {o.outputs[0] for o in graph.ops[:first]} | {TOKENS, POSITIONS}
+    out = []
+    for op in graph.ops[first + 1:]:
+        if id(op) in taken or op.kind not in ROW_LOCAL:
+            continue
+        mine = [n for n in op.inputs if n in have]
+        if not mine or any(n not in have and n not in earlier for n in op.inputs):
+            continue
+        if op.kind == OpKind.RMS_NORM and not _per_head(graph, op):
+            continue  # a whole-row norm needs every tile: its own stage
+        out.append((op, mine[0]))
+        have.add(op.outputs[0])
+    return out
+
+
+def _per_head(graph: Graph, op: Op) -> bool:
+    return len(graph.values()[op.inputs[0]].shape) == 4
+
+
+def _units(matmuls: list[Op], epi: list[tuple[Op, str]], values: dict[str, Value]) -> tuple[Unit, ...]:
+    """Group matmuls that an epilogue op reads together (GLU's gate and up) and give each group its ops."""
+    group = {m.outputs[0]: i for i, m in enumerate(matmuls)}  # value → index of a matmul of its unit
+    parent = list(range(len(matmuls)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for op, _ in epi:
+        first, *rest = sorted({find(group[n]) for n in op.inputs if n in group})
+        for r in rest:
+            parent[r] = first
+        group[op.outputs[0]] = first
+    units = []
+    for root in sorted({find(i) for i in range(len(matmuls))}):
+        ms = tuple(m for i, m in enumerate(matmuls) if find(i) == root)
+        rows = {values[m.outputs[0]].shape[-1] for m in ms}
+        if len(rows) != 1:
+            raise UnsupportedError(f"fuse: matmuls {[m.outputs[0] for m in ms]} are paired by an epilogue op "
+                                   "but have different output sizes; the megakernel cannot tile them together.")
+        ops = tuple(op for op, _ in epi if find(group[op.outputs[0]]) == root)
+        heads = [values[op.inputs[0]].shape[-1] for op in ops if op.kind in (OpKind.ROPE, OpKind.RMS_NORM)]
+        units.append(Unit(ms, ops, rows.pop(), math.lcm(1, *heads)))
+    return tuple(units)
+
+
+def _attention_stage(op: Op, max_context: int, kv_chunk: int) -> Stage:
+    window = int(op.attrs.get("sliding_window") or 0)
+    span = min(window, max_context) if window else max_context
+    return Stage(TaskKind.ATTN_PARTIAL, (op,), attention=op, n_splits=max(1, -(-span // kv_chunk)))
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+# ---- tasks ------------------------------------------------------------------------------------------------------
+class _Tiler:
+    def __init__(self, tg: TaskGraph, values: dict[str, Value], target_tiles: int):
+        self.tg, self.values, self.target = tg, values, target_tiles
+        self.writers: dict[str, list[tuple[int, Region]]] = {}
+
+    def width(self, name: str) -> int:
+        return math.prod(int(d) for d in self.values[name].shape[2:])
+
+    def add(self, kind: TaskKind, stage: int, reads: list[Region], writes: list[Region], **kw) -> Task:
+        deps = sorted({t for r in reads for t, w in self.writers.get(r.value, ()) if w.overlaps(r)})
+        task = Task(len(self.tg.tasks), kind, stage, tuple(reads), tuple(writes), tuple(deps), **kw)
+        self.tg.tasks.append(task)
+        for w in writes:
+            self.writers.setdefault(w.value, []).append((task.id, w))
+        return task
+
+    def run(self) -> None:
+        for i, st in enumerate(self.tg.stages):
+            {TaskKind.EMBED: self.embed, TaskKind.MATVEC: self.matvec, TaskKind.ROW: self.row,
+             TaskKind.ATTN_PARTIAL: self.attention}[st.kind](i, st)
+        self.argmax()
+
+    def tiles(self, rows: int, align: int, share: float) -> list[tuple[int, int]]:
+        n = max(1, round(self.target * share))  # this unit's share of one wave of tiles over the SMs
+        step = _round_up(-(-rows // n), align)
+        return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
+
+    def embed(self, i: int, st: Stage) -> None:
+        out = st.ops[0].outputs[0]
+        for lo, hi in self.tiles(self.width(out), 1, 0.25):
+            self.add(TaskKind.EMBED, i, [], [Region(out, lo, hi)], lo=lo, hi=hi)
+
+    def matvec(self, i: int, st: Stage) -> None:
+        total = sum(u.rows * len(u.matmuls) for u in st.units)
+        info = self.tg.graph.weights
+        k = self.width(st.input)
+        for u_index, unit in enumerate(st.units):
+            row_bytes = sum(info[m.weights["weight"]].row_bytes for m in unit.matmuls)
+            for lo, hi in self.tiles(unit.rows, unit.align, unit.rows * len(unit.matmuls) / total):
+                reads = [Region(st.input, 0, k)]
+                reads += [Region(n, lo, hi) for op in unit.epilogue for n in op.inputs
+                          if n not in self.local(unit) and n != POSITIONS]
+                writes = [Region(n, lo, hi) for n in self.local(unit)]
+                writes += [Region(kv_cache_value(*self.tg.kv_slots[n]), lo, hi) for n in self.local(unit)
+                           if n in self.tg.kv_slots]
+                if any(m.kind == OpKind.LM_HEAD for m in unit.matmuls):
+                    writes.append(Region(ARGMAX_PARTIAL, lo, hi))
+                self.add(TaskKind.MATVEC, i, reads, writes, weight_bytes=(hi - lo) * row_bytes, unit=u_index,
+                         lo=lo, hi=hi)
+
+    @staticmethod
+    def local(unit: Unit) -> list[str]:
+        return [m.outputs[0] for m in unit.matmuls] + [op.outputs[0] for op in unit.epilogue]
+
+    def row(self, i: int, st: Stage) -> None:
+        produced = {op.outputs[0] for op in st.ops}
+        for b in range(self.tg.batch):
+            reads = [Region(n, 0, self.width(n), b) for op in st.ops for n in op.inputs
+                     if n not in produced and n != POSITIONS]
+            writes = [Region(n, 0, self.width(n), b) for n in produced]
+            self.add(TaskKind.ROW, i, reads, writes, row=b)
+
+    def attention(self, i: int, st: Stage) -> None:
+        op = st.attention
+        q, k, v, _ = op.inputs
+        out = op.outputs[0]
+        h, hkv = op.attrs["n_head"], op.attrs["n_head_kv"]
+        d, dv = self.values[q].shape[-1], self.values[v].shape[-1]
+        group = h // hkv
+        layer = op.attrs["layer"]
+        kv_bytes = 2 * (self.tg.max_context // 2) * (d + dv) // st.n_splits  # a typical step's share, f16 keys
+        for b in range(self.tg.batch):
+            for g in range(hkv):
+                reads = [Region(q, g * group * d, (g + 1) * group * d, b),
+                         Region(kv_cache_value(layer, "k"), g * d, (g + 1) * d, b),
+                         Region(kv_cache_value(layer, "v"), g * dv, (g + 1) * dv, b)]
+                o_lo, o_hi = g * group * dv, (g + 1) * group * dv
+                if st.n_splits == 1:
+                    self.add(TaskKind.ATTN_PARTIAL, i, reads, [Region(out, o_lo, o_hi, b)], weight_bytes=kv_bytes,
+                             lo=g, hi=g + 1, row=b)
+                    continue
+                parts = [self.add(TaskKind.ATTN_PARTIAL, i, reads, [Region(split_value(out, j), o_lo, o_hi, b)],
+                                  weight_bytes=kv_bytes, lo=g, hi=g + 1, row=b, split=j)
+                         for j in range(st.n_splits)]
+                self.add(TaskKind.ATTN_MERGE, i, [w for t in parts for w in t.writes], [Region(out, o_lo, o_hi, b)],
+                         lo=g, hi=g + 1, row=b)
+
+    def argmax(self) -> None:
+        vocab = self.width(LOGITS)
+        for b in range(self.tg.batch):
+            self.add(TaskKind.ARGMAX, len(self.tg.stages) - 1, [Region(ARGMAX_PARTIAL, 0, vocab, b)],
+                     [Region(TOKEN_IDS, 0, 1, b)], row=b)
