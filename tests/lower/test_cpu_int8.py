@@ -1,0 +1,143 @@
+"""8-bit activations and the int8 GEMV definitions of luce_compile.lower.cpu_int8, against llama.cpp's arithmetic.
+
+The activation rounding is the emulation tests/graph/test_vs_llama_cpp.py checks the oracle with against llama.cpp
+(`_q8_blocks`); the quantizer must reproduce it bit for bit (q, and the fp16 d and s). The GEMV reference is then
+the exact float64 dot of those rounded activations with the dequantized weights (gguf-py's dequantizer).
+
+Tolerance of the GEMV: the kernels sum n_in/32 float32 block terms (each an exact integer dot times d_w·d_x, two
+roundings), so for any order the error is below (n_in/32 + 2)·u·Σ_b |term_b| with u = 2^-24 (Higham §3.1); each
+output is checked against twice that bound. A wrong nibble, order or scale moves y by ~|y|/√(n_in/32), far above.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from gguf import GGMLQuantizationType
+
+from luce_compile.errors import UnsupportedError
+from luce_compile.lower.cpu_int8 import (
+    INT8_FORMATS,
+    INT8_GEMV_ATTR,
+    int8_format,
+    int8_matmul,
+    quantize_q8,
+    resolve_precision,
+)
+from luce_compile.lower.quant_layout import repack
+from tests.graph.test_vs_llama_cpp import _q8_blocks
+from tests.lower.test_quant_matmul import random_raw, reference_dequant
+
+pytestmark = pytest.mark.unit
+TYPES = [t.name for t in INT8_FORMATS]
+HOST = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": 2})
+
+
+def emulated_activations(x: np.ndarray, kind: str) -> dict[str, np.ndarray]:
+    """llama.cpp's Q8_0/Q8_1 block of x (1, n_in) for weight type `kind`, in the kernel's value order.
+
+    Returns q (1, n_in) int8, d (1, nb) = fp16(d), [s (1, nb) = fp16(d·Σq) from the float32 d], and `x_rounded`
+    (1, n_in) float64 = q·fp16(d) in the natural order (what the weights multiply)."""
+    fmt = int8_format(kind)
+    q, d = _q8_blocks(x)  # (1, nb, 32) natural order, (1, nb, 1) float32
+    order = [fmt.position_element(p) for p in range(32)]
+    out = {"q": q[..., order].reshape(x.shape).astype(np.int8), "d": d[..., 0].astype(np.float16).astype(np.float32)}
+    if fmt.with_sum:
+        out["s"] = (d[..., 0] * q.sum(-1)).astype(np.float16).astype(np.float32)
+    out["x_rounded"] = (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)
+    return out
+
+
+def reference_gemv(raw: np.ndarray, kind: str, act: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(y, bound): the exact float64 result for rounded activations, and each output's error bound (see above)."""
+    w = reference_dequant(raw, kind).astype(np.float64)  # (n_out, n_in); Q4_0/Q8_0 exact: fp16 d · small int
+    nb = w.shape[1] // 32
+    x = act["x_rounded"]
+    if kind == "Q4_1":  # ggml: Σ d_w·d_x·Σq_w·q_x + m_w·s_x; w = d·q + m, so d·q = w − m (one float32 rounding)
+        m = raw.reshape(raw.shape[0], nb, -1)[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        w = w - np.repeat(m, 32, axis=1)
+    terms = (x.reshape(1, 1, nb, 32) * w.reshape(-1, nb, 32)).sum(-1)  # (1, n_out, nb) block terms
+    if kind == "Q4_1":
+        terms = terms + m * act["s"].astype(np.float64)
+    bound = 2 * (nb + 2) * 2.0**-24 * np.abs(terms).sum(-1)
+    return terms.sum(-1), bound
+
+
+def run(func: tvm.tirx.PrimFunc, *arrays: np.ndarray, outs: list[tuple[tuple[int, ...], str]],
+        target: tvm.target.Target = HOST) -> list[np.ndarray]:
+    """Compile func (unscheduled unless it is already) and call it on numpy inputs; returns the outputs."""
+    ex = tvm.compile(tvm.IRModule({"main": func}), target=target)
+    results = [tvm.runtime.tensor(np.zeros(shape, dtype)) for shape, dtype in outs]
+    ex["main"](*(tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays), *results)
+    return [r.numpy() for r in results]
+
+
+def quantized_inputs(x: np.ndarray, kind: str) -> list[np.ndarray]:
+    """The quantizer's outputs (the int8 GEMV's first arguments) for x, run through our TIR kernel."""
+    fmt = int8_format(kind)
+    n_in = x.shape[1]
+    outs = [((1, n_in), "int8")] + [((1, n_in // 32), "float32")] * (1 + fmt.with_sum)
+    return run(quantize_q8(n_in, fmt), x, outs=outs)
+
+
+def activations(rng: np.random.Generator, n_in: int) -> np.ndarray:
+    """Random activations with a varied scale per block, plus an all-zero block (amax 0: d = 0, q = 0)."""
+    x = rng.standard_normal((1, n_in)) * 2.0 ** rng.integers(-6, 6, (1, n_in // 32)).repeat(32, axis=1)
+    x[0, 32:64] = 0.0
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_quantize_matches_llama_cpp_rounding_bit_for_bit(kind, rng):
+    x = activations(rng, 256)
+    want = emulated_activations(x, kind)
+    got = quantized_inputs(x, kind)
+    np.testing.assert_array_equal(got[0], want["q"])
+    np.testing.assert_array_equal(got[1], want["d"])
+    if int8_format(kind).with_sum:
+        np.testing.assert_array_equal(got[2], want["s"])
+
+
+def test_quantize_rounds_half_to_even():
+    """ggml's x86 quantizer rounds with _MM_ROUND_NEAREST (rint), not roundf: 2.5 → 2, 3.5 → 4, −2.5 → −2."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, :4] = [127.0, 2.5, 3.5, -2.5]  # amax 127: the scale is exactly 1
+    (q, _) = quantized_inputs(x, "Q8_0")
+    assert list(q[0, :4]) == [127, 2, 4, -2]
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_int8_matmul_definition_matches_reference(kind, rng):
+    """The unscheduled TE definition (what the schedule rule must reproduce) against the float64 reference."""
+    n_out, n_in = 24, 128
+    raw = random_raw(kind, n_out, n_in, rng)
+    x = activations(rng, n_in)
+    (y,) = run(int8_matmul(kind, n_out, n_in), *quantized_inputs(x, kind), *repack(raw, kind).values(),
+               outs=[((1, n_out), "float32")])
+    want, bound = reference_gemv(raw, kind, emulated_activations(x, kind))
+    assert np.all(np.abs(y - want) <= bound), np.abs(y - want).max()
+
+
+def test_int8_matmul_marks_its_weight_type():
+    assert str(int8_matmul("Q4_1", 8, 64).attrs[INT8_GEMV_ATTR]) == "Q4_1"
+
+
+def test_types_without_integer_kernel_are_refused():
+    assert int8_format(GGMLQuantizationType.Q6_K) is None
+    with pytest.raises(UnsupportedError, match="no integer kernel for Q6_K"):
+        int8_matmul("Q6_K", 8, 256)
+
+
+def test_resolve_precision():
+    generic = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})  # AVX2, no AVX512-VNNI
+    assert resolve_precision("auto", generic) == "f32"
+    assert resolve_precision("f32", HOST) == "f32"
+    assert resolve_precision("int8", generic) == "int8"
+    with pytest.raises(UnsupportedError, match="precision must be one of"):
+        resolve_precision("fp8", HOST)
+
+
+def test_resolve_precision_picks_int8_with_vnni():
+    znver4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})  # AVX512-VNNI, like this machine
+    assert resolve_precision("auto", znver4) == "int8"
