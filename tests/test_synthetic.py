@@ -113,7 +113,7 @@ def test_gemma3_preset_matches_real_file_types(gemma3_path):
 
 # ------------------------------------------------------------------------------------------------ files
 
-@pytest.mark.unit
+@pytest.mark.slow  # reads the real SmolLM2 file
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_preset_metadata(tiny_files, smollm2_path, name):
     spec, gguf = PRESETS[name], read_gguf(tiny_files[name])

@@ -21,8 +21,6 @@ T = GGMLQuantizationType
 TYPES = list(DEQUANTIZERS)
 QUANTIZED = [t for t in TYPES if t not in (T.F32, T.F16, T.BF16)]
 
-pytestmark = pytest.mark.unit
-
 
 def _reference(raw: np.ndarray, t: GGMLQuantizationType) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
@@ -35,12 +33,14 @@ def _assert_bits_equal(ours: np.ndarray, ref: np.ndarray) -> None:
     assert not diff.any(), f"{diff.sum()} of {diff.size} elements differ, first at {np.argwhere(diff)[0]}"
 
 
+@pytest.mark.unit
 def test_every_supported_type_has_a_dequantizer():
     from luce_compile.gguf.reader import SUPPORTED_TYPES
 
     assert set(TYPES) == set(SUPPORTED_TYPES)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
@@ -56,6 +56,7 @@ def test_dequantize_random_bytes_bit_exact(t, data):
     _assert_bits_equal(ours, _reference(raw, t))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_dequantize_many_random_blocks_bit_exact(t):
     """A larger sweep than hypothesis draws, including the chunked path (more than 2**16 blocks for small types)."""
@@ -82,11 +83,13 @@ def test_dequantize_real_model_tensors_bit_exact(smollm2_path, gemma3_path):
     assert seen == {T.F32, T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K}
 
 
+@pytest.mark.unit
 def test_dequantize_keeps_leading_dims():
     raw = np.random.default_rng(1).integers(0, 256, size=(2, 3, 2 * 34), dtype=np.uint8)
     assert dequantize(raw, T.Q8_0).shape == (2, 3, 64)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("t", QUANTIZED, ids=lambda t: t.name)
 def test_dequantize_rejects_partial_blocks(t):
     _, type_size = GGML_QUANT_SIZES[t]
@@ -95,6 +98,7 @@ def test_dequantize_rejects_partial_blocks(t):
         dequantize(raw, t)
 
 
+@pytest.mark.unit
 def test_dequantize_rejects_float_input_and_unknown_types():
     with pytest.raises(GGUFError, match="uint8"):
         dequantize(np.ones((1, 34), dtype=np.float32), T.Q8_0)
@@ -125,6 +129,7 @@ def _block_max(x: np.ndarray, block: int) -> np.ndarray:
     return np.repeat(np.abs(x.reshape(-1, block)).max(axis=-1), block).reshape(x.shape)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_quantize_round_trip_rms(t):
     x = np.random.default_rng(0).standard_normal((16, 4096)).astype(np.float32)
@@ -137,6 +142,7 @@ def test_quantize_round_trip_rms(t):
         assert rms > 0.2 * MAX_RMS_ERROR[t]  # the table is not stale: the error is of the measured size
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("t", QUANTIZED, ids=lambda t: t.name)
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), scale=st.floats(1e-3, 1e3), offset=st.floats(-2.0, 2.0),
@@ -155,6 +161,7 @@ def test_quantize_error_bound(t, seed, scale, offset, heavy_tail):
     assert (np.abs(y - x) <= bound).all(), float((np.abs(y - x) / _block_max(x, block)).max())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_own_k_quantizer_never_clips(t):
     """Every element is within half a step of its input, the step being the block's own d * sc."""
@@ -173,6 +180,7 @@ def test_own_k_quantizer_never_clips(t):
     assert err.max() > 0.3 * step.max() / 2  # the bound is not vacuous
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("t", QUANTIZED, ids=lambda t: t.name)
 def test_quantize_constant_and_zero_blocks(t):
     block, _ = GGML_QUANT_SIZES[t]
@@ -183,6 +191,7 @@ def test_quantize_constant_and_zero_blocks(t):
     assert np.abs(y[1] + 0.75).max() <= 0.75 * MAX_ERROR_FRACTION[t] + 1e-6
 
 
+@pytest.mark.unit
 def test_quantize_rejects_bad_rows_and_values():
     with pytest.raises(GGUFError, match="Q4_K.*256"):
         quantize(np.ones((2, 64), dtype=np.float32), T.Q4_K)
@@ -193,6 +202,7 @@ def test_quantize_rejects_bad_rows_and_values():
     assert quantize(np.full((1, 32), 1e6, dtype=np.float32), T.F32).shape == (1, 128)
 
 
+@pytest.mark.unit
 def test_quantize_matches_gguf_py_for_legacy_types():
     """Where gguf-py quantizes, we use it as is: the bytes equal ggml's reference quantizers'."""
     x = np.random.default_rng(5).standard_normal((3, 256)).astype(np.float32)

@@ -15,8 +15,6 @@ from luce_compile.graph import BUILDERS, Graph, Op, OpKind, build_graph, validat
 from luce_compile.graph.ir import GraphError
 from tests.graph.conftest import TINY
 
-pytestmark = pytest.mark.unit
-
 # Block 0 of each tiny model, op by op. The differences are the architectures': qwen3/gemma3 normalize q and k per
 # head before RoPE; gemma3 scales q after RoPE and norms after attention and after the FFN, before each residual add.
 _ATTN = "rms_norm matmul reshape matmul reshape matmul reshape"
@@ -37,6 +35,7 @@ def _block(graph: Graph, il: int) -> list[Op]:
     return [op for op in graph.ops if op.outputs[0].startswith(f"blk.{il}.")]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("preset", TINY)
 def test_block_op_order_matches_llama_cpp(synthetic, preset):
     graph = _graph(synthetic, preset)
@@ -46,6 +45,7 @@ def test_block_op_order_matches_llama_cpp(synthetic, preset):
     assert len(graph.attention_ops()) == graph.config.n_layer
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("preset", TINY)
 def test_graph_reads_every_file_tensor_with_its_type(synthetic, preset):
     path = synthetic(preset)
@@ -58,6 +58,7 @@ def test_graph_reads_every_file_tensor_with_its_type(synthetic, preset):
     assert values["blk.0.Qcur_rope"].shape == ("B", "S", graph.config.n_head, graph.config.head_dim)
 
 
+@pytest.mark.unit
 def test_qwen2_biases_and_untied_head(synthetic):
     graph = _graph(synthetic, "tiny-qwen2")
     qkv = [op for op in _block(graph, 0) if op.kind == OpKind.MATMUL][:3]
@@ -66,6 +67,7 @@ def test_qwen2_biases_and_untied_head(synthetic):
     assert all(op.attrs["layout"] == "neox" for op in graph.ops if op.kind == OpKind.ROPE)
 
 
+@pytest.mark.unit
 def test_llama_rope_is_norm_and_scale_in_attention(synthetic):
     graph = _graph(synthetic, "tiny-llama")
     rope = next(op for op in graph.ops if op.kind == OpKind.ROPE)
@@ -74,6 +76,7 @@ def test_llama_rope_is_norm_and_scale_in_attention(synthetic):
     assert att.attrs["scale"] == pytest.approx(16 ** -0.5) and att.attrs["sliding_window"] == 0
 
 
+@pytest.mark.unit
 def test_gemma3_sliding_layers_windows_bases_and_softcap(synthetic):
     graph = _graph(synthetic, "tiny-gemma3")  # 3 layers, pattern 3: two local then one global, window 8
     c = graph.config
@@ -88,10 +91,12 @@ def test_gemma3_sliding_layers_windows_bases_and_softcap(synthetic):
     assert {op.attrs["activation"] for op in graph.ops if op.kind == OpKind.GLU} == {"gelu_tanh"}
 
 
+@pytest.mark.unit
 def test_registry_covers_the_supported_architectures():
     assert tuple(BUILDERS) == SUPPORTED_ARCHS
 
 
+@pytest.mark.unit
 def test_llama_reads_rope_freq_factors(synthetic):
     gguf = read_gguf(synthetic("tiny-llama"))
     config = model_config(gguf)
@@ -101,6 +106,7 @@ def test_llama_reads_rope_freq_factors(synthetic):
     assert ropes and all(op.weights == {"freq_factors": "rope_freqs.weight"} for op in ropes)
 
 
+@pytest.mark.unit
 def test_file_with_unread_tensor_is_refused(synthetic):
     gguf = read_gguf(synthetic("tiny-qwen3"))
     fused = TensorInfo("blk.0.attn_qkv.weight", GGMLQuantizationType.F32, (8, 64), 0, 2048)
@@ -108,6 +114,7 @@ def test_file_with_unread_tensor_is_refused(synthetic):
         BUILDERS["qwen3"](model_config(gguf), {**gguf.tensors, fused.name: fused})
 
 
+@pytest.mark.unit
 def test_architecture_style_mismatches_are_refused(synthetic):
     qwen3 = model_config(read_gguf(synthetic("tiny-qwen3")))
     tensors = read_gguf(synthetic("tiny-qwen3")).tensors
@@ -121,6 +128,7 @@ def test_architecture_style_mismatches_are_refused(synthetic):
         BUILDERS["qwen3"](dataclasses.replace(qwen3, rope_dim=16), tensors)
 
 
+@pytest.mark.unit
 def test_missing_weight_is_a_gguf_error(synthetic):
     gguf = read_gguf(synthetic("tiny-llama"))
     tensors = {k: v for k, v in gguf.tensors.items() if k != "blk.1.ffn_up.weight"}
@@ -132,6 +140,7 @@ def _mutated(graph: Graph, **changes) -> Graph:
     return dataclasses.replace(graph, ops=list(graph.ops), weights=dict(graph.weights), **changes)
 
 
+@pytest.mark.unit
 def test_validate_rejects_broken_graphs(synthetic):
     good = _graph(synthetic, "tiny-llama")
     validate(good)
@@ -174,6 +183,7 @@ def test_validate_rejects_broken_graphs(synthetic):
         validate(g)
 
 
+@pytest.mark.unit
 def test_validate_against_file_tensors(synthetic):
     gguf = read_gguf(synthetic("tiny-llama"))
     graph = build_graph(gguf)
@@ -184,6 +194,7 @@ def test_validate_against_file_tensors(synthetic):
         validate(graph, {**gguf.tensors, "extra.weight": info})
 
 
+@pytest.mark.unit
 def test_describe_lists_every_op():
     op = Op(OpKind.MATMUL, ("x",), ("y",), {"weight": "w.weight"}, {})
     assert str(op) == "y = matmul(x) weight=w.weight"

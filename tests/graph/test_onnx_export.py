@@ -23,7 +23,6 @@ from luce_compile.graph.oracle import Oracle
 from tests.graph.conftest import TINY
 
 pytest.importorskip("onnxruntime")
-pytestmark = pytest.mark.unit
 
 REL_TOL = 1e-4
 STANDARD_OPS = {"Gather", "Mul", "Add", "Sub", "Div", "MatMul", "Transpose", "Reshape", "ReduceMean", "Sqrt",
@@ -44,6 +43,7 @@ CASES = [(p, {}) for p in TINY] + [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("preset,changes", CASES, ids=[f"{p}-{c.get('quant', 'Q8_0')}" for p, c in CASES])
 def test_onnxruntime_matches_oracle(synthetic, preset, changes):
     path = synthetic(preset, **changes)
@@ -55,6 +55,7 @@ def test_onnxruntime_matches_oracle(synthetic, preset, changes):
     assert (got[0].argmax(-1) == ref.argmax(-1)).all()
 
 
+@pytest.mark.unit
 def test_batch_with_offset_positions(synthetic):
     """Two rows of different tokens and start positions in one batch equal the oracle run on each."""
     path = synthetic("tiny-gemma3")
@@ -67,6 +68,7 @@ def test_batch_with_offset_positions(synthetic):
         assert _rel(got[row], ref) <= REL_TOL
 
 
+@pytest.mark.unit
 def test_standard_opset_and_saved_file(synthetic, tmp_path):
     path = synthetic("tiny-qwen2")
     model = export_onnx(path, tmp_path / "m.onnx")
@@ -80,6 +82,7 @@ def test_standard_opset_and_saved_file(synthetic, tmp_path):
     np.testing.assert_array_equal(run_onnx(tmp_path / "m.onnx", tokens), run_onnx(loaded, tokens))
 
 
+@pytest.mark.unit
 def test_refuses_models_above_the_size_limit(synthetic):
     graph = build_graph(read_gguf(synthetic("tiny-llama")))
     info = graph.weights["token_embd.weight"]

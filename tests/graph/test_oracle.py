@@ -14,8 +14,6 @@ from luce_compile.graph import build_graph
 from luce_compile.graph.oracle import Oracle, attention, gelu_tanh, rms_norm, rope, silu
 from tests.graph.conftest import TINY
 
-pytestmark = pytest.mark.unit
-
 # float64 executes the same sums in a different grouping (one row vs many): agreement is ~1e-14 (measured 3e-14)
 INCREMENTAL_ATOL = 1e-10
 
@@ -24,6 +22,7 @@ def _tokens(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 49152, n)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("preset", TINY)
 def test_prefill_then_decode_equals_longer_prefill(synthetic, preset):
     oracle = Oracle(synthetic(preset))
@@ -36,6 +35,7 @@ def test_prefill_then_decode_equals_longer_prefill(synthetic, preset):
     assert oracle.n_past == 14
 
 
+@pytest.mark.unit
 def test_chunked_forward_equals_prefill(synthetic):
     oracle = Oracle(synthetic("tiny-gemma3"))
     tokens = _tokens(17, seed=1)
@@ -45,6 +45,7 @@ def test_chunked_forward_equals_prefill(synthetic):
     np.testing.assert_allclose(np.concatenate(chunks), full, rtol=0, atol=INCREMENTAL_ATOL)
 
 
+@pytest.mark.unit
 def test_oracle_accepts_graph_path_or_file(synthetic):
     path = synthetic("tiny-qwen3")
     tokens = _tokens(4)
@@ -54,6 +55,7 @@ def test_oracle_accepts_graph_path_or_file(synthetic):
     assert np.array_equal(a, b) and np.array_equal(a, c)
 
 
+@pytest.mark.unit
 def test_generate_is_greedy_argmax_chain(synthetic):
     oracle = Oracle(synthetic("tiny-llama"))
     prompt = [int(t) for t in _tokens(5)]
@@ -67,6 +69,7 @@ def test_generate_is_greedy_argmax_chain(synthetic):
     assert all(0 <= t < oracle.config.n_vocab for t in sampled)
 
 
+@pytest.mark.unit
 def test_bad_inputs_raise(synthetic):
     oracle = Oracle(synthetic("tiny-llama"))
     with pytest.raises(LuceError, match="outside the vocabulary"):
@@ -79,6 +82,7 @@ def test_bad_inputs_raise(synthetic):
         Oracle(graph)
 
 
+@pytest.mark.unit
 def test_sliding_window_receptive_field(synthetic):
     """Every layer local (pattern 0), window w, L layers: position t sees token 0 iff t ≤ L·(w − 1)."""
     oracle = Oracle(synthetic("tiny-gemma3", sliding_window_pattern=0))
@@ -92,6 +96,7 @@ def test_sliding_window_receptive_field(synthetic):
     assert (moved[reach + 1:] == 0).all()
 
 
+@pytest.mark.unit
 def test_rope_closed_form():
     x = np.array([1.0, 0.0, 0.0, 2.0]).reshape(1, 1, 1, 4)  # (B,S,H,D)
     pos = np.array([[3]])
@@ -103,6 +108,7 @@ def test_rope_closed_form():
     np.testing.assert_allclose(out, [math.cos(3), -2 * math.sin(0.03), math.sin(3), 2 * math.cos(0.03)])
 
 
+@pytest.mark.unit
 def test_rope_layouts_relate_by_permutation_and_are_relative():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 5, 3, 16))
@@ -145,6 +151,7 @@ def _attention_loops(q, k, v, q_pos, k_pos, scale, window, softcap):
     return out.reshape(b_n, s_n, -1)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (3, 0.0), (4, 2.5)])
 def test_attention_against_loops(window, softcap):
     rng = np.random.default_rng(window)
@@ -155,6 +162,7 @@ def test_attention_against_loops(window, softcap):
     np.testing.assert_allclose(got, _attention_loops(q, k, v, q_pos, k_pos, 0.3, window, softcap), atol=1e-12)
 
 
+@pytest.mark.unit
 def test_activations_and_norm_against_torch():
     torch = pytest.importorskip("torch")
     x = np.linspace(-12, 12, 2001)
