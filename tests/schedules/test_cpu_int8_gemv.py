@@ -1,0 +1,85 @@
+"""The AVX512-VNNI int8 GEMV rule: numbers against llama.cpp's arithmetic, the code it emits, and when it declines.
+
+Reference and tolerance: tests/lower/test_cpu_int8.py (rounded activations, exact float64 dot, per-output bound
+for float32 summation of the block terms).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from luce_schedules.cpu.int8_gemv import Int8GEMV, vnni_gemv
+from luce_schedules.cpu.quant_matmul import QuantGEMV
+
+from luce_compile.lower.cpu_int8 import INT8_FORMATS, has_vnni, int8_matmul
+from luce_compile.lower.quant_layout import repack
+from luce_compile.lower.quant_matmul import quant_matmul
+from tests.lower.test_cpu_int8 import (
+    HOST,
+    activations,
+    emulated_activations,
+    quantized_inputs,
+    reference_gemv,
+    run,
+)
+from tests.lower.test_quant_matmul import random_raw
+
+pytestmark = pytest.mark.unit
+TYPES = [t.name for t in INT8_FORMATS]
+needs_vnni = pytest.mark.skipif(not has_vnni(HOST), reason="this CPU has no AVX512-VNNI")
+
+
+def scheduled(kind: str, n_out: int, n_in: int, knobs: dict | None = None) -> tvm.tirx.PrimFunc:
+    sch = Int8GEMV().apply(int8_matmul(kind, n_out, n_in), HOST, knobs)
+    assert sch is not None
+    return sch.mod["main"]
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("n_out,n_in,knobs", [(96, 512, None), (70, 96, {"rows": 4, "chunk": 4}),
+                                              (64, 64, {"rows": 1, "chunk": 1})])
+def test_vnni_gemv_matches_reference(kind, n_out, n_in, knobs, rng):
+    """Several shapes and knobs: rows that do not divide by the defaults, a single block pair, one row per task."""
+    raw = random_raw(kind, n_out, n_in, rng)
+    x = activations(rng, n_in)
+    (y,) = run(scheduled(kind, n_out, n_in, knobs), *quantized_inputs(x, kind), *repack(raw, kind).values(),
+               outs=[((1, n_out), "float32")])
+    want, bound = reference_gemv(raw, kind, emulated_activations(x, kind))
+    assert np.all(np.abs(y - want) <= bound), np.abs(y - want).max()
+
+
+@needs_vnni
+def test_vnni_gemv_emits_vpdpbusd_in_a_parallel_loop():
+    """The golden facts of the kernel: 256-bit vpdpbusd with i8 operands (LLVM 22's types), a parallel row loop."""
+    func = scheduled("Q4_1", 64, 128)
+    script = func.script()
+    assert 'T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256"' in script
+    assert "T.parallel(" in script
+    asm = tvm.compile(tvm.IRModule({"main": func}), target=HOST).mod.inspect_source("asm")
+    assert "vpdpbusd" in asm and "ymm" in asm
+
+
+def test_declines_functions_it_does_not_own():
+    assert Int8GEMV().apply(quant_matmul("Q4_1", 64, 128, batch=1), HOST) is None
+
+
+def test_declines_without_vnni():
+    haswell = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})  # AVX2 only: the TE definition stays
+    assert Int8GEMV().apply(int8_matmul("Q4_1", 64, 128), haswell) is None
+    assert Int8GEMV().apply(int8_matmul("Q4_1", 64, 128), tvm.target.Target({"kind": "cuda", "arch": "sm_90"})) is None
+
+
+@needs_vnni
+def test_cpu_rules_take_the_int8_gemv():
+    """Until Int8GEMV is in luce_schedules.cpu.RULES, QuantGEMV (first in the list) hands these functions to it."""
+    sch = QuantGEMV().apply(int8_matmul("Q8_0", 64, 128), HOST)
+    assert sch is not None and "vpdpbusd" in sch.mod["main"].script()
+
+
+def test_kernel_signature_is_the_definitions():
+    for kind in TYPES:
+        a, b = vnni_gemv(kind, 32, 64, 2, 2), int8_matmul(kind, 32, 64)
+        shapes = [[(tuple(int(s) for s in p.shape), str(p.dtype)) for p in f.params] for f in (a, b)]
+        assert shapes[0] == shapes[1], kind
