@@ -64,8 +64,9 @@ def _refuse(nodeid: str, what: str) -> None:
 
 @contextmanager
 def _no_real_models(nodeid: str) -> Generator[None]:
-    """While a unit test sets up and runs: a real-model fixture asked for by name (request.getfixturevalue, which
-    the static check below cannot see) fails it, and so does a download. A model already in the cache may still
+    """While a unit test sets up and runs: a real-model fixture fails it, whether the test names it, another fixture
+    needs it or the test asks for it by name (pytest sets every fixture up through getfixturevalue, and a session
+    fixture set up earlier is refused all the same), and so does a download. A model already in the cache may still
     be read: the synthetic models take their tokenizer keys from SmolLM2's file, which setup.sh fetches."""
     import luce_compile.models as models
 
@@ -94,10 +95,6 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None]:
         return (yield)
     if item.get_closest_marker("slow"):  # `-m unit` would select it (a module-wide unit mark, then slow on one test)
         _refuse(item.nodeid, "is marked slow too")
-    # before any fixture runs (a session fixture set up by an earlier test would not fetch again): the fixture
-    # closure holds the ones the test needs through other fixtures too
-    if fetching := sorted(MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ()))):
-        _refuse(item.nodeid, f"uses {', '.join(fetching)}, which fetch a real model")
     with _no_real_models(item.nodeid):
         return (yield)
 
