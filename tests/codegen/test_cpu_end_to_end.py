@@ -1,5 +1,6 @@
-"""compile → artifact → thin runtime, checked against the float64 oracle: real models (SmolLM2-135M, Gemma 3 270M),
-a tiny model of each architecture, each weight quant type, sliding-window prompt lengths and chunked prefill.
+"""compile → artifact → thin runtime, checked against the float64 oracle: real models (SmolLM2-135M, Gemma 3 270M,
+Qwen2.5-Coder-0.5B), a tiny model of each architecture, each weight quant type, sliding-window prompt lengths and
+chunked prefill.
 
 Every run prefills a prompt, then decodes greedily, feeding both sides the oracle's tokens; the logits must be within
 REL_TOL (1e-3) relative of the oracle's and the greedy ids equal until the first near-tie (_reference.py says why).
@@ -15,7 +16,7 @@ from tests.codegen._reference import check_against_oracle, engine_logits, oracle
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-REAL = ("smollm2-135m", "gemma3-270m")
+REAL = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
 ARCHS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3")
 QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 REAL_DECODE_STEPS = 64
