@@ -61,7 +61,7 @@ def test_slow_may_fetch():
 '''
 
 
-@pytest.mark.unit
+@pytest.mark.slow  # a pytest subprocess that imports TVM (~8 s): too slow for the -m unit run it guards
 def test_unit_tests_that_need_a_real_model_fail(pytester: pytest.Pytester, monkeypatch, tmp_path: Path):
     # SmolLM2 "cached" (so its fixture would not download: only the fixture check can refuse it), nothing else
     monkeypatch.setenv("LUCE_CACHE", str(tmp_path / "cache"))
