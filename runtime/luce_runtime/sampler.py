@@ -252,18 +252,24 @@ def logprobs(logits: np.ndarray, chosen: int, k: int = 0) -> TokenLogprobs:
     return TokenLogprobs(int(chosen), float(lp[chosen]), top)
 
 
-def find_stop(text: str, stop: Sequence[str]) -> tuple[int | None, int]:
+def find_stop(text: str, stop: Sequence[str], start: int = 0) -> tuple[int | None, int]:
     """(where the earliest stop string starts in text, or None; how much of text is safe to stream now).
 
-    The safe length holds back a tail that could still grow into a stop string with the next token.
+    The safe length holds back a tail that could still grow into a stop string with the next token. `start` is a
+    position before which no stop string can begin: a streaming caller passes what it already streamed (the safe
+    length of its previous call, or less), so each token costs O(new text + longest stop) instead of a search of
+    the whole text, which made a long generation quadratic on the scheduler thread.
     """
-    hits = [i for s in stop if (i := text.find(s)) >= 0]
+    hits = [i for s in stop if (i := text.find(s, start)) >= 0]
     if hits:
         return min(hits), min(hits)
     held = 0
     for s in stop:
-        for n in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:n]):
-                held = n
+        # the earliest position in the tail where a proper prefix of s could start is the longest hold for s
+        i = text.find(s[0], max(start, len(text) - len(s) + 1))
+        while i >= 0:
+            if s.startswith(text[i:]):
+                held = max(held, len(text) - i)
                 break
+            i = text.find(s[0], i + 1)
     return None, len(text) - held

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
+import math
+import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -9,6 +13,51 @@ if TYPE_CHECKING:
 
 # time-to-first-token buckets (seconds): a CPU serves SmolLM2's first token in tens of ms, a queued one in seconds
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Histogram:
+    """A Prometheus histogram: fixed upper bounds, cumulative counts that only grow, their sum and count.
+
+    Observations come from the scheduler thread and renders from the event loop; the lock keeps a render from
+    seeing a count that disagrees with its buckets. Memory is constant however many requests are served.
+    """
+
+    def __init__(self, bounds: Sequence[float] = TTFT_BUCKETS):
+        if list(bounds) != sorted(set(bounds)) or not all(math.isfinite(b) for b in bounds):
+            raise ValueError(f"metrics: histogram bounds {bounds!r} must be finite, distinct and increasing.")
+        self.bounds = tuple(float(b) for b in bounds)
+        self._counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; the last is (bounds[-1], +Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.bounds, value)  # Prometheus buckets are `le`: a value on a bound counts in it
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += value
+
+    def snapshot(self) -> tuple[list[int], float, int]:
+        """(cumulative counts per bound then +Inf, sum, count)."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, run = [], 0
+        for c in counts:
+            run += c
+            cumulative.append(run)
+        return cumulative, total, run
+
+    @property
+    def count(self) -> int:
+        return self.snapshot()[2]
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        cumulative, total, count = self.snapshot()
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        for bound, c in zip((*self.bounds, math.inf), cumulative, strict=True):
+            le = "+Inf" if bound == math.inf else repr(bound)
+            lines.append(f'{name}_bucket{{le="{le}"}} {c}')
+        return lines + [f"{name}_sum {total:.6f}", f"{name}_count {count}"]
+
 
 # (stats key, metric name, type, help)
 _SERIES = (
@@ -33,15 +82,15 @@ _SERIES = (
 )
 
 
-def render_metrics(scheduler: Scheduler) -> str:
+def render_metrics(scheduler: Scheduler, rejected: int = 0) -> str:
+    """The scheduler's series, its TTFT histogram, and the requests the server refused as overloaded (429)."""
     stats = scheduler.stats()
     lines: list[str] = []
     for key, name, kind, text in _SERIES:
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {stats[key]}"]
-    ttft = list(scheduler.counters.ttft)
-    name = "luce_time_to_first_token_seconds"
-    lines += [f"# HELP {name} Seconds from request to first token", f"# TYPE {name} histogram"]
-    for bound in TTFT_BUCKETS:
-        lines.append(f'{name}_bucket{{le="{bound}"}} {sum(t <= bound for t in ttft)}')
-    lines += [f'{name}_bucket{{le="+Inf"}} {len(ttft)}', f"{name}_sum {sum(ttft):.6f}", f"{name}_count {len(ttft)}"]
+        if key in stats:  # a series the scheduler does not report is left out rather than failing /metrics
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {stats[key]}"]
+    name = "luce_requests_rejected_total"
+    lines += [f"# HELP {name} Requests refused with 429 because the waiting queue was full",
+              f"# TYPE {name} counter", f"{name} {rejected}"]
+    lines += scheduler.counters.ttft.render("luce_time_to_first_token_seconds", "Seconds from request to first token")
     return "\n".join(lines) + "\n"

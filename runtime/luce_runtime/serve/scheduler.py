@@ -29,6 +29,7 @@ import numpy as np
 
 from luce_runtime.engine import Engine, EngineError, _kv_builtin
 from luce_runtime.sampler import Sampler, SamplingParams, TokenLogprobs, find_stop, logprobs
+from luce_runtime.serve.metrics import Histogram
 from luce_runtime.tokenizer import StreamDecoder
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ class Counters:
     failed: int = 0
     prefix_hits: int = 0
     prefix_tokens_reused: int = 0
-    ttft: list[float] = field(default_factory=list)  # seconds, submit → first token, of the last 10k requests
+    # seconds, submit → first token; cumulative (Prometheus histograms never go down), constant memory
+    ttft: Histogram = field(default_factory=Histogram)
 
 
 class Scheduler:
@@ -122,11 +124,17 @@ class Scheduler:
             self._cond.notify()
         self._thread.join(timeout=30)
 
-    def submit(self, req: GenRequest) -> None:
+    def submit(self, *reqs: GenRequest, max_waiting: int | None = None) -> bool:
+        """Queue reqs (the choices of one request) all or none. False, queueing nothing, when more than max_waiting
+        would wait (the server answers 429); an empty queue always takes them, so n > max_waiting is not refused
+        forever."""
         with self._cond:
-            self._waiting.append(req)
-            self.counters.requests += 1
+            if max_waiting is not None and self._waiting and len(self._waiting) + len(reqs) > max_waiting:
+                return False
+            self._waiting.extend(reqs)
+            self.counters.requests += len(reqs)
             self._cond.notify()
+        return True
 
     def free_pages(self) -> int:
         return int(self._free_pages(self.engine.kv))
@@ -243,7 +251,7 @@ class Scheduler:
             if r.pos == len(r.prompt):
                 self.counters.prompt_tokens += len(r.prompt)
                 self._remember_prefix(r)
-                self.counters.ttft = self.counters.ttft[-9_999:] + [time.perf_counter() - r.submitted]
+                self.counters.ttft.observe(time.perf_counter() - r.submitted)
                 self._on_logits(r, row)
 
     def _decode_step(self) -> None:
@@ -287,14 +295,15 @@ class Scheduler:
     def _flush_text(self, r: GenRequest, *, final: bool, token: int = -1,
                     lp: TokenLogprobs | None = None) -> str | None:
         """Stream r's text up to a stop string (returned) or up to what could still grow into one."""
-        where, safe = find_stop(r.text, r.params.stop)
+        # no stop string can start in what was streamed already: search only the new text and the held-back tail
+        where, safe = find_stop(r.text, r.params.stop, start=r.emitted)
         end = where if where is not None else (len(r.text) if final else safe)
         if token >= 0 or end > r.emitted:
             self._emit(r, Event("delta", r.index, text=r.text[r.emitted:end], token=token, logprob=lp))
             r.emitted = max(r.emitted, end)
         if where is None:
             return None
-        return min((s for s in r.params.stop if r.text.find(s) == where), key=len)
+        return min((s for s in r.params.stop if r.text.startswith(s, where)), key=len)
 
     def _finish(self, r: GenRequest, *, reason: str | None = None, stop_string: str | None = None,
                 error: str | None = None) -> None:
