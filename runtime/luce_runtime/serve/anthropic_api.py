@@ -8,7 +8,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from luce_runtime.chat import encode_chat
 from luce_runtime.serve.app import Service, events, new_id, parse_body, sampling, sse
 from luce_runtime.serve.protocol import MAX_STOP_ANTHROPIC, ApiError, CountTokensRequest, MessagesRequest
 from luce_runtime.serve.scheduler import Event
@@ -20,17 +19,17 @@ def _text(content: str | list[Any]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
-def _prompt(svc: Service, body: CountTokensRequest) -> list[int]:
+async def _prompt(svc: Service, body: CountTokensRequest) -> list[int]:
     svc.check_model(body.model)
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     messages += [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-    return encode_chat(svc.tokenizer, messages)
+    return await svc.encode_chat(messages)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict[str, int]:
     body = await parse_body(request, CountTokensRequest)
-    return {"input_tokens": len(_prompt(request.app.state.service, body))}
+    return {"input_tokens": len(await _prompt(request.app.state.service, body))}
 
 
 def _stop_reason(ev: Event) -> str:
@@ -43,7 +42,7 @@ def _stop_reason(ev: Event) -> str:
 async def messages(request: Request):
     svc: Service = request.app.state.service
     body = await parse_body(request, MessagesRequest)
-    prompt = _prompt(svc, body)
+    prompt = await _prompt(svc, body)
     limit = svc.check_budget(len(prompt), body.max_tokens, "max_tokens")
     params = sampling(svc, max_tokens=limit, stop=body.stop_sequences, max_stop=MAX_STOP_ANTHROPIC,
                       stop_param="stop_sequences", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
@@ -52,7 +51,7 @@ async def messages(request: Request):
     if body.stream:
         return StreamingResponse(_stream(events(queue, reqs), message, len(prompt)), media_type="text/event-stream")
     text, last = "", None
-    async for ev in events(queue, reqs):
+    async for ev in events(queue, reqs, request):
         if ev.kind == "delta":
             text += ev.text
         else:

@@ -5,6 +5,11 @@
 Routers: openai_api (/v1/models, /v1/completions, /v1/chat/completions), anthropic_api (/v1/messages,
 /v1/messages/count_tokens), and here /health and /metrics. Every error is an ApiError rendered in one place, in
 Anthropic's shape under /v1/messages and OpenAI's everywhere else.
+
+One client must not stall or starve the others: the body is capped (413) before it is read whole, prompts are
+bounded by characters before any tokenizing and tokenized in worker threads (never on the event loop, which
+streams every other client's tokens), the waiting queue is bounded (429 with Retry-After), stop strings are
+bounded, and a request whose client went away is cancelled, streaming or not.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,11 +31,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from luce_runtime.artifact import load_artifact
+from luce_runtime.chat import render_prompt
 from luce_runtime.engine import Engine, EngineOptions, kv_bytes_per_token, max_batch_for_memory
 from luce_runtime.errors import LuceError
 from luce_runtime.sampler import SamplingParams, SamplingParamsError
 from luce_runtime.serve.metrics import render_metrics
-from luce_runtime.serve.protocol import UNSUPPORTED, ApiError, anthropic_error, openai_error
+from luce_runtime.serve.protocol import MAX_STOP_CHARS, UNSUPPORTED, ApiError, anthropic_error, openai_error
 from luce_runtime.serve.scheduler import Event, GenRequest, Scheduler
 
 log = logging.getLogger(__name__)
@@ -47,6 +53,9 @@ class ServeOptions:
     max_context: int = 0  # 0: the model's training context, capped at 4096 (EngineOptions)
     prefix_cache: int = 4  # cached prompt prefixes (forked KV sequences); 0 turns prefix reuse off
     model_name: str | None = None  # the id clients send; default: the GGUF's file name without .gguf
+    # a whole 4096-token context is ~20 KB of text; 4 MiB leaves room for token-id lists and long chat histories
+    max_body_bytes: int = 4 * 2**20
+    max_waiting: int = 0  # requests queued for a batch slot before 429; 0: 4 × max_batch
 
 
 def _max_batch_from_memory(options: ServeOptions) -> int:
@@ -74,11 +83,46 @@ class Service:
         source = self.engine.artifact.manifest["source"]["file_name"]
         self.model_id = options.model_name or source.removesuffix(".gguf")
         self.scheduler = Scheduler(self.engine, options.max_batch, prefix_cache=options.prefix_cache)
+        # 4 × the batch: a queued request then waits at most ~4 requests' time for a slot, and a burst of clients
+        # arriving together is still absorbed without 429s
+        self.max_waiting = options.max_waiting or 4 * options.max_batch
+        # a token covers at most the longest vocabulary entry's characters (special tokens included, byte-level
+        # BPE entries count one character per byte), so more characters than this cannot fit the context
+        self.max_prompt_chars = self.max_context * max(len(t) for t in self.tokenizer.vocab.tokens)
+        # tokenizing is pure Python: two at a time (the cores here) so a flood of long prompts queues for these
+        # slots instead of taking the GIL from the scheduler thread and the event loop
+        self._tokenize_slots = asyncio.Semaphore(2)
+        self.rejected = 0  # requests answered 429 (overloaded)
+        log.info("serve: at most %d waiting requests, %d bytes a body, %d characters a prompt", self.max_waiting,
+                 options.max_body_bytes, self.max_prompt_chars)
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_id}' "
                                 "(see GET /v1/models).", param="model", code="model_not_found")
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """A cheap bound before tokenizing: a prompt of this many characters surely exceeds the context."""
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"This model's maximum context length is {self.max_context} tokens; the prompt has "
+                                f"{chars} characters, more than that many tokens can hold. Shorten the prompt.",
+                           param=param, code="context_length_exceeded")
+
+    async def tokenize(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        """fn(*args) (a tokenizer or chat-template call) in a worker thread: the event loop keeps streaming."""
+        async with self._tokenize_slots:
+            return await asyncio.to_thread(fn, *args)
+
+    async def encode_chat(self, messages: list[dict[str, Any]], param: str = "messages") -> list[int]:
+        """The chat prompt's tokens (as chat.encode_chat), bounded by characters before rendering and again before
+        tokenizing, both off the event loop."""
+        self.check_chars(sum(_chars(m.get("content")) for m in messages), param)
+        return await self.tokenize(self._encode_chat, messages, param)
+
+    def _encode_chat(self, messages: list[dict[str, Any]], param: str) -> list[int]:
+        text = render_prompt(self.tokenizer, messages)
+        self.check_chars(len(text), param)
+        return self.tokenizer.encode(text, add_special=True, parse_special=True)
 
     def check_budget(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
         """max_tokens, filled in and checked against the context (OpenAI's context_length_exceeded)."""
@@ -108,9 +152,19 @@ class Service:
         for i in range(n):
             p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
             reqs.append(GenRequest(list(prompt), p, queue, loop, index=i, top_logprobs=top_logprobs))
-        for r in reqs:
-            self.scheduler.submit(r)
+        if not self.scheduler.submit(*reqs, max_waiting=self.max_waiting):
+            self.rejected += 1
+            # Retry-After 1 s: a batch slot frees every few hundred ms while requests stream (SmolLM2 on 2 cores)
+            raise ApiError(429, f"The server is overloaded: {self.max_waiting} requests are already waiting for a "
+                                "batch slot. Retry after the time in the Retry-After header.",
+                           type_="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         return queue, reqs
+
+
+def _chars(content: str | list[dict[str, Any]] | None) -> int:
+    if isinstance(content, list):
+        return sum(len(part.get("text") or "") for part in content)
+    return len(content or "")
 
 
 def sampling(service: Service, *, max_tokens: int, stop: Sequence[str] | str | None, max_stop: int,
@@ -120,15 +174,51 @@ def sampling(service: Service, *, max_tokens: int, stop: Sequence[str] | str | N
         raise ApiError(400, f"At most {max_stop} stop sequences are allowed, got {len(stops)}.", param=stop_param)
     if any(not s for s in stops):
         raise ApiError(400, "Stop sequences must be non-empty strings.", param=stop_param)
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"Stop sequences may be at most {MAX_STOP_CHARS} characters long, got "
+                            f"{max(len(s) for s in stops)}.", param=stop_param)
     try:
         return SamplingParams(max_tokens=max_tokens, stop=tuple(stops), **kw)
     except SamplingParamsError as e:
         raise ApiError(400, str(e)) from None
 
 
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"The request body is {size} bytes or more; this server takes at most {limit}.",
+                    type_="invalid_request_error", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) past `limit` bytes: by its Content-Length before reading anything, and while
+    reading, for chunked bodies and for clients that send more than they declared."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, f"Content-Length must be a number of bytes, got {declared[:40]!r}.")
+        if int(declared) > limit:
+            raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# JSON parsing and validation of a body this large would hold the event loop for several ms: a worker thread does it
+_PARSE_IN_THREAD_BYTES = 64 * 2**10
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body validated as `model`; every failure is a 400 naming the field."""
-    raw = await request.body()
+    """The JSON body validated as `model`; every failure is a 400 naming the field (413 when too large)."""
+    raw = await read_body(request, request.app.state.service.options.max_body_bytes)
+    if len(raw) > _PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(_parse, raw, model)
+    return _parse(raw, model)
+
+
+def _parse(raw: bytes, model: type[M]) -> M:
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -150,9 +240,30 @@ async def parse_body(request: Request, model: type[M]) -> M:
                        param=param) from None
 
 
-async def events(queue: asyncio.Queue, reqs: list[GenRequest]) -> AsyncIterator[Event]:
-    """Events of reqs until each one is done; cancels whatever is unfinished when the consumer goes away."""
+# how often a non-streaming request checks that its client is still there (a streamed one learns it from the send)
+DISCONNECT_POLL_S = 0.25
+
+
+async def _cancel_when_gone(request: Request, reqs: list[GenRequest]) -> None:
+    try:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+    except Exception:  # the server cannot tell any more; the request still ends at its max_tokens
+        log.exception("serve: watching %s for a disconnect failed", request.url.path)
+        return
+    log.info("serve: client of %s went away; cancelling its %d sequence(s)", request.url.path, len(reqs))
+    for r in reqs:
+        r.cancel()
+
+
+async def events(queue: asyncio.Queue, reqs: list[GenRequest], request: Request | None = None) -> AsyncIterator[Event]:
+    """Events of reqs until each one is done; cancels whatever is unfinished when the consumer goes away.
+
+    With `request` (a non-streaming response, which sends nothing until the end) a watcher cancels reqs as soon as
+    the client disconnects; the scheduler then ends them with a 'done' event and frees their KV pages.
+    """
     open_ = len(reqs)
+    watcher = asyncio.create_task(_cancel_when_gone(request, reqs)) if request is not None else None
     try:
         while open_:
             ev: Event = await queue.get()
@@ -162,6 +273,8 @@ async def events(queue: asyncio.Queue, reqs: list[GenRequest]) -> AsyncIterator[
                 open_ -= 1
             yield ev
     finally:
+        if watcher is not None:
+            watcher.cancel()
         for r in reqs:
             r.cancel()
 
@@ -181,7 +294,7 @@ def _is_anthropic(request: Request) -> bool:
 
 def _error_response(request: Request, e: ApiError) -> JSONResponse:
     body = anthropic_error(e) if _is_anthropic(request) else openai_error(e)
-    return JSONResponse(body, status_code=e.status)
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 def _install_errors(app: FastAPI) -> None:
@@ -209,21 +322,26 @@ def _install_errors(app: FastAPI) -> None:
         return _error_response(request, ApiError(500, f"internal error: {type(e).__name__}", type_="server_error"))
 
 
-def _install_auth(app: FastAPI, api_key: str | None) -> None:
-    if not api_key:
-        return
+class _ApiKey:
+    """Requires the API key on /v1/*. A plain ASGI middleware: Starlette's BaseHTTPMiddleware would pipe every
+    streamed chunk of every client through an extra task and memory stream."""
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if request.url.path in ("/health", "/metrics"):
-            return await call_next(request)
+    def __init__(self, app: Any, api_key: str):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
+            return await self.app(scope, receive, send)
+        request = Request(scope)
         bearer = request.headers.get("authorization", "")
         given = bearer[7:] if bearer.lower().startswith("bearer ") else request.headers.get("x-api-key")
-        if not given or not secrets.compare_digest(given, api_key):
-            return _error_response(request, ApiError(401, "Incorrect or missing API key: send "
-                                                          "'Authorization: Bearer <key>' (or 'x-api-key').",
-                                                     type_="authentication_error", code="invalid_api_key"))
-        return await call_next(request)
+        # as bytes: compare_digest refuses str with non-ASCII characters, which a client can send (a 500)
+        if not given or not secrets.compare_digest(given.encode(), self.api_key.encode()):
+            response = _error_response(request, ApiError(401, "Incorrect or missing API key: send "
+                                                              "'Authorization: Bearer <key>' (or 'x-api-key').",
+                                                         type_="authentication_error", code="invalid_api_key"))
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def create_app(options: ServeOptions, service: Service | None = None) -> FastAPI:
@@ -241,7 +359,8 @@ def create_app(options: ServeOptions, service: Service | None = None) -> FastAPI
     app = FastAPI(title="luce-compile", lifespan=lifespan)
     app.state.service = service
     _install_errors(app)
-    _install_auth(app, options.api_key)
+    if options.api_key:
+        app.add_middleware(_ApiKey, api_key=options.api_key)
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
 
@@ -251,7 +370,8 @@ def create_app(options: ServeOptions, service: Service | None = None) -> FastAPI
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(service.scheduler), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render_metrics(service.scheduler, service.rejected),
+                                 media_type="text/plain; version=0.0.4")
 
     return app
 

@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from luce_runtime.chat import encode_chat
 from luce_runtime.sampler import TokenLogprobs
 from luce_runtime.serve.app import Service, events, new_id, parse_body, sampling, sse
 from luce_runtime.serve.protocol import MAX_STOP_OPENAI, ApiError, ChatCompletionRequest, CompletionRequest
@@ -47,7 +46,6 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 def _prepare(svc: Service, body: ChatCompletionRequest | CompletionRequest, prompt: list[int],
              max_param: str, max_tokens: int | None, top_logprobs: int | None):
-    svc.check_model(body.model)
     limit = svc.check_budget(len(prompt), max_tokens, max_param)
     params = sampling(svc, max_tokens=limit, stop=body.stop, max_stop=MAX_STOP_OPENAI, stop_param="stop",
                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
@@ -59,12 +57,13 @@ def _prepare(svc: Service, body: ChatCompletionRequest | CompletionRequest, prom
 async def chat_completions(request: Request):
     svc = _service(request)
     body = await parse_body(request, ChatCompletionRequest)
+    svc.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     for m in messages:  # the templates know "system"; OpenAI's newer name for it is "developer"
         m["role"] = "system" if m["role"] == "developer" else m["role"]
-    prompt = encode_chat(svc.tokenizer, messages)
+    prompt = await svc.encode_chat(messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     k = (body.top_logprobs or 0) if body.logprobs else None
@@ -78,7 +77,7 @@ async def chat_completions(request: Request):
                                       "logprobs": {"content": []} if k is not None else None,
                                       "finish_reason": None} for i in range(body.n)]
     completion = 0
-    async for ev in events(queue, reqs):
+    async for ev in events(queue, reqs, request):
         c = choices[ev.index]
         if ev.kind == "delta":
             c["message"]["content"] += ev.text
@@ -124,14 +123,18 @@ async def _guard(stream: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "data: [DONE]\n\n"
 
 
-def _completion_prompt(svc: Service, prompt: str | list[int] | list[str]) -> list[int]:
-    if isinstance(prompt, str):
-        return svc.tokenizer.encode(prompt, add_special=True, parse_special=True)
-    if prompt and all(isinstance(p, str) for p in prompt):
+async def _completion_prompt(svc: Service, prompt: str | list[int] | list[str]) -> list[int]:
+    if prompt and not isinstance(prompt, str) and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise ApiError(400, "A list of several prompts is not supported; send one prompt per request.",
                            param="prompt", code="unsupported_parameter")
-        return svc.tokenizer.encode(prompt[0], add_special=True, parse_special=True)
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        svc.check_chars(len(prompt), "prompt")
+        return await svc.tokenize(svc.tokenizer.encode, prompt, True, True)
+    if len(prompt) >= svc.max_context:  # before the per-id check below, which is O(len) on the event loop
+        raise ApiError(400, f"This model's maximum context length is {svc.max_context} tokens; the prompt has "
+                            f"{len(prompt)}. Shorten the prompt.", param="prompt", code="context_length_exceeded")
     if any(not 0 <= t < svc.tokenizer.vocab_size for t in prompt):
         raise ApiError(400, f"Token ids in prompt must lie in [0, {svc.tokenizer.vocab_size}).", param="prompt")
     return list(prompt)
@@ -151,7 +154,8 @@ def _completion_logprobs(svc: Service, lps: list[TokenLogprobs], offset0: int) -
 async def completions(request: Request):
     svc = _service(request)
     body = await parse_body(request, CompletionRequest)
-    prompt = _completion_prompt(svc, body.prompt)
+    svc.check_model(body.model)
+    prompt = await _completion_prompt(svc, body.prompt)
     queue, reqs = _prepare(svc, body, prompt, "max_tokens", body.max_tokens, body.logprobs)
     meta = {"id": new_id("cmpl-"), "created": int(time.time()), "model": svc.model_id}
     with_lp = body.logprobs is not None
@@ -162,7 +166,7 @@ async def completions(request: Request):
     texts, lps = [""] * body.n, [[] for _ in range(body.n)]
     finish: list[str | None] = [None] * body.n
     completion = 0
-    async for ev in events(queue, reqs):
+    async for ev in events(queue, reqs, request):
         if ev.kind == "delta":
             texts[ev.index] += ev.text
             if ev.logprob is not None:

@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 # OpenAI documents at most 4 stop sequences; Anthropic no limit, so ours is a bound on per-token stop matching work
 MAX_STOP_OPENAI = 4
 MAX_STOP_ANTHROPIC = 16
+# Neither API documents a length limit. Each token re-checks the held-back tail (up to the longest stop), so the
+# length bounds that work; 256 characters is far beyond any stop marker seen in practice (vLLM and llama.cpp users
+# send role markers and delimiters of a few to a few dozen characters).
+MAX_STOP_CHARS = 256
 MAX_N = 8  # choices per request: each one is a live sequence
 
 # API parameters we know but do not implement: refused with 400 and the parameter's name rather than ignored
@@ -26,9 +30,10 @@ class ApiError(Exception):
     """A request error with its HTTP status; the app renders it in OpenAI's or Anthropic's shape."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers  # sent with the error response (Retry-After on a 429)
 
 
 def openai_error(e: ApiError) -> dict[str, Any]:
