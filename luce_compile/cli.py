@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections import defaultdict
@@ -341,7 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default="cpu", help="compile target when ARTIFACT is a GGUF")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1/*")
+    # the environment variable keeps the key out of the process list (`ps` shows every user the command line)
+    s.add_argument("--api-key", default=os.environ.get("LUCE_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1/* (default: the LUCE_API_KEY "
+                        "environment variable, which other users cannot see in `ps` as they can a command line)")
     s.add_argument("--max-batch", type=int, default=0,
                    help="sequences decoded together (default: as many as a quarter of the free memory holds)")
     s.add_argument("--ctx", type=int, default=0, help="context per sequence (default: model's, ≤ 4096)")
