@@ -182,21 +182,26 @@ class _Module(Protocol):
 
 
 def int8_linear(m: _Module, x: nn.Tensor, tensor: str, cache: dict) -> nn.Tensor | None:
-    """x (1, K) float32 @ Wᵀ with 8-bit activations, or None where this path does not apply (batch not a static 1,
-    a weight type without an integer kernel). `cache` maps an input already quantized in this format to its
-    quantized tensors, so the Q/K/V (and gate/up) matmuls of one input quantize it once."""
+    """x (..., K) float32 @ Wᵀ → (..., N) with 8-bit activations, or None where this path does not apply: the rows
+    are not a static 1 (only decode1's GEMVs take it), or the weight type has no integer kernel. `cache` maps an
+    input already quantized in a format to its quantized tensors, so the Q/K/V (and gate/up) matmuls of one input
+    quantize it once; it is keyed by the input tensor, and each value keeps that tensor alive so that its id cannot
+    be taken by another tensor meanwhile."""
     info = m.graph.weights[tensor]
     fmt = int8_format(info.ggml_type)
     n, k = info.shape
-    if fmt is None or len(x.shape) != 2 or not isinstance(x.shape[0], int) or x.shape[0] != 1 or x.dtype != "float32":
+    lead = x.shape[:-1]
+    if fmt is None or x.dtype != "float32" or any(not isinstance(d, int) or d != 1 for d in lead):
         return None
     key = (id(x), fmt)
-    if key not in cache:  # the value keeps x alive, so its id cannot be reused by another tensor meanwhile
+    if key not in cache:
         quantize = m._kernel(("q8", fmt, k), lambda: quantize_q8(k, fmt))
         outs = [nn.Tensor.placeholder((1, k), "int8"), nn.Tensor.placeholder((1, k // QK8), "float32")]
         outs += [nn.Tensor.placeholder((1, k // QK8), "float32")] * fmt.with_sum
-        cache[key] = (x, op.tensor_ir_op(quantize, quantize.attrs["global_symbol"], [x], outs))
+        x2 = op.reshape(x, (1, k))
+        cache[key] = (x, op.tensor_ir_op(quantize, quantize.attrs["global_symbol"], [x2], outs))
     quantized = list(cache[key][1])
     func = m._kernel(("int8mm", info.ggml_type, n, k), lambda: int8_matmul(info.ggml_type, n, k))
     out = nn.Tensor.placeholder((1, n), "float32")
-    return op.tensor_ir_op(func, func.attrs["global_symbol"], [*quantized, *m._planes(tensor)], out)
+    y = op.tensor_ir_op(func, func.attrs["global_symbol"], [*quantized, *m._planes(tensor)], out)
+    return op.reshape(y, (*lead, n))

@@ -14,6 +14,7 @@ and the embedding are our fused dequantizing TIR kernels; attention and RoPE'd k
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from luce_compile.errors import UnsupportedError
 from luce_compile.gguf.reader import TensorInfo
 from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, Op, OpKind
+from luce_compile.lower.cpu_int8 import int8_linear, resolve_precision
 from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul
 from luce_compile.lower.rope import rope_func
@@ -42,6 +44,12 @@ def param_name(tensor: str, plane: str) -> str:
 @dataclass(frozen=True)
 class LowerOptions:
     dtype: str = "float32"  # activations and the KV cache
+    # decode GEMVs of Q4_0/Q4_1/Q8_0 weights: "int8" quantizes activations to 8 bits as llama.cpp does and uses
+    # integer dot products (lower/cpu_int8.py); "f32" keeps the exact float32 kernels (for checks); "auto" is int8
+    # on CPUs with AVX512-VNNI, else f32. Default f32 until compile_model passes a precision through (and keys its
+    # cache by it) and the end-to-end tests build their oracle checks with f32: int8 decode differs from the plain
+    # float64 oracle by the activation rounding (~2e-2 of the logits), their tolerance is 1e-3.
+    precision: str = "f32"
 
 
 def weight_specs(info: TensorInfo) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -166,7 +174,23 @@ def _rms_norm(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
 
 
 def _matmul(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
-    return m.linear(ins[0], o.weights["weight"], o.weights.get("bias"))
+    return _linear(m, ins[0], o.weights["weight"], o.weights.get("bias"))
+
+
+# per GraphModule: its resolved precision and the inputs already quantized to 8 bits (int8_linear's cache)
+_INT8_STATE: weakref.WeakKeyDictionary[GraphModule, tuple[str, dict]] = weakref.WeakKeyDictionary()
+
+
+def _linear(m: GraphModule, x: nn.Tensor, tensor: str, bias: str | None) -> nn.Tensor:
+    """The integer-dot GEMV where the precision asks for it and applies (cpu_int8.int8_linear), else m.linear."""
+    if m not in _INT8_STATE:  # resolved (and logged) once per module
+        _INT8_STATE[m] = (resolve_precision(m.options.precision, m.target), {})
+    precision, quantized = _INT8_STATE[m]
+    if precision == "int8":
+        y = int8_linear(m, x, tensor, quantized)
+        if y is not None:
+            return y + m._vector(bias) if bias is not None else y
+    return m.linear(x, tensor, bias)
 
 
 def _lm_head(m: GraphModule, o: Op, ins: list, logit_rows: nn.Tensor | None, **_) -> nn.Tensor:
@@ -174,7 +198,7 @@ def _lm_head(m: GraphModule, o: Op, ins: list, logit_rows: nn.Tensor | None, **_
     x = op.reshape(x, (-1, x.shape[-1]))  # (B·S, E)
     if logit_rows is not None:  # prefill/verify: only the rows whose logits are wanted reach the LM head
         x = op.take(x, logit_rows, axis=0)
-    return m.linear(x, o.weights["weight"], o.weights.get("bias"))
+    return _linear(m, x, o.weights["weight"], o.weights.get("bias"))
 
 
 def _reshape(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:

@@ -14,8 +14,11 @@ INT8_GEMV_ATTR by a hand-vectorized kernel of the same signature that computes t
 (the wheel's LLVM); TVM 0.27's own dot_16x4_vnni intrinsic passes int32 vectors, which LLVM 22 rejects.
 
 This replaces instead of scheduling: tensorizing the TE definition is a later step (the issue's step 2 wants
-repacked tiles too). DEFAULTS: rows 2 chunk 16, measured on this 2-core AMD EPYC (znver4) with SmolLM2-135M's
-shapes (benchmarks in tests/schedules/test_cpu_int8_gemv.py's docstring).
+repacked tiles too). DEFAULTS: rows 1, chunk 16, measured on this 2-core AMD EPYC (znver4) at SmolLM2-135M's
+shapes with the weights streamed from memory (one thread, copies rotated past L3, medians of 7): rows 1 was best
+or tied for Q4_1 576→1536 and 1536→576, and 2.8x faster than rows 2 for the Q8_0 LM head (576→49152; not yet
+understood); chunk 1 pays ~0.3 µs per task (its accumulators are workspace allocations), chunk 16 keeps ≥ 36 tasks
+for two threads.
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ class Int8GEMV(KnobbedRule):
     """cpu_int8.int8_matmul functions → the vpdpbusd kernel, on llvm targets with AVX512-VNNI."""
 
     name = "cpu.int8_gemv"
-    DEFAULTS: ClassVar[dict[str, int]] = {"rows": 2, "chunk": 16}
+    DEFAULTS: ClassVar[dict[str, int]] = {"rows": 1, "chunk": 16}
     SPACE: ClassVar[dict[str, tuple[int, ...]]] = {"rows": (1, 2, 4), "chunk": (1, 4, 16, 64)}
 
     def apply(self, func: tirx.PrimFunc, target: Target, knobs: Knobs | bool | None = None) -> s_tir.Schedule | None:

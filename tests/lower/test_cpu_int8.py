@@ -142,3 +142,24 @@ def test_resolve_precision():
 def test_resolve_precision_picks_int8_with_vnni():
     znver4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})  # AVX512-VNNI, like this machine
     assert resolve_precision("auto", znver4) == "int8"
+
+
+@pytest.mark.parametrize("precision,int8_calls", [("int8", True), ("f32", False)])
+def test_lowering_quantizes_each_input_once(precision, int8_calls):
+    """decode1 with precision int8: one quantize per matmul input (Q/K/V share one, gate/up another), one int8 GEMV
+    per matmul and the LM head; prefill and decode keep the float32 GEMMs. f32 emits no int8 kernel at all."""
+    import re
+
+    from luce_compile.gguf.reader import read_gguf
+    from luce_compile.graph.registry import build_graph
+    from luce_compile.lower.relax_model import LowerOptions, lower_graph
+    from luce_compile.synthetic import SyntheticSpec, cached_synthetic
+
+    graph = build_graph(read_gguf(cached_synthetic(SyntheticSpec(quant="Q4_1", n_embd=256, n_ff=512))))
+    mod, _ = lower_graph(graph, HOST, LowerOptions(precision=precision))
+    layers = graph.config.n_layer
+    decode1, prefill = mod["decode1"].script(), mod["prefill"].script()
+    quantizes = len(re.findall(r"R\.call_tir\(quantize_q8", decode1))
+    gemvs = len(re.findall(r"R\.call_tir\(int8_gemv", decode1))
+    assert (quantizes, gemvs) == ((4 * layers + 1, 7 * layers + 1) if int8_calls else (0, 0))
+    assert "int8_gemv" not in prefill
