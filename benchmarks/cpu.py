@@ -55,7 +55,7 @@ def measure(engine: str, model: str, args: argparse.Namespace) -> dict:
     from luce_compile.codegen.compile import compile_model
     from luce_compile.models import cache_dir
 
-    art = compile_model(gguf, "cpu", cache_dir() / "bench" / f"{gguf.stem}.cpu")
+    art = compile_model(gguf, "cpu", cache_dir() / "bench" / f"{gguf.stem}.cpu", overwrite=True)  # our cache
     from luce_runtime.bench import bench_artifact
 
     return bench_artifact(art, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch, repeat=3,

@@ -48,7 +48,8 @@ def prepare(args: argparse.Namespace) -> None:
     out = Path(args.dir)
     gguf = cached_synthetic(args.preset)
     start = time.perf_counter()
-    artifact = compile_model(gguf, args.target, out / "artifact", use_cache=not args.no_cache)
+    # the folder is this script's own output: a re-run replaces the artifact it wrote
+    artifact = compile_model(gguf, args.target, out / "artifact", use_cache=not args.no_cache, overwrite=True)
     build_s = time.perf_counter() - start
     (artifact / "weights.bin").unlink()  # rebuilt there from the GGUF: it would not fit the 64 MiB transfer
     prompt = [int(t) for t in np.random.default_rng(args.seed).integers(1, 49152, args.prompt_len)]

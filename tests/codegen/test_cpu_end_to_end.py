@@ -121,7 +121,7 @@ WINDOW = 8  # tiny-gemma3's sliding window
 @pytest.mark.parametrize("length", [WINDOW - 1, WINDOW, WINDOW + 1, 3 * WINDOW])
 @pytest.mark.parametrize("chunk", [64, 3])
 def test_sliding_window_prompt_lengths(length, chunk, tiny, oracle_of, engine_of, rng):
-    """Prompts around the window, prefilled through the engine's sliding policy (engine._chunk_limit: a first chunk
+    """Prompts around the window, prefilled through the engine's sliding policy (Engine.chunk_limit: a first chunk
     of at most min(prefill_chunk, window) tokens, then one token per call), then decoded across the window."""
     model = tiny("tiny-gemma3")
     engine = engine_of(model, prefill_chunk=chunk)
@@ -138,10 +138,10 @@ def test_chunked_prefill_equals_one_shot(tiny, oracle_of, engine_of, rng, monkey
     prompt = _random_prompt(rng, 37)
     trace = oracle_trace(oracle_of(model), prompt, steps=4)
     calls = []
-    real_call = chunked._prefill_call
-    monkeypatch.setattr(chunked, "_prefill_call", lambda batch: calls.append(batch) or real_call(batch))
+    real_call = chunked._forward  # each call of a compiled step: (seq ids, token lists, function)
+    monkeypatch.setattr(chunked, "_forward", lambda *a: calls.append(a) or real_call(*a))
     rows_chunked = engine_logits(chunked, prompt, trace.ids[:4])
-    assert [len(toks) for (_, toks), in calls] == [5] * 7 + [2]
+    assert [len(toks) for _, (toks,), fn in calls if fn == "prefill"] == [5] * 7 + [2]
     rows_one = engine_logits(one_shot, prompt, trace.ids[:4])
     for a, b in zip(rows_chunked, rows_one, strict=True):
         assert rel_err(a, b.astype(np.float64)) <= 1e-5  # the same kernels on other row splits: float32 rounding
