@@ -36,7 +36,7 @@ def test_concurrent_streams_equal_solo_and_batch(server, oai):
     assert all(alone)
     assert after["batched_steps"] > before["batched_steps"]
     assert after["max_batch_seen"] >= 2
-    assert after["kv_pages_used"] == 0 and after["running"] == 0
+    assert after["running"] == 0 and after["kv_pages_used"] <= after["kv_prefix_pages"]  # only cached prompts
 
 
 def test_disconnect_frees_pages(server):
@@ -56,7 +56,7 @@ def test_disconnect_frees_pages(server):
     deadline = time.monotonic() + 30
     while (s := server.stats())["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert s["running"] == 0 and s["kv_pages_used"] == 0
+    assert s["running"] == 0 and s["kv_pages_used"] <= s["kv_prefix_pages"]
     assert s["cancelled"] == before["cancelled"] + 1
     assert s["tokens"] - before["tokens"] < 400  # it stopped early: the rest was never generated
     assert s["kv_pages_free"] == before["kv_pages_free"]
@@ -81,7 +81,7 @@ def test_bounded_load(server, oai):
           f"{tokens / elapsed:.1f} tok/s")
     assert failures == []
     after = server.wait_idle()
-    assert after["kv_pages_used"] == 0 and after["running"] == 0 and after["waiting"] == 0
+    assert after["running"] == 0 and after["waiting"] == 0
     # what the pool still holds belongs to the prompt-prefix cache (kept by design; the pool counts shared pages once)
     assert after["kv_pages_total"] - after["kv_pages_free"] <= after["kv_prefix_pages"]
     assert after["finished"] - before["finished"] == n_requests

@@ -103,5 +103,6 @@ def test_auth(server):
 
 def test_bad_input_leaks_nothing(server):
     stats = server.wait_idle()
-    assert stats["kv_pages_used"] == 0 and stats["running"] == 0 and stats["failed"] == 0
+    # the pool's own count: pages not free belong to cached prompt prefixes only
+    assert stats["kv_pages_used"] <= stats["kv_prefix_pages"] and stats["running"] == 0 and stats["failed"] == 0
     assert server.get("/health")["status"] == "ok"

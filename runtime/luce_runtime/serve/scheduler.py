@@ -8,7 +8,11 @@ Each step (continuous batching, as vLLM/llama.cpp's server do it):
   4. decode ALL requests that have a pending token in one batched Engine.decode call, then sample each row with that
      request's own Sampler and stream the text to its asyncio queue
 
-Prefix reuse: after a prompt is prefilled its sequence is forked (TVM's kv_state_fork_sequence shares the pages,
+Error boundary: a step that fails is retried one request at a time (the engine rolls back what the failed call
+appended), so only the request that fails alone gets an error event; the others go on, and the KV pool stays
+consistent. The scheduler reaches the engine only through its public API (luce_runtime/engine.py).
+
+Prefix reuse: after a prompt is prefilled its sequence is forked (Engine.fork_sequence shares the pages,
 copy-on-write for the partial last page) into a small LRU of cached prompts. A later request whose prompt shares
 ≥ page_size tokens with one of them forks from it at the common length and prefills only the rest: the rendered
 system prompt (and earlier turns of a conversation) are computed once.
@@ -22,17 +26,19 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
-from luce_runtime.engine import Engine, EngineError, _kv_builtin
+from luce_runtime.engine import Engine
 from luce_runtime.sampler import Sampler, SamplingParams, TokenLogprobs, find_stop, logprobs
 from luce_runtime.serve.metrics import Histogram
 from luce_runtime.tokenizer import StreamDecoder
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -99,9 +105,9 @@ class Scheduler:
 
     def __init__(self, engine: Engine, max_batch: int, *, prefix_cache: int = 4):
         self.engine, self.max_batch = engine, max_batch
-        self.page_size = engine.options.page_size
-        # sliding-window models prefill one token per call after the first chunk (Engine._chunk_limit): no forks
-        self.prefix_slots = 0 if engine._sliding else max(0, min(prefix_cache, engine.options.max_batch - max_batch))
+        self.page_size = engine.page_size
+        # sliding-window models prefill one token per call after the first chunk (Engine.chunk_limit): no forks
+        self.prefix_slots = 0 if engine.sliding_window else max(0, min(prefix_cache, engine.max_sequences - max_batch))
         self.counters = Counters()
         self._waiting: deque[GenRequest] = deque()
         self._active: list[GenRequest] = []
@@ -109,10 +115,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="luce-scheduler", daemon=True)
-        self._fork = _kv_builtin("kv_state_fork_sequence")
-        self._free_pages = _kv_builtin("attention_kv_cache_get_num_available_pages")
-        self.total_pages = self.free_pages()
-        self._free = self.total_pages  # refreshed after each step: only this thread touches the KV cache
+        self.total_pages = engine.total_pages
+        self._free = engine.free_pages()  # refreshed after each step: only this thread touches the KV cache
 
     # ---- any thread -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,14 +140,10 @@ class Scheduler:
             self._cond.notify()
         return True
 
-    def free_pages(self) -> int:
-        return int(self._free_pages(self.engine.kv))
-
     def stats(self) -> dict[str, int | float]:
         """A snapshot of the counters and the KV page accounting (pages derived from live sequence lengths)."""
         with self._cond:
             c = self.counters
-            lengths = [self.engine._live.get(r.seq, 0) for r in self._active if r.seq is not None]
             prefix = [len(t) for t in self._prefixes.values()]
             return {
                 "steps": c.steps, "batched_steps": c.batched_steps, "max_batch_seen": c.max_batch_seen,
@@ -151,7 +151,10 @@ class Scheduler:
                 "requests": c.requests, "finished": c.finished, "cancelled": c.cancelled, "failed": c.failed,
                 "prefix_hits": c.prefix_hits, "prefix_tokens_reused": c.prefix_tokens_reused,
                 "running": len(self._active), "waiting": len(self._waiting),
-                "kv_pages_used": sum(-(-n // self.page_size) for n in lengths),
+                # from the pool itself (free pages after the last step), not from the running set: a leaked page
+                # shows here even when nothing runs
+                "kv_pages_used": self.total_pages - self._free,
+                # at most this many of them belong to cached prompt prefixes (forks share pages, so ≤)
                 "kv_prefix_pages": sum(-(-n // self.page_size) for n in prefix),
                 "kv_pages_total": self.total_pages, "kv_pages_free": self._free, "page_size": self.page_size,
             }
@@ -166,12 +169,16 @@ class Scheduler:
                     break
             try:
                 self._step()
-            except Exception as e:  # a step that fails must not take the server down: fail who was in it
+            except Exception as e:  # a bug in the scheduler itself (engine failures are isolated per request)
                 log.exception("scheduler: a step failed")
                 for r in list(self._active):
                     self._finish(r, error=f"generation failed: {e}")
+                self._free = self.engine.free_pages()
         for r in list(self._active) + list(self._waiting):
             self._finish(r, error="the server is shutting down")
+        while self._prefixes:  # the cached prompts' pages go back to the pool: a stopped scheduler holds nothing
+            self.engine.remove_sequence(self._prefixes.popitem()[0])
+        self._free = self.engine.free_pages()
 
     def _step(self) -> None:
         self._admit()
@@ -180,7 +187,7 @@ class Scheduler:
             self._finish(r, reason=None)
         self._prefill_step()
         self._decode_step()
-        self._free = self.free_pages()
+        self._free = self.engine.free_pages()
 
     def _admit(self) -> None:
         while len(self._active) < self.max_batch:
@@ -192,9 +199,14 @@ class Scheduler:
                 self.counters.cancelled += 1
                 self._emit(r, Event("done", r.index, finish_reason=None))
                 continue
-            r.sampler = Sampler(r.params)
-            r.decoder = StreamDecoder(self.engine.tokenizer, strip_leading_space=False)
-            self._start_sequence(r)
+            try:  # r is off the queue: whatever fails now must still answer its client
+                r.sampler = Sampler(r.params)
+                r.decoder = StreamDecoder(self.engine.tokenizer, strip_leading_space=False)
+                self._start_sequence(r)
+            except Exception as e:
+                log.exception("scheduler: starting a request failed")
+                self._finish(r, error=f"could not start generation: {e}")
+                continue
             with self._cond:
                 self._active.append(r)
 
@@ -216,14 +228,15 @@ class Scheduler:
         self.counters.prefix_tokens_reused += best_len
 
     def _fork_seq(self, parent: int, pos: int) -> int:
-        # The Engine has no fork yet: this mirrors add_sequence's bookkeeping (its live table, its id counter).
-        eng = self.engine
-        child, eng._next_id = eng._next_id, eng._next_id + 1
-        self._fork(eng.kv, parent, child, pos)
-        eng._live[child] = pos
-        return child
+        return self.engine.fork_sequence(parent, pos)
 
     def _remember_prefix(self, r: GenRequest) -> None:
+        try:  # a cache that cannot take this prompt costs a later request a prefill, never this request its answer
+            self._cache_prefix(r)
+        except Exception:
+            log.exception("scheduler: caching the prompt prefix failed")
+
+    def _cache_prefix(self, r: GenRequest) -> None:
         if not self.prefix_slots or len(r.prompt) < self.page_size:
             return
         key = tuple(r.prompt)
@@ -235,7 +248,7 @@ class Scheduler:
         self._prefixes[self._fork_seq(r.seq, len(r.prompt))] = key
 
     def _prefill_step(self) -> None:
-        budget = self.engine.options.prefill_chunk
+        budget = self.engine.prefill_chunk
         batch: list[tuple[GenRequest, list[int]]] = []
         for r in self._active:
             if r.pos < len(r.prompt) and budget > 0:
@@ -244,28 +257,57 @@ class Scheduler:
                 budget -= len(take)
         if not batch:
             return
-        logits = self.engine.prefill([r.seq for r, _ in batch], [t for _, t in batch])
         self.counters.prefill_calls += 1
-        for (r, take), row in zip(batch, logits, strict=True):
+        for (r, take), row in self._isolated(batch, lambda b: self.engine.prefill([r.seq for r, _ in b],
+                                                                                   [t for _, t in b])):
             r.pos += len(take)
             if r.pos == len(r.prompt):
                 self.counters.prompt_tokens += len(r.prompt)
                 self._remember_prefix(r)
                 self.counters.ttft.observe(time.perf_counter() - r.submitted)
-                self._on_logits(r, row)
+                self._deliver(r, row)
 
     def _decode_step(self) -> None:
         ready = [r for r in self._active if r.pending is not None]
         if not ready:
             return
-        logits = self.engine.decode([r.seq for r in ready], [r.pending for r in ready])
         c = self.counters
         c.steps += 1
         c.batched_steps += len(ready) >= 2
         c.max_batch_seen = max(c.max_batch_seen, len(ready))
-        for r, row in zip(ready, logits, strict=True):
+        for r, row in self._isolated(ready, lambda b: self.engine.decode([r.seq for r in b], [r.pending for r in b])):
             r.pending = None
+            self._deliver(r, row)
+
+    def _isolated(self, items: list[T], call: Callable[[list[T]], np.ndarray]) -> list[tuple[T, np.ndarray]]:
+        """call(items) → one logits row per item; when the batched call fails, each item is tried alone and only the
+        requests that fail alone get an error. The engine has rolled back whatever a failed call appended."""
+        try:
+            return list(zip(items, call(items), strict=True))
+        except Exception as e:
+            if len(items) == 1:
+                self._fail(items[0], e)
+                return []
+            log.warning("scheduler: a batched step of %d failed (%s); retrying each request alone", len(items), e)
+        done = []
+        for item in items:
+            try:
+                done.append((item, call([item])[0]))
+            except Exception as e:
+                self._fail(item, e)
+        return done
+
+    def _fail(self, item: GenRequest | tuple[GenRequest, list[int]], e: Exception) -> None:
+        r = item[0] if isinstance(item, tuple) else item
+        log.error("scheduler: request failed: %s", e)
+        self._finish(r, error=f"generation failed: {e}")
+
+    def _deliver(self, r: GenRequest, row: np.ndarray) -> None:
+        try:  # a sampler or decoder failure is this request's alone
             self._on_logits(r, row)
+        except Exception as e:
+            log.exception("scheduler: sampling failed")
+            self._fail(r, e)
 
     def _on_logits(self, r: GenRequest, row: np.ndarray) -> None:
         """Sample r's next token from its logits row and stream it; finish r on an end token, a stop or the limit."""
@@ -307,12 +349,13 @@ class Scheduler:
 
     def _finish(self, r: GenRequest, *, reason: str | None = None, stop_string: str | None = None,
                 error: str | None = None) -> None:
-        if r.seq is not None and r.seq in self.engine._live:
+        if r.seq is not None and r.seq in self.engine.sequences():  # a failed step may have dropped it already
             try:
                 self.engine.remove_sequence(r.seq)
-            except EngineError:
+            except Exception:
                 log.exception("scheduler: freeing sequence %s failed", r.seq)
         r.seq = None
+        self._free = self.engine.free_pages()  # before r leaves the running set: an idle snapshot is never stale
         with self._cond:
             if r in self._active:
                 self._active.remove(r)
