@@ -9,16 +9,19 @@ INT8_GEMV_ATTR by a hand-vectorized kernel of the same signature that computes t
 - Q4_0 (q − 8) and Q8_0 are signed: the sign trick of llama.cpp's mul_sum_i8_pairs, |w| as the unsigned operand
   and x with w's sign moved onto it (|w|·sign(w)x = w·x; w = −128 gives |w| = 128 as an unsigned byte, still exact).
 - `rows` rows share each activation load; parallel tasks take `chunk` groups of rows (each task allocates its
-  accumulators once: TVM turns allocations inside a parallel loop into workspace calls).
+  accumulators once: TVM turns allocations inside a parallel loop into workspace calls); `unroll` blocks are one
+  expression (an FMA chain), so the accumulator goes through its buffer once per `unroll` blocks. Buffers and
+  scalar bindings are what LLVM failed to keep in registers inside the model's whole module (it could not prove
+  they alias no argument there; the same kernel alone was fine): with one buffer round trip per 8 blocks and `let`
+  bindings the kernel runs as fast in the model as alone (SmolLM2 1536x576: 169 → 69 µs in the model build).
 256-bit vectors as llama.cpp uses them (a block is 32 bytes). vpdpbusd's i8 operands are `<32 x i8>` in LLVM 22
 (the wheel's LLVM); TVM 0.27's own dot_16x4_vnni intrinsic passes int32 vectors, which LLVM 22 rejects.
 
 This replaces instead of scheduling: tensorizing the TE definition is a later step (the issue's step 2 wants
-repacked tiles too). DEFAULTS: rows 1, chunk 16, measured on this 2-core AMD EPYC (znver4) at SmolLM2-135M's
-shapes with the weights streamed from memory (one thread, copies rotated past L3, medians of 7): rows 1 was best
-or tied for Q4_1 576→1536 and 1536→576, and 2.8x faster than rows 2 for the Q8_0 LM head (576→49152; not yet
-understood); chunk 1 pays ~0.3 µs per task (its accumulators are workspace allocations), chunk 16 keeps ≥ 36 tasks
-for two threads.
+repacked tiles too). DEFAULTS, on this 2-core AMD EPYC (znver4) at SmolLM2-135M's shapes, weights streamed from
+memory (copies rotated past L3, medians of 7), measured before `unroll` existed: rows 1 was best or tied for Q4_1
+576→1536 and 1536→576 and 2.8x faster than rows 2 for the Q8_0 LM head (576→49152; not yet understood); chunk 1
+pays ~0.3 µs per task (workspace allocations), chunk 16 keeps ≥ 36 tasks for two threads. unroll 8 is not tuned.
 """
 
 from __future__ import annotations
@@ -66,37 +69,54 @@ def _block_dot(kind: str, qs: tirx.Buffer, n: tirx.Expr, b: tirx.Expr, x: tirx.E
     return _signed_dot(T.reinterpret("int8x32", quants) - T.Broadcast(T.int8(8), 32), x)
 
 
-def vnni_gemv(kind: str, n_out: int, n_in: int, rows: int, chunk: int) -> tirx.PrimFunc:
+def _acc_chain(kind: str, bufs: tuple, n: tirx.Expr, blocks: list, acc: tirx.Expr) -> tirx.Expr:
+    """acc (float32x8) after `blocks` of row n as one unrolled expression, so that it stays in a register: LLVM
+    does not promote TVM's per-task accumulator buffers when it cannot prove that they alias no argument (it could
+    not in the model's whole module: the same kernel ran 2.3x slower there than compiled alone)."""
+    xq, xd, _, d, _, qs = bufs
+    for b in blocks:
+        scale = T.Broadcast(T.Cast("float32", d[n, b]) * xd[0, b], LANES)
+        dot = _block_dot(kind, qs, n, b, xq[0, T.Ramp(b * QK8, 1, QK8)])
+        acc = T.fma(scale, T.Cast("float32x8", dot), acc)
+    return acc
+
+
+def _min_chain(bufs: tuple, n: tirx.Expr, blocks: list, total: tirx.Expr) -> tirx.Expr:
+    """Q4_1's Σ m_w·s_x over `blocks` of row n, added to total."""
+    _, _, xs, _, m, _ = bufs
+    for b in blocks:
+        total = T.fma(T.Cast("float32", m[n, b]), xs[0, b], total)
+    return total
+
+
+def vnni_gemv(kind: str, n_out: int, n_in: int, rows: int, chunk: int, unroll: int) -> tirx.PrimFunc:
     """The kernel for one weight type and shape; same arguments as cpu_int8.int8_matmul(kind, n_out, n_in)."""
     nb = n_in // QK8
     tasks = n_out // (rows * chunk)
     has_min = kind == "Q4_1"
     q_dtype, q_cols = ("int8", n_in) if kind == "Q8_0" else ("uint8", n_in // 2)  # Q4 qs: uint32 words as bytes
 
+    def blocks(b0: tirx.Expr) -> list:
+        return [b0 * unroll + j for j in range(unroll)]
+
     @T.macro
     def body(xq, xd, xs, d, m, qs, y):
         for c in T.parallel(tasks):
             acc = T.decl_buffer((rows, LANES), "float32", scope="local")
             mins = T.decl_buffer((rows,), "float32", scope="local")
-            total = T.decl_buffer((1,), "float32", scope="local")
             for g in range(chunk):
                 for r in T.unroll(rows):
                     acc[r, T.Ramp(0, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
                     mins[r] = T.float32(0)
-                for b in range(nb):
+                for b0 in range(nb // unroll):
                     for r in T.unroll(rows):
-                        n = (c * chunk + g) * rows + r
-                        scale = T.Broadcast(T.Cast("float32", d[n, b]) * xd[0, b], LANES)
-                        dot = _block_dot(kind, qs, n, b, xq[0, T.Ramp(b * QK8, 1, QK8)])
-                        acc[r, T.Ramp(0, 1, LANES)] = T.fma(scale, T.Cast("float32x8", dot),
-                                                            acc[r, T.Ramp(0, 1, LANES)])
+                        n: T.let[T.int32] = (c * chunk + g) * rows + r
+                        acc[r, T.Ramp(0, 1, LANES)] = _acc_chain(
+                            kind, (xq, xd, xs, d, m, qs), n, blocks(b0), acc[r, T.Ramp(0, 1, LANES)])
                         if has_min:
-                            mins[r] = mins[r] + T.Cast("float32", m[n, b]) * xs[0, b]
+                            mins[r] = _min_chain((xq, xd, xs, d, m, qs), n, blocks(b0), mins[r])
                 for r in T.unroll(rows):
-                    total[0] = mins[r]
-                    for lane in range(LANES):
-                        total[0] = total[0] + acc[r, lane]
-                    y[0, (c * chunk + g) * rows + r] = total[0]
+                    y[0, (c * chunk + g) * rows + r] = _lane_sum(acc, r, mins[r])
 
     if kind == "Q4_1":
 
@@ -131,6 +151,14 @@ def vnni_gemv(kind: str, n_out: int, n_in: int, rows: int, chunk: int) -> tirx.P
     return q8_0
 
 
+def _lane_sum(acc: tirx.Buffer, r: tirx.Expr, start: tirx.Expr) -> tirx.Expr:
+    """start + the 8 lanes of acc[r], in lane order."""
+    total = start
+    for lane in range(LANES):
+        total = total + acc[r, lane]
+    return total
+
+
 def _signature(func: tirx.PrimFunc) -> list[tuple[tuple[int, ...], str]]:
     """(shape, dtype) of every buffer argument, the part of a signature the Relax call depends on."""
     return [(tuple(int(s) for s in p.shape), str(p.dtype)) for p in func.params]
@@ -140,8 +168,8 @@ class Int8GEMV(KnobbedRule):
     """cpu_int8.int8_matmul functions → the vpdpbusd kernel, on llvm targets with AVX512-VNNI."""
 
     name = "cpu.int8_gemv"
-    DEFAULTS: ClassVar[dict[str, int]] = {"rows": 1, "chunk": 16}
-    SPACE: ClassVar[dict[str, tuple[int, ...]]] = {"rows": (1, 2, 4), "chunk": (1, 4, 16, 64)}
+    DEFAULTS: ClassVar[dict[str, int]] = {"rows": 1, "chunk": 16, "unroll": 8}
+    SPACE: ClassVar[dict[str, tuple[int, ...]]] = {"rows": (1, 2, 4), "chunk": (1, 4, 16, 64), "unroll": (1, 4, 8, 16)}
 
     def apply(self, func: tirx.PrimFunc, target: Target, knobs: Knobs | bool | None = None) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not func.attrs or INT8_GEMV_ATTR not in func.attrs:
@@ -152,7 +180,7 @@ class Int8GEMV(KnobbedRule):
         n_out, n_in = int(func.params[-1].shape[1]), int(func.params[0].shape[1])  # y (1, n_out), xq (1, n_in)
         k = self.knobs(knobs)
         rows = fit(n_out, k["rows"])
-        kernel = vnni_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]))
+        kernel = vnni_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]), fit(n_in // QK8, k["unroll"]))
         if _signature(kernel) != _signature(int8_matmul(kind, n_out, n_in)) or _signature(kernel) != _signature(func):
             log.warning("%s declined %s: its arguments are not int8_matmul's", self.name, func.attrs["global_symbol"])
             return None

@@ -39,7 +39,7 @@ def scheduled(kind: str, n_out: int, n_in: int, knobs: dict | None = None) -> tv
 @needs_vnni
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("n_out,n_in,knobs", [(96, 512, None), (70, 96, {"rows": 4, "chunk": 4}),
-                                              (64, 64, {"rows": 1, "chunk": 1})])
+                                              (64, 64, {"rows": 1, "chunk": 1, "unroll": 1})])
 def test_vnni_gemv_matches_reference(kind, n_out, n_in, knobs, rng):
     """Several shapes and knobs: rows that do not divide by the defaults, a single block pair, one row per task."""
     raw = random_raw(kind, n_out, n_in, rng)
@@ -80,6 +80,6 @@ def test_cpu_rules_take_the_int8_gemv():
 
 def test_kernel_signature_is_the_definitions():
     for kind in TYPES:
-        a, b = vnni_gemv(kind, 32, 64, 2, 2), int8_matmul(kind, 32, 64)
+        a, b = vnni_gemv(kind, 32, 64, 2, 2, 2), int8_matmul(kind, 32, 64)
         shapes = [[(tuple(int(s) for s in p.shape), str(p.dtype)) for p in f.params] for f in (a, b)]
         assert shapes[0] == shapes[1], kind
