@@ -164,6 +164,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return print_generation(tok, ids, oracle.stream_greedy(ids, args.n, stop_ids=tok.eos_ids), args.json, "oracle")
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from luce_compile.fuse.plan import CostModel, plan_queues
+    from luce_compile.fuse.taskgraph import build_task_graph
+    from luce_compile.graph.registry import open_graph
+    from luce_compile.targets import get_target
+
+    info = get_target(args.target)
+    if info.kind == "llvm":
+        raise LuceError("plan: the megakernel is planned for a GPU target (sm_86, sm_90, sm_120, gfx1201, gfx1151).")
+    path = resolve_model(args.model)
+    graph, _ = open_graph(path)
+    facts = info.facts
+    tg = build_task_graph(graph, batch=args.batch, n_sms=facts["sm_count"], max_context=args.ctx)
+    plan = plan_queues(tg, CostModel(bandwidth=facts["mem_bandwidth_gb_s"] * 1e9, n_sms=facts["sm_count"]))
+    weights = sum(t.weight_bytes for t in tg.tasks if t.kind == "matvec")
+    d = {"model": path.stem, "target": info.name, "batch": args.batch, "stages": len(tg.stages),
+         "tasks": len(tg.tasks), "weight_bytes": weights, "predicted_step_us": round(plan.makespan * 1e6, 1),
+         "critical_path_us": round(plan.critical_path * 1e6, 1),
+         "roofline_step_us": round(weights / (facts["mem_bandwidth_gb_s"] * 1e9) * 1e6, 1),
+         "predicted_tok_s": round(args.batch / plan.makespan)}
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    if args.verbose_stages:
+        print(tg.describe())
+    print(f"{d['model']} on {d['target']}, batch {args.batch}: {d['stages']} stages, {d['tasks']} tasks over "
+          f"{facts['sm_count']} SMs; cost model: {d['predicted_step_us']} us per step ({d['predicted_tok_s']} tok/s), "
+          f"critical path {d['critical_path_us']} us, weight roofline {d['roofline_step_us']} us")
+    return 0
+
+
 def cmd_targets(args: argparse.Namespace) -> int:
     from luce_compile.targets import TARGETS
 
@@ -351,6 +382,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ctx", type=int, default=0, help="context per sequence (default: model's, ≤ 4096)")
     s.add_argument("--prefix-cache", type=int, default=4, help="cached prompt prefixes (0: no prefix reuse)")
     s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("plan", help="the megakernel's decode-step task graph and per-SM plan, with the cost "
+                                    "model's predicted step time (no GPU needed)")
+    s.add_argument("model")
+    s.add_argument("--target", default="sm_90")
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--ctx", type=int, default=4096, help="maximum context (sets the attention's key chunks)")
+    s.add_argument("--stages", dest="verbose_stages", action="store_true", help="list the fused stages")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("generate", help="generate on the float64 oracle (slow; for checking)")
     s.add_argument("model")

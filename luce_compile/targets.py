@@ -61,30 +61,32 @@ def host_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu())
 
 
-def _cuda(name: str, hardware: str, status: str, note: str, sm_count: int, l2_mb: int) -> TargetInfo:
+def _cuda(name: str, hardware: str, status: str, note: str, sm_count: int, l2_mb: int, gb_s: int) -> TargetInfo:
     # 48 KiB is the static shared memory any kernel may use without opting in to more (cudaFuncSetAttribute)
     facts = {"sm_count": sm_count, "l2_bytes": l2_mb << 20, "warp_size": 32, "max_threads_per_block": 1024,
-             "max_shared_memory_per_block": 49152}
+             "max_shared_memory_per_block": 49152, "mem_bandwidth_gb_s": gb_s}
     return TargetInfo(name, hardware, "cuda", status, note, facts, (name,))
 
 
-def _rocm(name: str, hardware: str, status: str, note: str, compute_units: int) -> TargetInfo:
+def _rocm(name: str, hardware: str, status: str, note: str, compute_units: int, gb_s: int) -> TargetInfo:
     facts = {"sm_count": compute_units, "warp_size": 32, "max_threads_per_block": ROCM_MAX_THREADS,
-             "max_shared_memory_per_block": 65536}
+             "max_shared_memory_per_block": 65536, "mem_bandwidth_gb_s": gb_s}
     return TargetInfo(name, hardware, "rocm", status, note, facts)
 
 
 _COMPILED = "compiled and binary-checked here (cuobjdump); never run"
+# mem_bandwidth_gb_s: the device-copy bandwidth measured on the H200 (benchmarks/results/h200-2026-11-30-run3.md,
+# read + write), elsewhere the vendor's datasheet figure: the megakernel planner's cost model (fuse/plan.py)
 TARGETS = {
     "cpu": TargetInfo("cpu", "this host (x86-64)", "llvm", "measured", "the embedded default; CI runs it"),
-    "sm_86": _cuda("sm_86", "RTX 3090", "compiled", _COMPILED, 82, 6),
+    "sm_86": _cuda("sm_86", "RTX 3090", "compiled", _COMPILED, 82, 6, 936),
     "sm_90": _cuda("sm_90", "H100/H200", "measured",
-                   "run on an H200 (runtime only): matches the oracle, timed; benchmarks/results/h200/", 132, 50),
-    "sm_120": _cuda("sm_120", "RTX 5090", "compiled", _COMPILED, 170, 96),
+                   "run on an H200 (runtime only): matches the oracle, timed; benchmarks/results/h200/", 132, 50, 4225),
+    "sm_120": _cuda("sm_120", "RTX 5090", "compiled", _COMPILED, 170, 96, 1792),
     "gfx1201": _rocm("gfx1201", "Radeon AI PRO R9700", "compiled",
-                     "wave32 HSACO compiled and disassembled here (llvm-objdump); never run", 64),
+                     "wave32 HSACO compiled and disassembled here (llvm-objdump); never run", 64, 640),
     "gfx1151": _rocm("gfx1151", "Strix Halo", "compiled",
-                     "wave32 HSACO compiled and disassembled here (llvm-objdump); never run", 40),
+                     "wave32 HSACO compiled and disassembled here (llvm-objdump); never run", 40, 256),
 }
 
 

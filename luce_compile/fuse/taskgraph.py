@@ -120,6 +120,7 @@ def split_value(out: str, split: int) -> str:
 
 
 ARGMAX_PARTIAL = "argmax#partial"
+MIN_TILE_ROWS = 16  # a tile below a warp's half of rows costs more in its dependency wait than it streams
 TOKEN_IDS = "token_ids"
 
 
@@ -270,7 +271,7 @@ class _Tiler:
 
     def tiles(self, rows: int, align: int, share: float) -> list[tuple[int, int]]:
         n = max(1, round(self.target * share))  # this unit's share of one wave of tiles over the SMs
-        step = _round_up(-(-rows // n), align)
+        step = _round_up(max(-(-rows // n), MIN_TILE_ROWS), align)
         return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
 
     def embed(self, i: int, st: Stage) -> None:
