@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.runtime.faults import fails_on_call
+
 pytestmark = pytest.mark.e2e
 
 TOL = 1e-5
@@ -71,13 +73,7 @@ def test_a_failed_decode_leaves_the_pool_as_it_was(engine, rng, monkeypatch):
     prompts = [prompt(rng, n, engine.vocab_size) for n in (17, 33)]
     engine.prefill(seqs, prompts)
     lengths, free = engine.sequences(), engine.free_pages()
-    real = engine._fns["decode"]
-
-    def fails_after_writing(*args):  # the kernels ran and wrote KV entries, then the step failed
-        real(*args)
-        raise RuntimeError("injected fault")
-
-    monkeypatch.setitem(engine._fns, "decode", fails_after_writing)
+    monkeypatch.setitem(engine._fns, "decode", fails_on_call(engine._fns["decode"], 1))
     with pytest.raises(RuntimeError, match="injected fault"):
         engine.decode(seqs, [3, 4])
     assert engine.sequences() == lengths and engine.free_pages() == free
@@ -94,20 +90,12 @@ def test_a_failed_prefill_chunk_rolls_back_the_chunks_before_it(engine, rng, mon
     head, tail = prompt(rng, 5, engine.vocab_size), prompt(rng, 48, engine.vocab_size)
     seq = engine.add_sequence()
     engine.prefill([seq], [head])
-    free, calls = engine.free_pages(), []
-    real = engine._fns["prefill"]
-
-    def third_chunk_fails(*args):
-        calls.append(1)
-        out = real(*args)
-        if len(calls) == 3:
-            raise RuntimeError("injected fault")
-        return out
-
+    free = engine.free_pages()
+    third_chunk_fails = fails_on_call(engine._fns["prefill"], 3)
     monkeypatch.setitem(engine._fns, "prefill", third_chunk_fails)
     with pytest.raises(RuntimeError, match="injected fault"):
         engine.prefill([seq], [tail])  # chunks of 16, 16, 16: the last one crosses into a fourth page
-    assert len(calls) == 3 and engine.length(seq) == 5 and engine.free_pages() == free
+    assert third_chunk_fails.calls == 3 and engine.length(seq) == 5 and engine.free_pages() == free
     monkeypatch.undo()
     got = engine.prefill([seq], [tail])[0]
     fresh = engine.add_sequence()

@@ -8,6 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
+from tests.runtime.faults import fails_on_call
+
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 8
@@ -71,19 +73,11 @@ def test_a_transient_step_failure_is_retried_per_request(scheduler, rng, monkeyp
     prompts = prompts_for(rng, engine.vocab_size, -1)
     want = run(scheduler, prompts)
     assert all(isinstance(w, list) and len(w) > 0 for w in want)
-    real, calls = engine._fns["decode"], []
-
-    def fails_once(*args):
-        calls.append(1)
-        out = real(*args)
-        if len(calls) == 2:
-            raise RuntimeError("injected transient fault")
-        return out
-
+    fails_once = fails_on_call(engine._fns["decode"], 2, "injected transient fault")
     monkeypatch.setitem(engine._fns, "decode", fails_once)
     assert run(scheduler, prompts) == want
     stats = settle(scheduler)
-    assert len(calls) > 2 and stats["failed"] == 0
+    assert fails_once.calls > 2 and stats["failed"] == 0
     assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["kv_pages_used"] == 0
 
 
