@@ -224,7 +224,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(f"[{time.perf_counter() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
-    compile_model(gguf, args.target, out, use_cache=not args.no_cache, overwrite=args.force, progress=progress)
+    compile_model(gguf, args.target, out, use_cache=not args.no_cache, overwrite=args.force, progress=progress,
+                  precision=args.precision)
     print(out)
     return 0
 
@@ -343,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default="cpu", help="see `luce-compile targets` (default: cpu)")
     s.add_argument("-o", "--output", help="artifact directory (default: <model>.<target>)")
     s.add_argument("--no-cache", action="store_true", help="rebuild even if this exact build is cached")
+    s.add_argument("--precision", choices=("auto", "int8", "f32"), default="auto",
+                   help="decode matmuls of Q4_0/Q4_1/Q8_0 weights: int8 = 8-bit activations and integer dot products "
+                        "as llama.cpp does them (CPUs with AVX512-VNNI); f32 = the exact float32 kernels, for checks "
+                        "against the oracle; auto = int8 where the CPU has it, else f32 (default)")
     s.add_argument("--force", action="store_true",
                    help="replace an existing artifact at -o (anything else there is always refused)")
     s.set_defaults(func=cmd_compile)

@@ -27,6 +27,7 @@ from luce_compile.codegen.pipeline import relax_pipeline
 from luce_compile.gguf.reader import GGUFFile, read_gguf
 from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
+from luce_compile.lower.cpu_int8 import resolve_precision
 from luce_compile.lower.quant_layout import weight_planes
 from luce_compile.lower.relax_model import PLANE_SEP, LowerOptions, lower_graph
 from luce_compile.models import cache_dir
@@ -57,11 +58,13 @@ def compiler_fingerprint() -> str:
 
 
 def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, use_cache: bool = True,
-                  overwrite: bool = False, progress: Progress | None = None) -> Path:
+                  overwrite: bool = False, progress: Progress | None = None, precision: str = "auto") -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
     An existing out_dir is replaced only if it is an artifact and `overwrite` is set (the CLI's --force); anything
     else there is refused before any work, so a user's folder is never deleted (artifact.writer.check_destination).
+    `precision` is the decode matmuls' (LowerOptions.precision): "auto" takes llama.cpp's 8-bit activations and
+    integer dot products where the CPU has them, "f32" the exact float32 kernels (oracle checks), "int8" insists.
     """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -69,7 +72,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     info = get_target(target)
     say("hashing the model")
     gguf_sha = file_sha256(gguf_path)
-    key = f"{gguf_sha[:24]}-{info.name}-{compiler_fingerprint()}"
+    precision = resolve_precision(precision, info.tvm_target())  # refuses int8 where it cannot run, before work
+    key = f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}"
     cached = cache_dir() / "artifacts" / key
     if use_cache and (cached / "manifest.json").is_file():
         say(f"reusing the cached build {cached}")
@@ -77,7 +81,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
         return out_dir
     gguf = read_gguf(gguf_path)
     graph = build_graph(gguf)  # refuses unsupported models before any work
-    built = _build(gguf, graph, info, gguf_sha, say)
+    built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision))
     try:
         if use_cache:
             _copy_tree(built, cached, overwrite=True)  # the cache is ours: a stale entry is replaced
@@ -88,12 +92,13 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     return out_dir
 
 
-def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: Progress) -> Path:
+def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: Progress,
+           options: LowerOptions) -> Path:
     import tvm
 
     target = info.tvm_target()
     say(f"lowering {len(graph.ops)} ops")
-    mod, params = lower_graph(graph, target)
+    mod, params = lower_graph(graph, target, options)
     say(f"compiling for {info.name} ({target.kind.name})")
     start = time.perf_counter()
     # GPU targets: a stand-in libcuda / nvcc fatbin hook / lld + device libraries, so real binaries get embedded
@@ -105,12 +110,13 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     library = work / "model.so"
     binaries = export_checked(executable, info, library)  # refuses a GPU library without real device binaries
     say("writing the artifact (weights repacked into kernel planes)")
-    contract = RuntimeContract(kv_dtype=LowerOptions().dtype)
+    contract = RuntimeContract(kv_dtype=options.dtype)
     manifest = {
         "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},
         "config": graph.config.to_dict(),
         "target": _target_fields(info, target),
         "kernels": {"module": "model.so", "functions": list(contract.functions), "compile_seconds": round(compile_s, 2),
+                    "precision": options.precision,
                     **({"device_binaries": binaries.to_manifest()} if binaries else {})},
         "runtime": contract.to_manifest(),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),

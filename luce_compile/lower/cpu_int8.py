@@ -83,6 +83,10 @@ def resolve_precision(precision: str, target: Target) -> str:
     """'auto' → 'int8' on CPUs the integer kernels are built for, else 'f32'; 'int8' and 'f32' are kept."""
     if precision not in PRECISIONS:
         raise UnsupportedError(f"lower: precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "int8" and not has_vnni(target):
+        raise UnsupportedError(f"lower: precision int8 needs a CPU target with AVX512-VNNI (avx512vnni, avx512vl, "
+                               f"avx512bw); {target.kind.name} {target.attrs.get('mcpu', '')} has none. Use "
+                               "--precision auto or f32.")
     if precision != "auto":
         return precision
     chosen = "int8" if has_vnni(target) else "f32"

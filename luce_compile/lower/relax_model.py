@@ -46,9 +46,8 @@ class LowerOptions:
     dtype: str = "float32"  # activations and the KV cache
     # decode GEMVs of Q4_0/Q4_1/Q8_0 weights: "int8" quantizes activations to 8 bits as llama.cpp does and uses
     # integer dot products (lower/cpu_int8.py); "f32" keeps the exact float32 kernels (for checks); "auto" is int8
-    # on CPUs with AVX512-VNNI, else f32. Default f32 until compile_model passes a precision through (and keys its
-    # cache by it) and the end-to-end tests build their oracle checks with f32: int8 decode differs from the plain
-    # float64 oracle by the activation rounding (~2e-2 of the logits), their tolerance is 1e-3.
+    # on CPUs with AVX512-VNNI, else f32. compile_model resolves it (auto by default); lowering on its own stays
+    # exact: int8 decode differs from the plain float64 oracle by the activation rounding (~2e-2 of the logits).
     precision: str = "f32"
 
 

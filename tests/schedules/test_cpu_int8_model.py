@@ -15,12 +15,13 @@ the emulation, is already off by more than 1e-5 after one step (1.4e-2-1.8e-2), 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 import luce_compile.codegen.compile as compile_module
 from luce_compile.graph.oracle import Oracle
-from luce_compile.lower.relax_model import LowerOptions
 from luce_compile.synthetic import SyntheticSpec, cached_synthetic
 from tests.codegen._reference import engine_logits, rel_err
 from tests.graph.test_vs_llama_cpp import GgmlRounding
@@ -39,14 +40,12 @@ class DecodeRounding(GgmlRounding):
 
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
-def test_int8_decode_matches_emulating_oracle(quant, tmp_path, monkeypatch, rng):
+def test_int8_decode_matches_emulating_oracle(quant, tmp_path, rng):
     from luce_runtime.engine import Engine, EngineOptions
 
-    real_lower = compile_module.lower_graph
-    monkeypatch.setattr(compile_module, "lower_graph",
-                        lambda graph, target: real_lower(graph, target, LowerOptions(precision="int8")))
     gguf = cached_synthetic(SyntheticSpec(quant=quant, n_embd=256, n_ff=512))
-    artifact = compile_module.compile_model(gguf, "cpu", tmp_path / "model", use_cache=False)
+    artifact = compile_module.compile_model(gguf, "cpu", tmp_path / "model", use_cache=False, precision="int8")
+    assert json.loads((artifact / "manifest.json").read_text())["kernels"]["precision"] == "int8"
     engine = Engine(artifact, EngineOptions(max_batch=1, max_context=64, prefill_chunk=32))
     oracle = DecodeRounding(gguf)
     prompt = rng.integers(0, int(engine.config["n_vocab"]), 9).tolist()

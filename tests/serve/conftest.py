@@ -52,7 +52,9 @@ def free_port() -> int:
 def smol_artifact(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from luce_compile.codegen.compile import compile_model
 
-    return compile_model(smollm2_path, "cpu", tmp_path_factory.mktemp("serve") / "smol.cpu")  # cached after once
+    # f32: the serve tests compare batched streams with each alone token for token, and batched decode runs the
+    # float32 GEMM while a lone sequence would take the int8 GEMV under "auto"
+    return compile_model(smollm2_path, "cpu", tmp_path_factory.mktemp("serve") / "smol.cpu", precision="f32")
 
 
 @pytest.fixture(scope="session")
