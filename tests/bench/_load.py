@@ -19,3 +19,12 @@ def load_benchmark_module(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package either)."""
+    path = BENCH_DIR.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

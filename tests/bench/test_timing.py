@@ -4,7 +4,6 @@ device synchronized on both sides, warm-ups and prompt drawing outside), never a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +12,8 @@ import numpy as np
 import pytest
 from luce_runtime.bench import bench_engine
 from luce_runtime.timing import call_times, median_time
+
+from tests.bench._load import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,10 +120,7 @@ def test_bench_engine_synchronizes_every_timed_call_and_frees_its_sequences():
 
 
 def _device_check():
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("device_check")
 
 
 @pytest.mark.unit

@@ -4,7 +4,6 @@ the one the compiler wrote, BF16 vectors (widened to float32 by quant_layout.wei
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -13,8 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from luce_compile.lower.quant_layout import weight_planes
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench._load import load_script
 
 
 @pytest.mark.unit
@@ -28,10 +26,7 @@ def test_bf16_vectors_are_widened_exactly_and_matrices_keep_their_bits():
 
 
 def _device_check():
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("device_check")
 
 
 @pytest.mark.slow
