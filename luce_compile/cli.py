@@ -45,7 +45,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         for row in rows:
-            print(f"{row['name']:16} {'cached ' if row['cached'] else 'missing'}  {row['path']}")
+            width = max(len(r["name"]) for r in rows)
+            print(f"{row['name']:{width}} {'cached ' if row['cached'] else 'missing'}  {row['path']}")
     return 0
 
 
@@ -296,7 +297,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     serve(ServeOptions(artifact=path, host=args.host, port=args.port, api_key=args.api_key,
-                       max_batch=args.max_batch, max_context=args.ctx, prefix_cache=args.prefix_cache))
+                       max_batch=args.max_batch, max_context=args.ctx, prefix_cache=args.prefix_cache,
+                       max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * 2**20)))
     return 0
 
 
@@ -386,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences decoded together (default: as many as a quarter of the free memory holds)")
     s.add_argument("--ctx", type=int, default=0, help="context per sequence (default: model's, ≤ 4096)")
     s.add_argument("--prefix-cache", type=int, default=4, help="cached prompt prefixes (0: no prefix reuse)")
+    s.add_argument("--max-waiting", type=int, default=0,
+                   help="requests queued for a batch slot before the server answers 429 (default: 4 x max-batch)")
+    s.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (default 4): 413 above")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("plan", help="the megakernel's decode-step task graph and per-SM plan, with the cost "

@@ -63,3 +63,21 @@ def test_synthetic_preset_names_a_model():
     assert json.loads(out.stdout)["config"]["arch"] == "qwen3"
     bad = cli("inspect", "synthetic:no-such-preset")
     assert bad.returncode == 2 and "known: tiny-llama" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.unit
+def test_serve_limits_reach_the_server_options(tmp_path, monkeypatch):
+    """--max-waiting and --max-body-mb become ServeOptions: the 429 bound and the 413 limit."""
+    import luce_runtime.serve as serve_pkg
+
+    from luce_compile.cli import main
+
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "manifest.json").write_text("{}")  # only its presence is read before serve() is called
+    got = []
+    monkeypatch.setattr(serve_pkg, "serve", got.append)
+    assert main(["serve", str(art), "--max-waiting", "3", "--max-body-mb", "0.5"]) == 0
+    assert got[0].max_waiting == 3 and got[0].max_body_bytes == 2**19 and got[0].artifact == art
+    assert main(["serve", str(art)]) == 0
+    assert got[1].max_waiting == 0 and got[1].max_body_bytes == 4 * 2**20  # 0: 4 x max_batch, decided by the server
