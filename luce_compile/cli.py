@@ -256,15 +256,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return print_generation(tok, ids, engine.generate(ids, params), args.json, "runtime")
 
 
+def compile_into_cache(model: str, target: str, purpose: str) -> Path:
+    """MODEL compiled for `target` into the cache's folder for `purpose` (bench, serve): the cache's own copy, replaced
+    when an earlier run left one. A GPU target's toolchain is checked first, as compile does."""
+    from luce_compile.codegen.compile import compile_model
+    from luce_compile.codegen.gpu_toolchain import require_gpu_toolchain
+    from luce_compile.models import cache_dir
+    from luce_compile.targets import get_target
+
+    info = get_target(target)
+    require_gpu_toolchain(info.kind, info.name)
+    gguf = resolve_model(model)
+    return compile_model(gguf, target, cache_dir() / purpose / f"{gguf.stem}.{target}", overwrite=True)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     path = Path(args.model)
     if not (path / "manifest.json").is_file():  # a GGUF (or model name): compile it first, through the cache
-        from luce_compile.codegen.compile import compile_model
-        from luce_compile.models import cache_dir
-
-        gguf = resolve_model(args.model)
-        path = compile_model(gguf, args.target, cache_dir() / "bench" / f"{gguf.stem}.{args.target}",
-                             overwrite=True)  # the cache's own copy: replace what an earlier bench left
+        path = compile_into_cache(args.model, args.target, "bench")
     from luce_runtime.bench import bench_artifact  # after compiling: the runtime loads TVM's runtime library only
 
     result = bench_artifact(path, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
@@ -287,12 +296,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     path = Path(args.artifact)
     if not ((path / "manifest.json").is_file() or (path.is_file() and path.suffix != ".gguf")):
-        from luce_compile.codegen.compile import compile_model  # a GGUF (or model name): compile through the cache
-        from luce_compile.models import cache_dir
-
-        gguf = resolve_model(args.artifact)
-        path = compile_model(gguf, args.target, cache_dir() / "serve" / f"{gguf.stem}.{args.target}",
-                             overwrite=True)  # the cache's own copy: replace what an earlier serve left
+        path = compile_into_cache(args.artifact, args.target, "serve")  # a GGUF (or model name)
     from luce_runtime.serve import ServeOptions, serve  # after compiling: the runtime loads TVM's runtime library only
 
     print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)

@@ -51,6 +51,13 @@ def test_compile_for_a_gpu_fails_fast_and_says_how_to_get_the_toolchain(target, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["bench", "serve"])
+def test_bench_and_serve_of_a_gguf_for_a_gpu_fail_fast_too(command, bare_machine, no_work, capsys):
+    code = cli.main([command, "smollm2-135m", "--target", "gfx1201"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--target gfx1201 needs a GPU toolchain" in err and "rocm-device-libs" in err
+
+
 def test_the_cpu_needs_no_toolchain(bare_machine):
     assert gpu_toolchain.missing_gpu_tools("llvm") == []
 
