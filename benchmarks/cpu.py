@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 from report import cpu_table, write_results  # noqa: E402
 
-# the two real models, then issue 6's workloads as synthetic GGUFs of the real shapes (SmolLM2's is the real file)
-MODELS = ("smollm2-135m", "gemma3-270m", "synthetic:llama-1b-body", "synthetic:llama-1b-body-bf16",
-          "synthetic:qwen3-0.6b")
+# the real models (issue 13 adds Qwen2.5-Coder-0.5B), then issue 6's workloads as synthetic GGUFs of real shapes
+MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "synthetic:llama-1b-body",
+          "synthetic:llama-1b-body-bf16", "synthetic:qwen3-0.6b")
 
 
 def run_one(engine: str, model: str, args: argparse.Namespace) -> dict:
