@@ -9,14 +9,9 @@ becomes the synthetic one, so the whole file runs in well under a minute once th
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import socket
-import subprocess
-import sys
 import tarfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +20,7 @@ import pytest
 
 from luce_compile.cli import main
 from luce_compile.models import REAL_MODELS
+from tests.serve.process import serve_process
 
 pytestmark = pytest.mark.e2e
 
@@ -169,40 +165,14 @@ def test_generate(capsys):
     assert re.search(r"\[oracle: \d+ prompt \+ \d+ generated tokens", err)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture()
 def served(art: Path) -> Iterator[str]:
     """`luce-compile serve ART` with its defaults in a subprocess; only the port is chosen, so that parallel test
     runs on one machine do not collide on 8000. (tests/serve always passes --max-batch and --ctx.)"""
     args = required_args(table_commands()["serve"], art)
     assert args == ["serve", str(art)]
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "luce_compile.cli", *args, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"serve exited: {proc.stderr.read().decode()[-2000:]}"
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).read()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "serve did not answer /health within 120 s"
-                time.sleep(0.2)
+    with serve_process(args) as (url, _proc, _health):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_with_its_defaults(served: str):

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.serve.process import serve_process
 
 API_KEY = "test-key"
 
@@ -42,12 +40,6 @@ class Server:
             time.sleep(0.05)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def smol_artifact(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from luce_compile.codegen.compile import compile_model
@@ -59,30 +51,9 @@ def smol_artifact(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="session")
 def server(smol_artifact: Path) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "luce_compile.cli", "serve", str(smol_artifact), "--port", str(port),
-           "--api-key", API_KEY, "--max-batch", "8", "--ctx", "512"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                model = json.loads(urllib.request.urlopen(url + "/health", timeout=2).read())["model"]
-                break
-            except (urllib.error.URLError, ConnectionError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        yield Server(url, model, proc)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    args = ["serve", str(smol_artifact), "--api-key", API_KEY, "--max-batch", "8", "--ctx", "512"]
+    with serve_process(args) as (url, proc, health):
+        yield Server(url, health["model"], proc)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,47 @@
+"""`luce-compile serve` as a real server process on 127.0.0.1, for the tests that talk to it over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_process(args: list[str], timeout: float = 120) -> Iterator[tuple[str, subprocess.Popen, dict]]:
+    """`luce-compile serve ARGS --port P` on a free port until /health answers: (url, the process, /health's JSON);
+    stopped (terminated, then killed after 20 s) on exit."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "luce_compile.cli", *args, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, f"serve exited: {proc.stderr.read().decode()[-2000:]}"
+            try:
+                health = json.loads(urllib.request.urlopen(url + "/health", timeout=2).read())
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"serve did not answer /health within {timeout:.0f} s"
+                time.sleep(0.2)
+        yield url, proc, health
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
