@@ -33,7 +33,7 @@ from tvm.runtime import vm as tvm_vm  # noqa: E402
 from luce_runtime.artifact import Artifact, load_artifact  # noqa: E402
 from luce_runtime.contract import REQUIRED_FUNCTIONS, Fn, KVCacheArgs, RuntimeContract  # noqa: E402
 from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
-from luce_runtime.sampler import Sampler, SamplingParams  # noqa: E402
+from luce_runtime.sampler import Sampler, SamplingParams, find_stop  # noqa: E402
 from luce_runtime.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -193,11 +193,6 @@ class Engine:
         """Sequences the pool holds at once (decode batch, forks and cached prefixes together)."""
         return self.options.max_batch
 
-    @property
-    def kv(self) -> object:
-        """The paged KV cache object the compiled functions take (TVM's PagedKVCache)."""
-        return self._kv.cache
-
     def free_pages(self) -> int:
         """KV pages not held by any sequence (a forked prefix's pages count once)."""
         return self._kv.free_pages()
@@ -233,7 +228,7 @@ class Engine:
         if not 0 <= n <= self._live[seq_id]:
             raise EngineError(f"engine: cannot roll back {n} tokens of sequence {seq_id}, which holds "
                               f"{self._live[seq_id]}.")
-        if not self._can_pop(seq_id, self._live[seq_id]):
+        if not self._can_pop(self._live[seq_id]):
             raise EngineError(f"engine: sequence {seq_id} has passed its sliding window of {self.sliding_window} "
                               "tokens; its cache cannot roll back (TVM's paged cache keeps only the window).")
         if n:
@@ -321,8 +316,9 @@ class Engine:
                 done = {sid: len(take) for sid, take in batch}
                 pending = [(sid, rest[done.get(sid, 0):]) for sid, rest in pending if len(rest) > done.get(sid, 0)]
         except BaseException:
-            for sid, n in appended.items():  # earlier chunks of this call went in: take them out too
-                self.rollback(sid, n)
+            for sid, n in appended.items():  # earlier chunks of this call went in: take them out the same way
+                self._live[sid] -= n
+                self._undo_append(sid, n)
             raise
         return np.stack([last[sid] for sid in seq_ids])
 
@@ -369,16 +365,17 @@ class Engine:
         return logits
 
     def _undo_append(self, seq_id: int, n: int) -> None:
-        """Pop the n tokens a failed forward appended; where the cache cannot (a sequence past its sliding window:
-        TVM's popn does not undo the window's wrap-around), drop the sequence instead of keeping a corrupt one."""
-        if self._can_pop(seq_id, self._live[seq_id] + n):
+        """Pop the n tokens a failed step appended beyond the sequence's counted length; where the cache cannot (a
+        sequence past its sliding window: TVM's popn does not undo the window's wrap-around), drop the sequence
+        instead of keeping a corrupt one."""
+        if self._can_pop(self._live[seq_id] + n):
             self._kv.popn(seq_id, n)
             return
         log.warning("engine: sequence %d dropped after a failed step (past its sliding window)", seq_id)
         self._kv.remove(seq_id)
         del self._live[seq_id]
 
-    def _can_pop(self, seq_id: int, length: int) -> bool:
+    def _can_pop(self, length: int) -> bool:
         return not self.sliding_window or length <= self.sliding_window
 
     # ---- generation ------------------------------------------------------------------------------------------------
@@ -395,12 +392,11 @@ class Engine:
                               f"exceeds the context of {self.max_context} tokens; shorten one of them.")
         sampler = Sampler(params)
         stop_ids = set(params.stop_token_ids or ()) | set(self.tokenizer.eos_ids)
-        longest_stop = max((len(x) for x in params.stop), default=0)
         with self.sequence() as seq:
             history = list(prompt_ids)
             logits = self.prefill([seq], [history])[0]
             text = StreamDecoder(self.tokenizer)
-            recent = ""  # the last characters that could start a stop string
+            produced, streamed = "", 0  # streamed: where a stop string could still start (sampler.find_stop)
             for _ in range(limit):
                 token = sampler.sample(logits, history)
                 if token in stop_ids:
@@ -408,9 +404,8 @@ class Engine:
                 history.append(token)
                 yield token
                 if params.stop:
-                    # only text ending in a new character can hold a new match: O(stop length) per token
-                    recent += text.feed(token)
-                    if any(x in recent for x in params.stop):
+                    produced += text.feed(token)
+                    where, streamed = find_stop(produced, params.stop, start=streamed)
+                    if where is not None:
                         return
-                    recent = recent[len(recent) - longest_stop + 1:] if longest_stop > 1 else ""
                 logits = self.decode([seq], [token])[0]
