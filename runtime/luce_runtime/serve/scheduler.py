@@ -222,13 +222,10 @@ class Scheduler:
             r.seq = self.engine.add_sequence()
             return
         self._prefixes.move_to_end(best)
-        r.seq = self._fork_seq(best, best_len)
+        r.seq = self.engine.fork_sequence(best, best_len)
         r.pos = best_len
         self.counters.prefix_hits += 1
         self.counters.prefix_tokens_reused += best_len
-
-    def _fork_seq(self, parent: int, pos: int) -> int:
-        return self.engine.fork_sequence(parent, pos)
 
     def _remember_prefix(self, r: GenRequest) -> None:
         try:  # a cache that cannot take this prompt costs a later request a prefill, never this request its answer
@@ -245,7 +242,7 @@ class Scheduler:
         if len(self._prefixes) >= self.prefix_slots:
             old, _ = self._prefixes.popitem(last=False)
             self.engine.remove_sequence(old)
-        self._prefixes[self._fork_seq(r.seq, len(r.prompt))] = key
+        self._prefixes[self.engine.fork_sequence(r.seq, len(r.prompt))] = key
 
     def _prefill_step(self) -> None:
         budget = self.engine.prefill_chunk
