@@ -34,6 +34,17 @@ def resolve_model(model: str) -> Path:
     return path
 
 
+def resolve_for_target(model: str, target: str) -> Path:
+    """The GGUF of MODEL, once the target is known and its GPU toolchain is installed: a missing toolchain fails
+    before a model is fetched or lowered (minutes, then a late failure)."""
+    from luce_compile.codegen.gpu_toolchain import require_gpu_toolchain
+    from luce_compile.targets import get_target
+
+    info = get_target(target)
+    require_gpu_toolchain(info.kind, info.name)
+    return resolve_model(model)
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from luce_compile.models import fetch, list_cached
 
@@ -44,8 +55,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
+        width = max((len(r["name"]) for r in rows), default=0)
         for row in rows:
-            width = max(len(r["name"]) for r in rows)
             print(f"{row['name']:{width}} {'cached ' if row['cached'] else 'missing'}  {row['path']}")
     return 0
 
@@ -213,12 +224,8 @@ def cmd_targets(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from luce_compile.codegen.compile import compile_model
-    from luce_compile.codegen.gpu_toolchain import require_gpu_toolchain
-    from luce_compile.targets import get_target
 
-    info = get_target(args.target)
-    require_gpu_toolchain(info.kind, info.name)  # before a model is fetched or lowered: minutes, then a late failure
-    gguf = resolve_model(args.model)
+    gguf = resolve_for_target(args.model, args.target)
     out = Path(args.output) if args.output else Path(f"{gguf.stem}.{args.target}")
     start = time.perf_counter()
 
@@ -258,15 +265,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def compile_into_cache(model: str, target: str, purpose: str) -> Path:
     """MODEL compiled for `target` into the cache's folder for `purpose` (bench, serve): the cache's own copy, replaced
-    when an earlier run left one. A GPU target's toolchain is checked first, as compile does."""
+    when an earlier run left one."""
     from luce_compile.codegen.compile import compile_model
-    from luce_compile.codegen.gpu_toolchain import require_gpu_toolchain
     from luce_compile.models import cache_dir
-    from luce_compile.targets import get_target
 
-    info = get_target(target)
-    require_gpu_toolchain(info.kind, info.name)
-    gguf = resolve_model(model)
+    gguf = resolve_for_target(model, target)
     return compile_model(gguf, target, cache_dir() / purpose / f"{gguf.stem}.{target}", overwrite=True)
 
 
