@@ -14,7 +14,6 @@ and the embedding are our fused dequantizing TIR kernels; attention and RoPE'd k
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,6 +76,8 @@ class GraphModule(nn.Module):
                 params[param_name(name, plane)] = nn.Parameter(shape, dtype)
         self.params = nn.ParameterDict(params)
         self._kernels: dict[tuple, tirx.PrimFunc] = {}
+        self.precision = resolve_precision(options.precision, target)  # "auto" resolved (and logged) once
+        self._quantized: dict = {}  # inputs already quantized to 8 bits (int8_linear's cache)
 
     # ---- exported functions -------------------------------------------------------------------------------------
     def create_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var, prefill_chunk_size: tirx.Var,
@@ -176,17 +177,10 @@ def _matmul(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
     return _linear(m, ins[0], o.weights["weight"], o.weights.get("bias"))
 
 
-# per GraphModule: its resolved precision and the inputs already quantized to 8 bits (int8_linear's cache)
-_INT8_STATE: weakref.WeakKeyDictionary[GraphModule, tuple[str, dict]] = weakref.WeakKeyDictionary()
-
-
 def _linear(m: GraphModule, x: nn.Tensor, tensor: str, bias: str | None) -> nn.Tensor:
     """The integer-dot GEMV where the precision asks for it and applies (cpu_int8.int8_linear), else m.linear."""
-    if m not in _INT8_STATE:  # resolved (and logged) once per module
-        _INT8_STATE[m] = (resolve_precision(m.options.precision, m.target), {})
-    precision, quantized = _INT8_STATE[m]
-    if precision == "int8":
-        y = int8_linear(m, x, tensor, quantized)
+    if m.precision == "int8":
+        y = int8_linear(m, x, tensor, m._quantized)
         if y is not None:
             return y + m._vector(bias) if bias is not None else y
     return m.linear(x, tensor, bias)
