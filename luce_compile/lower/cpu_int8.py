@@ -1,19 +1,29 @@
 """Integer dot-product matmuls for decode, with llama.cpp's arithmetic (ggml-cpu's vec_dot_q4_0_q8_0, q4_1_q8_1,
-q8_0_q8_0): the activation vector is quantized to 8 bits once per matmul input, then every 32-value block of a
-weight row is an exact integer dot product with the activation block, scaled by one float FMA with d_w·d_x (and,
-for Q4_1, plus the min term m_w·s_x).
+q5_0_q8_0, q5_1_q8_1, q8_0_q8_0, q4_K_q8_K, q5_K_q8_K, q6_K_q8_K): the activation vector is quantized to 8 bits
+once per matmul input, then each block of a weight row is an exact integer dot product with the activation block.
+- 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): each block's integer dot is scaled by one float FMA with d_w·d_x
+  (and, for Q4_1/Q5_1, plus the min term m_w·s_x). Q4_0/Q5_0 dot the centred quants (q − 8, q − 16).
+- K-quants (256-value super-blocks): the integer dots of the sub-blocks (32 values for Q4_K/Q5_K, 16 for Q6_K)
+  are weighted by their integer sub-block scales into one int32 per super-block, scaled by d_w·d_x; Q4_K/Q5_K
+  subtract dmin_w·d_x·Σ_j mn_j·(sum of sub-block j's activation quants), the sums taken from Q8_K's bsums as
+  ggml does; Q6_K dots the centred quants (q − 32) as ggml_vec_dot_q6_K_q8_K_generic does.
 
-Activation formats (ggml's x86 quantize_row_q8_0 / q8_1, per 32 values):
-  d = amax/127 (float32, stored rounded to fp16), q = rint(x · 127/amax), and for Q8_1 s = fp16(d · Σq) from the
-  float32 d. `xd`/`xs` hold those fp16 values widened to float32 (exact), so the kernels need no fp16 conversion.
+Activation formats (ggml's x86 quantize_row_q8_0 / q8_1 per 32 values, quantize_row_q8_K_ref per 256):
+  Q8_0/Q8_1: d = amax/127 (float32, stored rounded to fp16), q = rint(x · 127/amax), and for Q8_1 s = fp16(d · Σq)
+  from the float32 d. `xd`/`xs` hold those fp16 values widened to float32 (exact), so the kernels need no fp16
+  conversion.
+  Q8_K: `max` = the value of largest magnitude (the first one), iscale = −127/max, q = min(127, rint(iscale · x)),
+  d = 1/iscale (float32, not rounded to fp16), and `xb` the 16 sums of q per 16 consecutive values (bsums, int32
+  here where ggml keeps int16: the sums fit either).
 Which one a weight type pairs with is ggml's type_traits_cpu[].vec_dot_type.
 
-Order of the quantized activations inside a block: a Q4 weight's `qs` plane (quant_layout) puts elements 2j and
-2j+1 of a block in the low and high nibble of its byte j, so 16 bytes masked with 0x0F are the even elements and
-shifted right by 4 the odd ones. The activation block is stored in that order ("nibbles": the 16 even elements,
-then the 16 odd ones) so that the kernel multiplies the 32 unpacked nibbles against 32 consecutive bytes, with no
-shuffle in the inner loop. Q8_0 weights keep the natural order. A dot product does not depend on the order in
-which its terms are paired, so the results are those of the natural order.
+Order of the quantized activations inside each 32 values: a Q4/Q5/Q6 weight's `qs` plane (quant_layout) puts
+elements 2j and 2j+1 of a 32-value group in the low and high nibble of its byte j, so 16 bytes masked with 0x0F are
+the even elements and shifted right by 4 the odd ones. The activations are stored in that order ("nibbles": the 16
+even elements, then the 16 odd ones) so that the kernel multiplies the 32 unpacked nibbles against 32 consecutive
+bytes, with no shuffle in the inner loop. Q8_0 weights keep the natural order. A dot product does not depend on the
+order in which its terms are paired, so the results are those of the natural order; Q8_K's bsums are sums of
+natural runs (what the sub-block scales and mins apply to), whatever the order of q.
 
 This module is target-independent: `quantize_q8` and `int8_matmul` are plain TE definitions (correct, and slow,
 unscheduled). On x86 with AVX512-VNNI the schedule rule schedules/cpu/int8_gemv.py replaces the matmul with its
@@ -35,36 +45,70 @@ from tvm.target import Target, codegen
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.lower.quant_layout import as_ggml_type
-from luce_compile.lower.quant_matmul import weight_planes
+from luce_compile.lower.quant_matmul import stored_quant, weight_planes
 
 log = logging.getLogger(__name__)
 
-QK8 = 32  # values per activation block (QK8_0 = QK8_1 in ggml-common.h)
+QK8 = 32  # values per activation block (QK8_0 = QK8_1 in ggml-common.h); also the unit of the "nibbles" order
+QK_K = 256  # values per Q8_K block and per K-quant super-block
+BSUM = 16  # values per Q8_K block sum (bsums)
 INT8_GEMV_ATTR = "luce.int8_gemv"  # marks int8_matmul's PrimFuncs for the schedule rule: value = weight type name
 PRECISIONS = ("auto", "int8", "f32")
 
 
 @dataclass(frozen=True)
 class Q8Format:
-    """How one weight type wants its activations: ggml's vec_dot_type, and the order of values in a block."""
+    """How one weight type wants its activations: ggml's vec_dot_type, and the order of values in 32."""
 
-    name: str  # "Q8_0" or "Q8_1"
+    name: str  # "Q8_0", "Q8_1" or "Q8_K"
     order: str  # "natural" or "nibbles" (see the module docstring)
 
     @property
     def with_sum(self) -> bool:
+        """Q8_1: s = fp16(d·Σq) per block (`xs`)."""
         return self.name == "Q8_1"
 
+    @property
+    def with_bsums(self) -> bool:
+        """Q8_K: the sums of q per 16 values (`xb`)."""
+        return self.name == "Q8_K"
+
+    @property
+    def block(self) -> int:
+        """Values per scale d."""
+        return QK_K if self.name == "Q8_K" else QK8
+
     def position_element(self, p: tirx.Expr | int) -> tirx.Expr | int:
-        """The element (0..31) of a block that position p of the quantized block holds."""
+        """The element (0..31) of a group of 32 that position p (0..31) of the quantized group holds."""
         return p if self.order == "natural" else 2 * (p % 16) + p // 16
+
+    def element_position(self, e: tirx.Expr | int) -> tirx.Expr | int:
+        """The inverse: the position (0..31) that element e (0..31) of a group of 32 is stored at."""
+        return e if self.order == "natural" else (e % 2) * 16 + e // 2
+
+    def specs(self, n_in: int) -> dict[str, tuple[tuple[int, int], str]]:
+        """Name → (shape, dtype) of the quantized tensors xq, xd [, xs] [, xb]: int8_matmul's first arguments."""
+        nb = n_in // self.block
+        specs = {"xq": ((1, n_in), "int8"), "xd": ((1, nb), "float32")}
+        if self.with_sum:
+            specs["xs"] = ((1, nb), "float32")
+        if self.with_bsums:
+            specs["xb"] = ((1, n_in // BSUM), "int32")
+        return specs
 
 
 INT8_FORMATS: dict[GGMLQuantizationType, Q8Format] = {
     GGMLQuantizationType.Q4_0: Q8Format("Q8_0", "nibbles"),
     GGMLQuantizationType.Q4_1: Q8Format("Q8_1", "nibbles"),
+    GGMLQuantizationType.Q5_0: Q8Format("Q8_0", "nibbles"),
+    GGMLQuantizationType.Q5_1: Q8Format("Q8_1", "nibbles"),
     GGMLQuantizationType.Q8_0: Q8Format("Q8_0", "natural"),
+    GGMLQuantizationType.Q4_K: Q8Format("Q8_K", "nibbles"),
+    GGMLQuantizationType.Q5_K: Q8Format("Q8_K", "nibbles"),
+    GGMLQuantizationType.Q6_K: Q8Format("Q8_K", "nibbles"),
 }
+# What the integer dot multiplies: the stored quant minus this (ggml's centring of the signed types)
+QUANT_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
 
 
 def int8_format(ggml_type: GGMLQuantizationType | str) -> Q8Format | None:
@@ -84,9 +128,11 @@ def resolve_precision(precision: str, target: Target) -> str:
     if precision not in PRECISIONS:
         raise UnsupportedError(f"lower: precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "int8" and not has_vnni(target):
-        raise UnsupportedError(f"lower: precision int8 needs a CPU target with AVX512-VNNI (avx512vnni, avx512vl, "
-                               f"avx512bw); {target.kind.name} {target.attrs.get('mcpu', '')} has none. Use "
-                               "--precision auto or f32.")
+        raise UnsupportedError(
+            f"lower: precision int8 needs a CPU target with AVX512-VNNI (avx512vnni, avx512vl, "
+            f"avx512bw); {target.kind.name} {target.attrs.get('mcpu', '')} has none. Use "
+            "--precision auto or f32."
+        )
     if precision != "auto":
         return precision
     chosen = "int8" if has_vnni(target) else "f32"
@@ -103,16 +149,61 @@ def _f16_round(value: tirx.Expr) -> tirx.Expr:
     return value.astype("float16").astype("float32")
 
 
-def _check_n_in(n_in: int) -> None:
-    if n_in <= 0 or n_in % QK8:
-        raise UnsupportedError(f"lower: 8-bit activations need n_in a positive multiple of {QK8}, got {n_in}")
+def _check_n_in(n_in: int, fmt: Q8Format) -> None:
+    if n_in <= 0 or n_in % fmt.block:
+        raise UnsupportedError(
+            f"lower: {fmt.name} activations need n_in a positive multiple of {fmt.block}, got {n_in}"
+        )
+
+
+def _quantize_q8_k(x: te.Tensor, n_in: int, fmt: Q8Format) -> list[te.Tensor]:
+    """quantize_row_q8_K_ref: xq (1, n_in) int8 in `fmt.order`, xd (1, n_in/256) float32, xb (1, n_in/16) int32."""
+    nb = n_in // QK_K
+    i = te.reduce_axis(_i64(0, QK_K), name="i")
+    amax = te.compute(_i64(1, nb), lambda r, b: te.max(tirx.abs(x[r, b * QK_K + i]), axis=i), name="amax")
+    # ggml keeps the first value of largest magnitude (`if (ax > amax)`), sign included: its index, then its value
+    j = te.reduce_axis(_i64(0, QK_K), name="j")
+    first = te.compute(
+        _i64(1, nb),
+        lambda r, b: te.min(
+            tirx.Select(tirx.abs(x[r, b * QK_K + j]) == amax[r, b], j, tirx.IntImm("int64", QK_K)), axis=j
+        ),
+        name="first",
+    )
+    iscale = te.compute(
+        _i64(1, nb),
+        lambda r, b: tirx.Select(
+            amax[r, b] > 0, tirx.const(-127.0, "float32") / x[r, b * QK_K + first[r, b]], tirx.const(0.0, "float32")
+        ),
+        name="iscale",
+    )
+    qn = te.compute(
+        _i64(1, n_in),
+        lambda r, k: tirx.min(tirx.nearbyint(iscale[r, k // QK_K] * x[r, k]), tirx.const(127.0, "float32")).astype(
+            "int8"
+        ),
+        name="q",
+    )
+    xq = te.compute(_i64(1, n_in), lambda r, k: qn[r, k // QK8 * QK8 + fmt.position_element(k % QK8)], name="xq")
+    xd = te.compute(
+        _i64(1, nb),
+        lambda r, b: tirx.Select(amax[r, b] > 0, tirx.const(1.0, "float32") / iscale[r, b], tirx.const(0.0, "float32")),
+        name="xd",
+    )
+    h = te.reduce_axis(_i64(0, BSUM), name="h")
+    xb = te.compute(_i64(1, n_in // BSUM), lambda r, g: te.sum(qn[r, g * BSUM + h].astype("int32"), axis=h), name="xb")
+    return [xq, xd, xb]
 
 
 def quantize_q8(n_in: int, fmt: Q8Format, *, name: str | None = None) -> tirx.PrimFunc:
-    """x (1, n_in) float32 → xq (1, n_in) int8 in `fmt.order`, xd (1, n_in/32) float32 [, xs (1, n_in/32) float32]."""
-    _check_n_in(n_in)
-    nb = n_in // QK8
+    """x (1, n_in) float32 → the tensors of `fmt.specs`: xq (1, n_in) int8 in `fmt.order`, xd (1, n_in/block)
+    float32 [, xs (1, n_in/32) float32] [, xb (1, n_in/16) int32]."""
+    _check_n_in(n_in, fmt)
     x = te.placeholder(_i64(1, n_in), "float32", name="x")
+    symbol = name or f"quantize_{fmt.name.lower()}_{fmt.order}_{n_in}"
+    if fmt.with_bsums:
+        return te.create_prim_func([x, *_quantize_q8_k(x, n_in, fmt)]).with_attr("global_symbol", symbol)
+    nb = n_in // QK8
     i = te.reduce_axis(_i64(0, QK8), name="i")
     amax = te.compute(_i64(1, nb), lambda r, b: te.max(tirx.abs(x[r, b * QK8 + i]), axis=i), name="amax")
 
@@ -129,48 +220,79 @@ def quantize_q8(n_in: int, fmt: Q8Format, *, name: str | None = None) -> tirx.Pr
         j = te.reduce_axis(_i64(0, QK8), name="j")
         qsum = te.compute(_i64(1, nb), lambda r, b: te.sum(xq[r, b * QK8 + j].astype("int32"), axis=j), name="qsum")
         d32 = lambda r, b: amax[r, b] / tirx.const(127.0, "float32")  # noqa: E731  (s uses the float32 d)
-        outs.append(te.compute(_i64(1, nb), lambda r, b: _f16_round(d32(r, b) * qsum[r, b].astype("float32")),
-                               name="xs"))
-    symbol = name or f"quantize_{fmt.name.lower()}_{fmt.order}_{n_in}"
+        outs.append(
+            te.compute(_i64(1, nb), lambda r, b: _f16_round(d32(r, b) * qsum[r, b].astype("float32")), name="xs")
+        )
     return te.create_prim_func([x, *outs]).with_attr("global_symbol", symbol)
 
 
-def _weight_quant(qtype: GGMLQuantizationType, planes: dict, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
-    """The integer quant of element (n, k) as the dot product uses it: Q4_0 centred (q − 8), Q4_1 as stored."""
-    if qtype == GGMLQuantizationType.Q8_0:
-        return planes["qs"][n, k].astype("int32")
-    word = planes["qs"][n, k // 8]
-    nibble = ((word >> ((k % 8) * 4).astype("uint32")) & tirx.const(15, "uint32")).astype("int32")
-    return nibble - 8 if qtype == GGMLQuantizationType.Q4_0 else nibble
+def _f32(value: tirx.Expr) -> tirx.Expr:
+    return value.astype("float32")
 
 
-def int8_matmul(ggml_type: GGMLQuantizationType | str, n_out: int, n_in: int, *,
-                name: str | None = None) -> tirx.PrimFunc:
-    """y (1, n_out) = Σ_blocks d_w·d_x·(Σ q_w·q_x) [+ m_w·s_x]: PrimFunc(xq, xd, [xs], *planes, y).
+def int8_matmul(
+    ggml_type: GGMLQuantizationType | str, n_out: int, n_in: int, *, name: str | None = None
+) -> tirx.PrimFunc:
+    """y (1, n_out) = llama.cpp's vec_dot of each weight row with the quantized activations (module docstring):
+    PrimFunc(xq, xd, [xs], [xb], *planes, y).
 
-    Two reductions: "block_dot" (int32, 32 values) and "scale_sum" (float32 over the blocks)."""
+    Reductions: "block_dot" (int32 per 32 values, 16 for Q6_K); for the K-quants "superblock_dot" (int32, the
+    sub-block scales) and, for Q4_K/Q5_K, "superblock_min" (int32, the mins times the bsums); then "scale_sum"
+    (float32 over the blocks or super-blocks)."""
     qtype = as_ggml_type(ggml_type)
     fmt = int8_format(qtype)
     if fmt is None:
         raise UnsupportedError(f"lower: no integer kernel for {qtype.name}; types: {[t.name for t in INT8_FORMATS]}")
-    _check_n_in(n_in)
-    nb = n_in // QK8
-    xq = te.placeholder(_i64(1, n_in), "int8", name="xq")
-    xd = te.placeholder(_i64(1, nb), "float32", name="xd")
-    xs = te.placeholder(_i64(1, nb), "float32", name="xs") if fmt.with_sum else None
+    _check_n_in(n_in, fmt)
+    acts = {name: te.placeholder(_i64(*shape), dtype, name=name) for name, (shape, dtype) in fmt.specs(n_in).items()}
+    xq, xd = acts["xq"], acts["xd"]
     planes = weight_planes(qtype, n_out, n_in)
-    i = te.reduce_axis(_i64(0, QK8), name="i")
-    isum = te.compute(_i64(n_out, nb), lambda n, b: te.sum(
-        _weight_quant(qtype, planes, n, b * QK8 + fmt.position_element(i)) * xq[0, b * QK8 + i].astype("int32"),
-        axis=i), name="block_dot")
+    offset = QUANT_OFFSET.get(qtype.name, 0)
+    dot = BSUM if qtype.name == "Q6_K" else QK8  # values per integer dot (per sub-block scale for K-quants)
+
+    def position(k: tirx.Expr) -> tirx.Expr:
+        return k // QK8 * QK8 + fmt.element_position(k % QK8)
+
+    i = te.reduce_axis(_i64(0, dot), name="i")
+    isum = te.compute(
+        _i64(n_out, n_in // dot),
+        lambda n, b: te.sum(
+            (stored_quant(qtype, planes, n, b * dot + i) - offset) * xq[0, position(b * dot + i)].astype("int32"),
+            axis=i,
+        ),
+        name="block_dot",
+    )
+    if fmt.with_bsums:
+        per = QK_K // dot
+        j = te.reduce_axis(_i64(0, per), name="j")
+        isum = te.compute(
+            _i64(n_out, n_in // QK_K),
+            lambda n, s: te.sum(planes["sc"][n, s * per + j].astype("int32") * isum[n, s * per + j], axis=j),
+            name="superblock_dot",
+        )
+    if "mn" in planes:  # Σ_j mn_j · Σ q_x over sub-block j (32 values: two bsums)
+        xb = acts["xb"]
+        j = te.reduce_axis(_i64(0, QK_K // QK8), name="jm")
+        imin = te.compute(
+            _i64(n_out, n_in // QK_K),
+            lambda n, s: te.sum(
+                planes["mn"][n, s * 8 + j].astype("int32") * (xb[0, 2 * (s * 8 + j)] + xb[0, 2 * (s * 8 + j) + 1]),
+                axis=j,
+            ),
+            name="superblock_min",
+        )
 
     def term(n: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
-        value = planes["d"][n, b].astype("float32") * xd[0, b] * isum[n, b].astype("float32")
-        return value + planes["m"][n, b].astype("float32") * xs[0, b] if xs is not None else value
+        value = xd[0, b] * _f32(planes["d"][n, b]) * _f32(isum[n, b])
+        if fmt.with_sum:
+            return value + _f32(planes["m"][n, b]) * acts["xs"][0, b]
+        if "mn" in planes:
+            return value - xd[0, b] * _f32(planes["dmin"][n, b]) * _f32(imin[n, b])
+        return value
 
-    j = te.reduce_axis(_i64(0, nb), name="j")
+    j = te.reduce_axis(_i64(0, n_in // fmt.block), name="j")
     y = te.compute(_i64(1, n_out), lambda r, n: te.sum(term(n, j), axis=j), name="scale_sum")
-    args = [xq, xd, *([xs] if xs is not None else []), *planes.values(), y]
+    args = [*acts.values(), *planes.values(), y]
     symbol = name or f"int8_gemv_{qtype.name.lower()}_{n_out}x{n_in}"
     return te.create_prim_func(args).with_attr("global_symbol", symbol).with_attr(INT8_GEMV_ATTR, qtype.name)
 
@@ -200,8 +322,7 @@ def int8_linear(m: _Module, x: nn.Tensor, tensor: str, cache: dict) -> nn.Tensor
     key = (id(x), fmt)
     if key not in cache:
         quantize = m._kernel(("q8", fmt, k), lambda: quantize_q8(k, fmt))
-        outs = [nn.Tensor.placeholder((1, k), "int8"), nn.Tensor.placeholder((1, k // QK8), "float32")]
-        outs += [nn.Tensor.placeholder((1, k // QK8), "float32")] * fmt.with_sum
+        outs = [nn.Tensor.placeholder(shape, dtype) for shape, dtype in fmt.specs(k).values()]
         x2 = op.reshape(x, (1, k))
         cache[key] = (x, op.tensor_ir_op(quantize, quantize.attrs["global_symbol"], [x2], outs))
     quantized = list(cache[key][1])

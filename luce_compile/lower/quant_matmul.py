@@ -56,6 +56,22 @@ def _q5(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
     return _q4(planes, n, k) | (_field(planes["qh"][n, k // 32], k % 32, 1) << 4)
 
 
+def _q6(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    """Q6_K's 6-bit quant of element k: 4 low bits from `qs`, 2 high bits from `qh` (16 per word)."""
+    return _q4(planes, n, k) | (_field(planes["qh"][n, k // 16], k % 16, 2) << 4)
+
+
+def stored_quant(ggml_type: GGMLQuantizationType | str, planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    """The integer quant of element (n, k) as stored (int32; Q4/Q5/Q6 unsigned, before any offset, Q8_0 signed):
+    what the dequantizers scale and the integer dot products of lower/cpu_int8.py multiply."""
+    name = as_ggml_type(ggml_type).name
+    if name == "Q8_0":
+        return planes["qs"][n, k].astype("int32")
+    if name == "Q6_K":
+        return _q6(planes, n, k)
+    return _q5(planes, n, k) if name.startswith("Q5") else _q4(planes, n, k)
+
+
 def _dequant_q8_0(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
     return _f32(p["qs"][n, k]) * _f32(p["d"][n, k // 32])
 
@@ -93,8 +109,7 @@ def _dequant_q5_k(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
 
 def _dequant_q6_k(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
     """Q6_K: (d·sc) · (q − 32), q = 4 low bits from `qs` | 2 high bits from `qh` (16 per word), sc per 16."""
-    q = _q4(p, n, k) | (_field(p["qh"][n, k // 16], k % 16, 2) << 4)
-    return (_f32(p["d"][n, k // 256]) * _f32(p["sc"][n, k // 16])) * _f32(q - 32)
+    return (_f32(p["d"][n, k // 256]) * _f32(p["sc"][n, k // 16])) * _f32(_q6(p, n, k) - 32)
 
 
 def _dequant_bf16(p: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:

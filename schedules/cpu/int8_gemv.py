@@ -1,22 +1,32 @@
 """CPU rule for the int8 GEMVs of luce_compile.lower.cpu_int8: AVX512-VNNI vpdpbusd kernels, llama.cpp's x86 loop.
 
-`int8_matmul` defines the arithmetic as two TE reductions; this rule replaces a function marked with
-INT8_GEMV_ATTR by a hand-vectorized kernel of the same signature that computes the same sums:
-  per row and 32-value block: 32 weight quants as unsigned bytes · 32 activation bytes → vpdpbusd.256 → 8 int32
-  partial sums (exact) → float32, one FMA with the broadcast d_w·d_x into 8 float32 lanes; Q4_1 adds m_w·s_x.
+`int8_matmul` defines the arithmetic as TE reductions; this rule replaces a function marked with INT8_GEMV_ATTR by
+a hand-vectorized kernel with the same arguments (built from the definition's own parameter list) that computes
+the same sums:
+  per row and 32 values: 32 weight quants as bytes · 32 activation bytes → vpdpbusd.256 → 8 int32 partial sums
+  (exact; lane l holds positions 4l..4l+3 of the group).
+- 32-value types: → float32, one FMA with the broadcast d_w·d_x into 8 float32 lanes; Q4_1/Q5_1 add m_w·s_x.
+- K-quants: the 8 groups of a 256-value super-block are weighted by their integer sub-block scales (Q4_K/Q5_K: one
+  per group; Q6_K: one per 16 values, which in the "nibbles" order puts lanes 0, 1, 4, 5 in the first 16 elements
+  and 2, 3, 6, 7 in the second) into one int32x8 (exact: |sum| < 2^24 per lane, so its float conversion is too),
+  then one FMA with d_w·d_x; Q4_K/Q5_K add one FMA with −dmin_w·d_x and Σ_j mn_j·(the two bsums of group j).
   The 8 lanes are summed once per row, at the end (no horizontal sum per block).
-- Q4_1: the nibbles are the unsigned operand as they are (0..15).
-- Q4_0 (q − 8) and Q8_0 are signed: the sign trick of llama.cpp's mul_sum_i8_pairs, |w| as the unsigned operand
-  and x with w's sign moved onto it (|w|·sign(w)x = w·x; w = −128 gives |w| = 128 as an unsigned byte, still exact).
+- Quants: Q4 nibbles are unsigned as they are (Q4_1, Q4_K); the fifth bit (Q5_*: one bit per element in `qh`) and
+  Q6_K's two high bits are spread over the 32 lanes with one byte shuffle and a per-lane bit test.
+- Q4_0 (q − 8), Q5_0 (q − 16), Q6_K (q − 32) and Q8_0 are signed: the sign trick of llama.cpp's mul_sum_i8_pairs,
+  |w| as the unsigned operand and x with w's sign moved onto it (|w|·sign(w)x = w·x; w = −128 gives |w| = 128 as an
+  unsigned byte, still exact).
 - `rows` rows share each activation load; parallel tasks take `chunk` groups of rows (each task allocates its
-  accumulators once: TVM turns allocations inside a parallel loop into workspace calls); `unroll` blocks are one
-  expression (an FMA chain), so the accumulator goes through its buffer once per `unroll` blocks. Buffers and
-  scalar bindings are what LLVM failed to keep in registers inside the model's whole module (it could not prove
-  they alias no argument there; the same kernel alone was fine): with one buffer round trip per 8 blocks and `let`
-  bindings the kernel runs as fast in the model as alone (SmolLM2 1536x576: 169 → 69 µs in the model build).
+  accumulators once: TVM turns allocations inside a parallel loop into workspace calls); `unroll` groups of 32
+  values (whole super-blocks for the K-quants) are one expression (an FMA chain), so the accumulator goes through
+  its buffer once per `unroll` groups. Buffers and scalar bindings are what LLVM failed to keep in registers inside
+  the model's whole module (it could not prove they alias no argument there; the same kernel alone was fine): with
+  one buffer round trip per 8 blocks and `let` bindings the kernel runs as fast in the model as alone (SmolLM2
+  1536x576: 169 → 69 µs in the model build).
 256-bit vectors as llama.cpp uses them (a block is 32 bytes). vpdpbusd's i8 operands are `<32 x i8>` in LLVM 22
 (the wheel's LLVM); TVM 0.27's own dot_16x4_vnni intrinsic passes int32 vectors, which LLVM 22 rejects.
 
+The kernel is built with TVMScript's IR builder so that one body serves every weight type's argument list.
 This replaces instead of scheduling: tensorizing the TE definition is a later step (the issue's step 2 wants
 repacked tiles too). DEFAULTS, on this 2-core AMD EPYC (znver4) at SmolLM2-135M's shapes, weights streamed from
 memory (copies rotated past L3, medians of 7), measured before `unroll` existed: rows 1 was best or tied for Q4_1
@@ -27,17 +37,28 @@ pays ~0.3 µs per task (workspace allocations), chunk 16 keeps ≥ 36 tasks for 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import ClassVar
 
 from luce_schedules.knobs import KnobbedRule, Knobs, fit
 from tvm import s_tir, tirx
-from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 from tvm.target import Target
+from tvm.tirx.script.builder import ir as T
 
-from luce_compile.lower.cpu_int8 import INT8_GEMV_ATTR, QK8, has_vnni, int8_matmul
+from luce_compile.lower.cpu_int8 import INT8_GEMV_ATTR, QK8, QK_K, QUANT_OFFSET, has_vnni, int8_matmul
 
 log = logging.getLogger(__name__)
 LANES = 8  # int32 / float32 lanes of one 256-bit vector
+GROUPS = QK_K // QK8  # groups of 32 values per K-quant super-block
+Bufs = Mapping[str, tirx.Buffer]
+# position p (0..31) of a group in the "nibbles" order holds element e(p) (cpu_int8.Q8Format.position_element)
+ELEMENT = [2 * (p % 16) + p // 16 for p in range(32)]
+
+
+def _vector(values: list[int], dtype: str) -> tirx.Expr:
+    """A constant vector (LLVM folds it to one constant)."""
+    return T.Shuffle([tirx.const(v, dtype) for v in values], list(range(len(values))))
 
 
 def _vpdpbusd(unsigned: tirx.Expr, signed: tirx.Expr) -> tirx.Expr:
@@ -46,11 +67,31 @@ def _vpdpbusd(unsigned: tirx.Expr, signed: tirx.Expr) -> tirx.Expr:
     return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", zero, unsigned, signed)
 
 
-def _nibbles(qs_bytes: tirx.Buffer, n: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
-    """A Q4 block's 16 bytes → 32 unsigned quants: the 16 low nibbles (even elements), then the 16 high ones."""
-    raw = qs_bytes[n, T.Ramp(b * 16, 1, 16)]
+def _nibbles(qs: tirx.Buffer, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
+    """Group g's 16 bytes → 32 unsigned quants: the 16 low nibbles (even elements), then the 16 high ones."""
+    raw = qs[n, T.Ramp(g * 16, 1, 16)]
     mask = T.Broadcast(T.uint8(15), 16)
     return T.Shuffle([raw & mask, (raw >> T.Broadcast(T.uint8(4), 16)) & mask], list(range(32)))
+
+
+def _spread(qh: tirx.Buffer, n: tirx.Expr, g: tirx.Expr, bits: int) -> tirx.Expr:
+    """Group g's `bits`-bit fields (8/bits per byte, in element order) → uint8x32 in the nibbles order, not yet
+    shifted: lane p holds the byte that element e(p)'s field is in (_high_bits tests the field's bits there)."""
+    per_byte = 8 // bits
+    raw = qh[n, T.Ramp(g * (32 // per_byte), 1, 32 // per_byte)]
+    return T.Shuffle([raw] * per_byte, [e // per_byte for e in ELEMENT])  # Shuffle wants ≥ 32 lanes of input
+
+
+def _high_bits(qh: tirx.Buffer, n: tirx.Expr, g: tirx.Expr, bits: int) -> tirx.Expr:
+    """The bits above the nibble (Q5: 1 bit → 16, Q6_K: 2 bits → 16, 32) of group g, as uint8x32 in nibbles order."""
+    spread = _spread(qh, n, g, bits)
+    zero = T.Broadcast(T.uint8(0), 32)
+    per_byte = 8 // bits
+    high = zero
+    for bit in range(bits):
+        mask = _vector([1 << (bits * (e % per_byte) + bit) for e in ELEMENT], "uint8")
+        high = high | T.Select((spread & mask) != zero, T.Broadcast(T.uint8(16 << bit), 32), zero)
+    return high
 
 
 def _signed_dot(w: tirx.Expr, x: tirx.Expr) -> tirx.Expr:
@@ -59,96 +100,97 @@ def _signed_dot(w: tirx.Expr, x: tirx.Expr) -> tirx.Expr:
     return _vpdpbusd(T.abs(w), T.Select(negative, T.Broadcast(T.int8(0), 32) - x, x))
 
 
-def _block_dot(kind: str, qs: tirx.Buffer, n: tirx.Expr, b: tirx.Expr, x: tirx.Expr) -> tirx.Expr:
-    """int32x8 partial sums of one row's block b against the activation block x (int8x32)."""
+def _group_dot(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
+    """int32x8 partial sums of row n's group g (32 values) against the activations there."""
+    x = bufs["xq"][0, T.Ramp(g * QK8, 1, QK8)]
     if kind == "Q8_0":
-        return _signed_dot(qs[n, T.Ramp(b * QK8, 1, QK8)], x)
-    quants = _nibbles(qs, n, b)
-    if kind == "Q4_1":
-        return _vpdpbusd(T.reinterpret("int8x32", quants), x)
-    return _signed_dot(T.reinterpret("int8x32", quants) - T.Broadcast(T.int8(8), 32), x)
+        return _signed_dot(bufs["qs"][n, T.Ramp(g * QK8, 1, QK8)], x)
+    quants = _nibbles(bufs["qs"], n, g)
+    if kind.startswith("Q5"):
+        quants = quants | _high_bits(bufs["qh"], n, g, 1)
+    elif kind == "Q6_K":
+        quants = quants | _high_bits(bufs["qh"], n, g, 2)
+    quants = T.reinterpret("int8x32", quants)
+    if kind in QUANT_OFFSET:
+        return _signed_dot(quants - T.Broadcast(T.int8(QUANT_OFFSET[kind]), 32), x)
+    return _vpdpbusd(quants, x)
 
 
-def _acc_chain(kind: str, bufs: tuple, n: tirx.Expr, blocks: list, acc: tirx.Expr) -> tirx.Expr:
-    """acc (float32x8) after `blocks` of row n as one unrolled expression, so that it stays in a register: LLVM
-    does not promote TVM's per-task accumulator buffers when it cannot prove that they alias no argument (it could
-    not in the model's whole module: the same kernel ran 2.3x slower there than compiled alone)."""
-    xq, xd, _, d, _, qs = bufs
-    for b in blocks:
-        scale = T.Broadcast(T.Cast("float32", d[n, b]) * xd[0, b], LANES)
-        dot = _block_dot(kind, qs, n, b, xq[0, T.Ramp(b * QK8, 1, QK8)])
-        acc = T.fma(scale, T.Cast("float32x8", dot), acc)
-    return acc
+def _f32x8(value: tirx.Expr) -> tirx.Expr:
+    return T.Broadcast(value, LANES)
 
 
-def _min_chain(bufs: tuple, n: tirx.Expr, blocks: list, total: tirx.Expr) -> tirx.Expr:
-    """Q4_1's Σ m_w·s_x over `blocks` of row n, added to total."""
-    _, _, xs, _, m, _ = bufs
-    for b in blocks:
-        total = T.fma(T.Cast("float32", m[n, b]), xs[0, b], total)
-    return total
+def _unit_terms(kind: str, bufs: Bufs, n: tirx.Expr, u: tirx.Expr, acc: tirx.Expr) -> tirx.Expr:
+    """acc (float32x8) plus unit u of row n: a group of 32 values, or a super-block for the K-quants."""
+    xd, d = bufs["xd"][0, u], T.Cast("float32", bufs["d"][n, u])
+    if not kind.endswith("_K"):
+        return T.fma(_f32x8(d * xd), T.Cast("float32x8", _group_dot(kind, bufs, n, u)), acc)
+    isum = T.Broadcast(T.int32(0), LANES)
+    for j in range(GROUPS):
+        g = u * GROUPS + j
+        if kind == "Q6_K":  # one int8 scale per 16 values: lanes 0, 1, 4, 5 | 2, 3, 6, 7 (module docstring)
+            pair = T.Cast("int32x2", bufs["sc"][n, T.Ramp(g * 2, 1, 2)])
+            scale = T.Shuffle([pair] * 4, [0, 0, 1, 1, 0, 0, 1, 1])
+        else:
+            scale = T.Broadcast(T.Cast("int32", bufs["sc"][n, g]), LANES)
+        isum = isum + _group_dot(kind, bufs, n, g) * scale
+    acc = T.fma(_f32x8(d * xd), T.Cast("float32x8", isum), acc)
+    if "mn" not in bufs:
+        return acc
+    # Σ_j mn_j·(bsums[2j] + bsums[2j+1]): 16 products of mn_{j//2}·bsums, halves added (any pairing sums the same)
+    mn = T.Cast("int32x8", bufs["mn"][n, T.Ramp(u * GROUPS, 1, GROUPS)])
+    products = T.Shuffle([mn] * 2, [j // 2 for j in range(16)]) * bufs["xb"][0, T.Ramp(u * 16, 1, 16)]
+    imin = T.Shuffle([products], list(range(8))) + T.Shuffle([products], list(range(8, 16)))
+    dmin = T.Cast("float32", bufs["dmin"][n, u])
+    return T.fma(_f32x8(T.float32(0) - dmin * xd), T.Cast("float32x8", imin), acc)
+
+
+def _byte_view(buf: tirx.Buffer) -> tirx.Buffer:
+    """A uint32 plane of packed fields (qs, qh) as bytes: field order within a word is byte order (little endian)."""
+    rows, words = (int(s) for s in buf.shape)
+    return T.decl_buffer((rows, words * 4), "uint8", data=buf.data)
 
 
 def vnni_gemv(kind: str, n_out: int, n_in: int, rows: int, chunk: int, unroll: int) -> tirx.PrimFunc:
-    """The kernel for one weight type and shape; same arguments as cpu_int8.int8_matmul(kind, n_out, n_in)."""
-    nb = n_in // QK8
+    """The kernel for one weight type and shape; same arguments as cpu_int8.int8_matmul(kind, n_out, n_in).
+    `unroll` counts units: groups of 32 values, super-blocks for the K-quants."""
+    definition = int8_matmul(kind, n_out, n_in)
+    unit = QK_K if kind.endswith("_K") else QK8
     tasks = n_out // (rows * chunk)
-    has_min = kind == "Q4_1"
-    q_dtype, q_cols = ("int8", n_in) if kind == "Q8_0" else ("uint8", n_in // 2)  # Q4 qs: uint32 words as bytes
-
-    def blocks(b0: tirx.Expr) -> list:
-        return [b0 * unroll + j for j in range(unroll)]
-
-    @T.macro
-    def body(xq, xd, xs, d, m, qs, y):
-        for c in T.parallel(tasks):
+    has_min = "xs" in (b.name for b in definition.params)  # params are the buffers in TVM 0.27
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("main")
+        T.func_attr({"tirx.noalias": True})
+        bufs: dict[str, tirx.Buffer] = {}
+        for b in definition.params:
+            bufs[b.name] = T.arg(b.name, T.buffer(tuple(int(s) for s in b.shape), b.dtype, layout=None))
+        y = bufs[definition.params[-1].name]  # the output, named after its TE stage
+        for name in ("qs", "qh"):
+            if name in bufs and bufs[name].dtype == "uint32":
+                bufs[name] = _byte_view(bufs[name])
+        with T.parallel(0, tasks) as c:
             acc = T.decl_buffer((rows, LANES), "float32", scope="local")
             mins = T.decl_buffer((rows,), "float32", scope="local")
-            for g in range(chunk):
-                for r in T.unroll(rows):
-                    acc[r, T.Ramp(0, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
-                    mins[r] = T.float32(0)
-                for b0 in range(nb // unroll):
-                    for r in T.unroll(rows):
-                        n: T.let[T.int32] = (c * chunk + g) * rows + r
-                        acc[r, T.Ramp(0, 1, LANES)] = _acc_chain(
-                            kind, (xq, xd, xs, d, m, qs), n, blocks(b0), acc[r, T.Ramp(0, 1, LANES)])
-                        if has_min:
-                            mins[r] = _min_chain((xq, xd, xs, d, m, qs), n, blocks(b0), mins[r])
-                for r in T.unroll(rows):
-                    y[0, (c * chunk + g) * rows + r] = _lane_sum(acc, r, mins[r])
-
-    if kind == "Q4_1":
-
-        @T.prim_func(s_tir=True)
-        def q4_1(xq: T.Buffer((1, n_in), "int8"), xd: T.Buffer((1, nb), "float32"), xs: T.Buffer((1, nb), "float32"),
-                 d: T.Buffer((n_out, nb), "float16"), m: T.Buffer((n_out, nb), "float16"),
-                 qs: T.Buffer((n_out, n_in // 8), "uint32"), y: T.Buffer((1, n_out), "float32")):
-            T.func_attr({"tirx.noalias": True})
-            qs_bytes = T.decl_buffer((n_out, q_cols), q_dtype, data=qs.data)
-            body(xq, xd, xs, d, m, qs_bytes, y)
-
-        return q4_1
-    if kind == "Q4_0":
-
-        @T.prim_func(s_tir=True)
-        def q4_0(xq: T.Buffer((1, n_in), "int8"), xd: T.Buffer((1, nb), "float32"),
-                 d: T.Buffer((n_out, nb), "float16"), qs: T.Buffer((n_out, n_in // 8), "uint32"),
-                 y: T.Buffer((1, n_out), "float32")):
-            T.func_attr({"tirx.noalias": True})
-            qs_bytes = T.decl_buffer((n_out, q_cols), q_dtype, data=qs.data)
-            body(xq, xd, None, d, None, qs_bytes, y)
-
-        return q4_0
-
-    @T.prim_func(s_tir=True)
-    def q8_0(xq: T.Buffer((1, n_in), "int8"), xd: T.Buffer((1, nb), "float32"),
-             d: T.Buffer((n_out, nb), "float16"), qs: T.Buffer((n_out, n_in), "int8"),
-             y: T.Buffer((1, n_out), "float32")):
-        T.func_attr({"tirx.noalias": True})
-        body(xq, xd, None, d, None, qs, y)
-
-    return q8_0
+            with T.serial(0, chunk) as g:
+                with T.unroll(0, rows) as r:
+                    T.buffer_store(acc, T.Broadcast(T.float32(0), LANES), [r, T.Ramp(0, 1, LANES)])
+                    T.buffer_store(mins, T.float32(0), [r])
+                with T.serial(0, n_in // unit // unroll) as u0, T.unroll(0, rows) as r:
+                    n = T.Bind((c * chunk + g) * rows + r)
+                    total = acc[r, T.Ramp(0, 1, LANES)]
+                    for j in range(unroll):
+                        total = _unit_terms(kind, bufs, n, u0 * unroll + j, total)
+                    T.buffer_store(acc, total, [r, T.Ramp(0, 1, LANES)])
+                    if has_min:
+                        m = mins[r]
+                        for j in range(unroll):
+                            m = T.fma(
+                                T.Cast("float32", bufs["m"][n, u0 * unroll + j]), bufs["xs"][0, u0 * unroll + j], m
+                            )
+                        T.buffer_store(mins, m, [r])
+                with T.unroll(0, rows) as r:
+                    T.buffer_store(y, _lane_sum(acc, r, mins[r]), [0, (c * chunk + g) * rows + r])
+    return builder.get()
 
 
 def _lane_sum(acc: tirx.Buffer, r: tirx.Expr, start: tirx.Expr) -> tirx.Expr:
@@ -180,8 +222,10 @@ class Int8GEMV(KnobbedRule):
         n_out, n_in = int(func.params[-1].shape[1]), int(func.params[0].shape[1])  # y (1, n_out), xq (1, n_in)
         k = self.knobs(knobs)
         rows = fit(n_out, k["rows"])
-        kernel = vnni_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]), fit(n_in // QK8, k["unroll"]))
-        if _signature(kernel) != _signature(int8_matmul(kind, n_out, n_in)) or _signature(kernel) != _signature(func):
+        units = n_in // QK_K if kind.endswith("_K") else n_in // QK8
+        unroll = fit(units, max(1, k["unroll"] * QK8 // QK_K) if kind.endswith("_K") else k["unroll"])
+        kernel = vnni_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]), unroll)
+        if _signature(kernel) != _signature(func):
             log.warning("%s declined %s: its arguments are not int8_matmul's", self.name, func.attrs["global_symbol"])
             return None
         kernel = kernel.with_attr("global_symbol", func.attrs["global_symbol"])

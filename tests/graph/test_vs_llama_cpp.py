@@ -60,17 +60,30 @@ def _q8_0(x: np.ndarray) -> np.ndarray:
     return (q * _f16(d)).reshape(x.shape)  # the block scale is stored as f16
 
 
-def _q8_k(x: np.ndarray) -> np.ndarray:
-    """quantize_row_q8_K_ref: per 256 values, iscale = -127/max (max: the value of largest magnitude)."""
+def _q8_k_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_row_q8_K_ref: per 256 values, iscale = -127/max (max: the first value of largest magnitude),
+    q = min(127, rint(iscale · x)), d = 1/iscale (kept as float32). Returns q (..., nb, 256), d (..., nb, 1)."""
     b = x.reshape(*x.shape[:-1], -1, 256).astype(np.float32)
     top = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)
     iscale = np.divide(np.float32(-127), top, out=np.zeros_like(top), where=top != 0)
     d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
-    return (np.minimum(np.rint(iscale * b), 127) * d.astype(np.float64)).reshape(x.shape)
+    return np.minimum(np.rint(iscale * b), 127), d
 
 
-_ACTIVATION_ROUNDING = {"F16": _f16, "Q8_0": _q8_0, "Q4_0": _q8_0, "Q5_0": _q8_0, "Q4_K": _q8_k, "Q5_K": _q8_k,
-                        "Q6_K": _q8_k}
+def _q8_k(x: np.ndarray) -> np.ndarray:
+    q, d = _q8_k_blocks(x)
+    return (q * d.astype(np.float64)).reshape(x.shape)
+
+
+_ACTIVATION_ROUNDING = {
+    "F16": _f16,
+    "Q8_0": _q8_0,
+    "Q4_0": _q8_0,
+    "Q5_0": _q8_0,
+    "Q4_K": _q8_k,
+    "Q5_K": _q8_k,
+    "Q6_K": _q8_k,
+}
 
 
 class GgmlRounding(Oracle):
@@ -152,8 +165,12 @@ def test_smollm2_anchor(smollm2_path):
 # F32: llama 8e-7, qwen2 8e-7, qwen3 8e-7, gemma3 1e-3 / 3e-5..2e-4 (f16 GELU table);
 # F16: 1.3e-3..4.2e-3 / 2.4e-4..9.4e-4 (activations rounded to f16: boundary flips of one f16 ulp remain)
 # (quant, gemma3) → tolerance of (plain oracle, GgmlRounding)
-EXACT_TOL = {("F32", False): (1e-5, 1e-5), ("F32", True): (5e-3, 1e-3), ("F16", False): (1e-2, 2e-3),
-             ("F16", True): (1e-2, 2e-3)}
+EXACT_TOL = {
+    ("F32", False): (1e-5, 1e-5),
+    ("F32", True): (5e-3, 1e-3),
+    ("F16", False): (1e-2, 2e-3),
+    ("F16", True): (1e-2, 2e-3),
+}
 
 
 @pytest.mark.parametrize("quant", ["F32", "F16"])

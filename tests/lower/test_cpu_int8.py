@@ -8,7 +8,8 @@ Tolerance of the GEMV: the integer parts are exact; a kernel may split each bloc
 (the VNNI kernel keeps 8 lanes of 4 products) and scale each by d_w·d_x (one rounding) before summing them in
 float32, so with every such split the error stays below (n_in/32 + 12)·u·Σ_k |x_k·w_k| (+ the min terms' |m·s|),
 u = 2^-24 (Higham §3.1; 8 lanes summed at the end, 2 roundings per term, 2 for the min sum); each output is checked
-against twice that bound. A wrong nibble, order or scale moves y by ~|y|/√(n_in/32), far above.
+against twice that bound. For Q4_K/Q5_K, whose weight d·sc·q − dmin·mn is summed as two separate integer dots,
+|w| in that sum is |d·sc·q| + |dmin·mn|. A wrong nibble, bit, order or scale moves y by ~|y|/√(n_in/32), far above.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from luce_compile.lower.cpu_int8 import (
     resolve_precision,
 )
 from luce_compile.lower.quant_layout import repack
-from tests.graph.test_vs_llama_cpp import _q8_blocks
+from tests.graph.test_vs_llama_cpp import _q8_blocks, _q8_k_blocks
 from tests.lower.test_quant_matmul import random_raw, reference_dequant
 
 pytestmark = pytest.mark.unit
@@ -37,36 +38,55 @@ HOST = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_sy
 
 
 def emulated_activations(x: np.ndarray, kind: str) -> dict[str, np.ndarray]:
-    """llama.cpp's Q8_0/Q8_1 block of x (1, n_in) for weight type `kind`, in the kernel's value order.
+    """llama.cpp's Q8_0/Q8_1/Q8_K blocks of x (1, n_in) for weight type `kind`, in the kernel's value order.
 
-    Returns q (1, n_in) int8, d (1, nb) = fp16(d), [s (1, nb) = fp16(d·Σq) from the float32 d], and `x_rounded`
-    (1, n_in) float64 = q·fp16(d) in the natural order (what the weights multiply)."""
+    Returns the quantizer's outputs as `Q8Format.specs` names them: xq (1, n_in) int8, xd (1, nb) (fp16(d) for
+    Q8_0/Q8_1, the float32 d for Q8_K), [xs (1, nb) = fp16(d·Σq) from the float32 d], [xb (1, n_in/16) the sums of
+    q per 16 natural values]; and `x_rounded` (1, n_in) float64 = q·d in the natural order (what the weights
+    multiply)."""
     fmt = int8_format(kind)
-    q, d = _q8_blocks(x)  # (1, nb, 32) natural order, (1, nb, 1) float32
+    q, d = (_q8_k_blocks if fmt.with_bsums else _q8_blocks)(x)  # (1, nb, block) natural order, (1, nb, 1) float32
+    if not fmt.with_bsums:
+        d = d.astype(np.float16).astype(np.float32)  # Q8_0/Q8_1 store d as fp16; s is taken from the float32 d
     order = [fmt.position_element(p) for p in range(32)]
-    out = {"q": q[..., order].reshape(x.shape).astype(np.int8), "d": d[..., 0].astype(np.float16).astype(np.float32)}
+    out = {"xq": q.reshape(1, -1, 32)[..., order].reshape(x.shape).astype(np.int8), "xd": d[..., 0]}
     if fmt.with_sum:
-        out["s"] = (d[..., 0] * q.sum(-1)).astype(np.float16).astype(np.float32)
-    out["x_rounded"] = (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)
+        out["xs"] = (_q8_blocks(x)[1][..., 0] * q.sum(-1)).astype(np.float16).astype(np.float32)
+    if fmt.with_bsums:
+        out["xb"] = q.reshape(1, -1, 16).sum(-1).astype(np.int32)
+    out["x_rounded"] = (q * d.astype(np.float64)).reshape(x.shape)
     return out
+
+
+# the bytes of a block that hold quants (ggml-common.h): zeroed, they leave a K-quant's min part −dmin·mn
+QUANT_BYTES = {"Q4_K": slice(16, 144), "Q5_K": slice(16, 176)}
 
 
 def reference_gemv(raw: np.ndarray, kind: str, act: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(y, bound): the exact float64 result for rounded activations, and each output's error bound (see above)."""
-    w = reference_dequant(raw, kind).astype(np.float64)  # (n_out, n_in); Q4_0/Q8_0 exact: fp16 d · small int
+    w = reference_dequant(raw, kind).astype(np.float64)  # (n_out, n_in); gguf-py's one float32 rounding per value
     nb = w.shape[1] // 32
     x = act["x_rounded"]
-    if kind == "Q4_1":  # ggml: Σ d_w·d_x·Σq_w·q_x + m_w·s_x; w = d·q + m, so d·q = w − m (one float32 rounding)
+    if kind in ("Q4_1", "Q5_1"):  # ggml: Σ d_w·d_x·Σq_w·q_x + m_w·s_x; w = d·q + m, so d·q = w − m
         m = raw.reshape(raw.shape[0], nb, -1)[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
         w = w - np.repeat(m, 32, axis=1)
     y, magnitude = x @ w.T, np.abs(x) @ np.abs(w).T  # (1, n_out)
-    if kind == "Q4_1":
-        y, magnitude = y + act["s"] @ m.T, magnitude + np.abs(act["s"]) @ np.abs(m).T
+    if kind in ("Q4_1", "Q5_1"):
+        y, magnitude = y + act["xs"] @ m.T, magnitude + np.abs(act["xs"]) @ np.abs(m).T
+    if kind in QUANT_BYTES:  # the scale part and the min part are summed separately: both magnitudes count
+        zeroed = raw.reshape(raw.shape[0], w.shape[1] // 256, -1).copy()
+        zeroed[..., QUANT_BYTES[kind]] = 0
+        minimum = reference_dequant(zeroed.reshape(raw.shape), kind).astype(np.float64)  # exactly −dmin·mn
+        magnitude = np.abs(x) @ (np.abs(w - minimum) + np.abs(minimum)).T
     return y, 2 * (nb + 12) * 2.0**-24 * magnitude
 
 
-def run(func: tvm.tirx.PrimFunc, *arrays: np.ndarray, outs: list[tuple[tuple[int, ...], str]],
-        target: tvm.target.Target = HOST) -> list[np.ndarray]:
+def run(
+    func: tvm.tirx.PrimFunc,
+    *arrays: np.ndarray,
+    outs: list[tuple[tuple[int, ...], str]],
+    target: tvm.target.Target = HOST,
+) -> list[np.ndarray]:
     """Compile func (unscheduled unless it is already) and call it on numpy inputs; returns the outputs."""
     ex = tvm.compile(tvm.IRModule({"main": func}), target=target)
     results = [tvm.runtime.tensor(np.zeros(shape, dtype)) for shape, dtype in outs]
@@ -77,9 +97,7 @@ def run(func: tvm.tirx.PrimFunc, *arrays: np.ndarray, outs: list[tuple[tuple[int
 def quantized_inputs(x: np.ndarray, kind: str) -> list[np.ndarray]:
     """The quantizer's outputs (the int8 GEMV's first arguments) for x, run through our TIR kernel."""
     fmt = int8_format(kind)
-    n_in = x.shape[1]
-    outs = [((1, n_in), "int8")] + [((1, n_in // 32), "float32")] * (1 + fmt.with_sum)
-    return run(quantize_q8(n_in, fmt), x, outs=outs)
+    return run(quantize_q8(x.shape[1], fmt), x, outs=list(fmt.specs(x.shape[1]).values()))
 
 
 def activations(rng: np.random.Generator, n_in: int) -> np.ndarray:
@@ -91,13 +109,24 @@ def activations(rng: np.random.Generator, n_in: int) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_quantize_matches_llama_cpp_rounding_bit_for_bit(kind, rng):
-    x = activations(rng, 256)
+    x = activations(rng, 768)
+    x[0, 512:] = 0.0  # a whole Q8_K block of zeros: d = 0, q = 0, bsums 0 (not 1/0)
     want = emulated_activations(x, kind)
     got = quantized_inputs(x, kind)
-    np.testing.assert_array_equal(got[0], want["q"])
-    np.testing.assert_array_equal(got[1], want["d"])
-    if int8_format(kind).with_sum:
-        np.testing.assert_array_equal(got[2], want["s"])
+    assert len(got) == len(want) - 1
+    for name, value in zip(int8_format(kind).specs(768), got, strict=True):
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def test_q8_k_keeps_the_sign_of_the_first_largest_value():
+    """max is the first value of largest magnitude, sign included: −4 before 4 gives iscale = −127/−4 > 0, so −4
+    → −127 and 4 → 127 (the last one, or |max|, would give iscale < 0: −4 → 127, 4 → −127)."""
+    x = np.linspace(-1, 1, 256, dtype=np.float32)[None]
+    x[0, 5], x[0, 9] = -4.0, 4.0
+    q, d, _ = quantized_inputs(x, "Q4_K")
+    assert d[0, 0] == np.float32(1) / (np.float32(-127) / np.float32(-4))
+    fmt = int8_format("Q4_K")
+    assert (q[0, fmt.element_position(5)], q[0, fmt.element_position(9)]) == (-127, 127)
 
 
 def test_quantize_rounds_half_to_even():
@@ -111,11 +140,15 @@ def test_quantize_rounds_half_to_even():
 @pytest.mark.parametrize("kind", TYPES)
 def test_int8_matmul_definition_matches_reference(kind, rng):
     """The unscheduled TE definition (what the schedule rule must reproduce) against the float64 reference."""
-    n_out, n_in = 24, 128
+    n_out, n_in = 24, 512 if int8_format(kind).with_bsums else 128
     raw = random_raw(kind, n_out, n_in, rng)
     x = activations(rng, n_in)
-    (y,) = run(int8_matmul(kind, n_out, n_in), *quantized_inputs(x, kind), *repack(raw, kind).values(),
-               outs=[((1, n_out), "float32")])
+    (y,) = run(
+        int8_matmul(kind, n_out, n_in),
+        *quantized_inputs(x, kind),
+        *repack(raw, kind).values(),
+        outs=[((1, n_out), "float32")],
+    )
     want, bound = reference_gemv(raw, kind, emulated_activations(x, kind))
     assert np.all(np.abs(y - want) <= bound), np.abs(y - want).max()
 
@@ -125,9 +158,11 @@ def test_int8_matmul_marks_its_weight_type():
 
 
 def test_types_without_integer_kernel_are_refused():
-    assert int8_format(GGMLQuantizationType.Q6_K) is None
-    with pytest.raises(UnsupportedError, match="no integer kernel for Q6_K"):
-        int8_matmul("Q6_K", 8, 256)
+    assert int8_format(GGMLQuantizationType.F16) is None
+    with pytest.raises(UnsupportedError, match="no integer kernel for F16"):
+        int8_matmul("F16", 8, 256)
+    with pytest.raises(UnsupportedError, match="Q8_K activations need n_in a positive multiple of 256"):
+        int8_matmul("Q4_K", 8, 288)
 
 
 def test_resolve_precision():

@@ -12,7 +12,7 @@ import tvm
 from luce_schedules.cpu.int8_gemv import Int8GEMV, vnni_gemv
 from luce_schedules.cpu.quant_matmul import QuantGEMV
 
-from luce_compile.lower.cpu_int8 import INT8_FORMATS, has_vnni, int8_matmul
+from luce_compile.lower.cpu_int8 import INT8_FORMATS, has_vnni, int8_format, int8_matmul
 from luce_compile.lower.quant_layout import repack
 from luce_compile.lower.quant_matmul import quant_matmul
 from tests.lower.test_cpu_int8 import (
@@ -38,14 +38,23 @@ def scheduled(kind: str, n_out: int, n_in: int, knobs: dict | None = None) -> tv
 
 @needs_vnni
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("n_out,n_in,knobs", [(96, 512, None), (70, 96, {"rows": 4, "chunk": 4}),
-                                              (64, 64, {"rows": 1, "chunk": 1, "unroll": 1})])
+@pytest.mark.parametrize(
+    "n_out,n_in,knobs",
+    [(96, 512, None), (70, 96, {"rows": 4, "chunk": 4}), (64, 64, {"rows": 1, "chunk": 1, "unroll": 1})],
+)
 def test_vnni_gemv_matches_reference(kind, n_out, n_in, knobs, rng):
-    """Several shapes and knobs: rows that do not divide by the defaults, a single block pair, one row per task."""
+    """Several shapes and knobs: rows that do not divide by the defaults, a single block pair, one row per task.
+    The K-quants take n_in in super-blocks (×8: 4864 = 19·256 is Qwen2.5-0.5B's ffn_down, a prime count)."""
+    if int8_format(kind).with_bsums:
+        n_in = {512: 4864, 96: 768, 64: 256}[n_in]
     raw = random_raw(kind, n_out, n_in, rng)
     x = activations(rng, n_in)
-    (y,) = run(scheduled(kind, n_out, n_in, knobs), *quantized_inputs(x, kind), *repack(raw, kind).values(),
-               outs=[((1, n_out), "float32")])
+    (y,) = run(
+        scheduled(kind, n_out, n_in, knobs),
+        *quantized_inputs(x, kind),
+        *repack(raw, kind).values(),
+        outs=[((1, n_out), "float32")],
+    )
     want, bound = reference_gemv(raw, kind, emulated_activations(x, kind))
     assert np.all(np.abs(y - want) <= bound), np.abs(y - want).max()
 
@@ -80,6 +89,6 @@ def test_cpu_rules_take_the_int8_gemv():
 
 def test_kernel_signature_is_the_definitions():
     for kind in TYPES:
-        a, b = vnni_gemv(kind, 32, 64, 2, 2, 2), int8_matmul(kind, 32, 64)
+        a, b = vnni_gemv(kind, 32, 512, 2, 2, 2), int8_matmul(kind, 32, 512)
         shapes = [[(tuple(int(s) for s in p.shape), str(p.dtype)) for p in f.params] for f in (a, b)]
         assert shapes[0] == shapes[1], kind

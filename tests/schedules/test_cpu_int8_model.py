@@ -9,9 +9,10 @@ activation lies within float32 noise of an 8-bit rounding boundary: the kernel (
 then round it differently and later logits move by ~1e-3-1e-2 (test_vs_llama_cpp.py's docstring). So the first
 decode step must agree to 1e-5 (measured 1.3e-7-1.7e-7 on Q4_0/Q4_1/Q8_0) and every step to 5e-2. A flip in the
 first step is not rare (it failed about one run in six: seed 3226083934 gave 5.6e-3 on Q4_1), so the prompt is
-drawn again while the emulation puts any of that step's activations within TIE of a rounding boundary, where the
-two roundings may legitimately differ. The plain oracle, without
-the emulation, is already off by more than 1e-5 after one step (1.4e-2-1.8e-2), a wrong kernel by O(1).
+drawn again while the emulation puts any of that step's activations within TIE of a rounding boundary, or a block
+scale d (or Q8_1's s) within TIE16 of an fp16 rounding boundary (Q4_1 gave 1.4e-2 once with no 8-bit tie), where the
+two roundings may legitimately differ. The plain oracle, without the emulation, is already off by more than 1e-5
+after one step (1.4e-2-1.8e-2), a wrong kernel by O(1). K-quant activations (Q8_K) keep d in float32.
 """
 
 from __future__ import annotations
@@ -32,31 +33,63 @@ STEPS = 6
 
 
 TIE = 1e-4  # in 8-bit steps: float32 activations differ from the oracle's by up to ~1e-6 relative, 1e-4 at |q| = 127
+TIE16 = 1e-3  # in fp16 steps, for the fp16-rounded d and s of Q8_0/Q8_1: 5e-7 relative (measured: the first
+# decode step agrees to ~1e-7; ties of a few 1e-4 steps are common: one input's d is seen by Q, K and V)
+
+
+def _fp16_margin(values: np.ndarray) -> float:
+    """The least distance, in fp16 steps, of float32 values to an fp16 rounding boundary (d and s are stored as
+    fp16: an amax a float32 rounding away from the oracle's can round to the neighbouring fp16 value)."""
+    v = np.abs(values[values != 0]).astype(np.float64)
+    if not v.size:
+        return np.inf
+    steps = v / 2.0 ** np.maximum(np.floor(np.log2(v)) - 10, -24)
+    return float(np.min(np.abs(steps - np.floor(steps) - 0.5)))
 
 
 class DecodeRounding(GgmlRounding):
-    """Rounds matmul inputs the way the int8 build does: single-token steps only (decode1), not the prompt. `margin`:
-    the least distance, in 8-bit steps, of a quantized activation to a rounding boundary since it was reset."""
+    """Rounds matmul inputs the way the int8 build does: single-token steps only (decode1), not the prompt. Since
+    it was reset, `margin` is the least distance, in 8-bit steps, of a quantized activation to a rounding boundary,
+    `margin16` that of an fp16 d or s (Q8_0/Q8_1) to an fp16 one."""
 
-    margin = np.inf
+    margin = margin16 = np.inf
 
     def _matmul(self, op, x):
         if np.prod(x.shape[:-1]) != 1:
             return Oracle._matmul(self, op, x)
-        blocks = x.reshape(-1, 32).astype(np.float32)  # as _q8_blocks scales them: x · 127/amax in float32
-        amax = np.abs(blocks).max(-1, keepdims=True)
-        scaled = blocks * np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+        kind = self.gguf.tensor(op.weights["weight"]).ggml_type.name
+        if kind.endswith("_K"):  # as _q8_k_blocks scales them: x · (−127/max) per 256, d = 1/iscale kept in float32
+            blocks = x.reshape(-1, 256).astype(np.float32)
+            top = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[:, None], -1)
+            scaled = blocks * np.divide(np.float32(-127), top, out=np.zeros_like(top), where=top != 0)
+        else:  # as _q8_blocks: x · 127/amax per 32, d = fp16(amax/127), s = fp16(d · Σq) from the float32 d
+            blocks = x.reshape(-1, 32).astype(np.float32)
+            amax = np.abs(blocks).max(-1, keepdims=True)
+            scaled = blocks * np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+            d = amax / np.float32(127)
+            self.margin16 = min(self.margin16, _fp16_margin(d))
+            if kind in ("Q4_1", "Q5_1"):  # Q8_1's s
+                self.margin16 = min(self.margin16, _fp16_margin(d[:, 0] * np.rint(scaled).sum(-1)))
         self.margin = min(self.margin, float(np.min(np.abs(scaled - np.floor(scaled) - 0.5))))
         return super()._matmul(op, x)
 
     _lm_head = _matmul
 
 
-@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
-def test_int8_decode_matches_emulating_oracle(quant, tmp_path, rng):
+# A Q4_K_M-like mix (what llama-quantize gives Gemma 3 270M and Qwen2.5-0.5B): one matmul input quantized in two
+# formats (Q/K as Q8_K, V as Q8_0), and ffn_down in Q6_K
+MIXED = {"attn_v.weight": "Q5_0", "ffn_down.weight": "Q6_K"}
+
+
+@pytest.mark.parametrize(
+    "quant,overrides",
+    [(q, {}) for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")] + [("Q4_K", MIXED)],
+    ids=lambda v: "mixed" if v == MIXED else ("" if v == {} else v),
+)
+def test_int8_decode_matches_emulating_oracle(quant, overrides, tmp_path, rng):
     from luce_runtime.engine import Engine, EngineOptions
 
-    gguf = cached_synthetic(SyntheticSpec(quant=quant, n_embd=256, n_ff=512))
+    gguf = cached_synthetic(SyntheticSpec(quant=quant, quant_overrides=overrides, n_embd=256, n_ff=512))
     artifact = compile_module.compile_model(gguf, "cpu", tmp_path / "model", use_cache=False, precision="int8")
     assert json.loads((artifact / "manifest.json").read_text())["kernels"]["precision"] == "int8"
     engine = Engine(artifact, EngineOptions(max_batch=1, max_context=64, prefill_chunk=32))
@@ -64,13 +97,16 @@ def test_int8_decode_matches_emulating_oracle(quant, tmp_path, rng):
         oracle = DecodeRounding(gguf)
         prompt = rng.integers(0, int(engine.config["n_vocab"]), 9).tolist()
         want = [oracle.prefill(prompt)[-1]]
-        oracle.margin = np.inf
+        oracle.margin = oracle.margin16 = np.inf
         fed = [int(np.argmax(want[-1]))]
         want.append(oracle.decode(fed[-1]))
-        if oracle.margin > TIE:
+        if oracle.margin > TIE and oracle.margin16 > TIE16:
             break
     else:
-        pytest.fail(f"10 prompts in a row put an activation within {TIE} of an 8-bit rounding tie")
+        pytest.fail(
+            f"10 prompts in a row put an activation within {TIE} of an 8-bit rounding tie or a scale "
+            f"within {TIE16} of an fp16 one"
+        )
     for _ in range(STEPS - 1):
         fed.append(int(np.argmax(want[-1])))
         want.append(oracle.decode(fed[-1]))
