@@ -5,24 +5,28 @@ a hand-vectorized kernel with the same arguments (built from the definition's ow
 the same sums:
   per row and 32 values: 32 weight quants as bytes · 32 activation bytes → vpdpbusd.256 → 8 int32 partial sums
   (exact; lane l holds positions 4l..4l+3 of the group).
-- 32-value types: → float32, one FMA with the broadcast d_w·d_x into 8 float32 lanes; Q4_1/Q5_1 add m_w·s_x.
+- 32-value types: G blocks at a time (G = 8, 4, 2 or 1, the largest power of two dividing the block count) have
+  their 8-lane dots folded by pair sums into one int32xG of block totals (exact: |total| < 2^20), converted once and
+  scaled by one FMA with G values of d_w·d_x (the fp16 d_w of G blocks widened by one instruction); Q4_1/Q5_1 add
+  one FMA of G m_w·s_x. Per block that is ~1 vector op of scaling instead of 6 (fp16 load, convert, multiply,
+  broadcast, convert, FMA): Qwen2.5-0.5B's Q5_0 4864x896 GEMV 161 → 119-132 µs, Q8_0 896x896 21 → 18 µs.
 - K-quants: the 8 groups of a 256-value super-block are weighted by their integer sub-block scales (Q4_K/Q5_K: one
   per group; Q6_K: one per 16 values, which in the "nibbles" order puts lanes 0, 1, 4, 5 in the first 16 elements
   and 2, 3, 6, 7 in the second) into one int32x8 (exact: |sum| < 2^24 per lane, so its float conversion is too),
   then one FMA with d_w·d_x; Q4_K/Q5_K add one FMA with −dmin_w·d_x and Σ_j mn_j·(the two bsums of group j).
-  The 8 lanes are summed once per row, at the end (no horizontal sum per block).
+  The accumulator's lanes are summed once per row, at the end.
 - Quants: Q4 nibbles are unsigned as they are (Q4_1, Q4_K); the fifth bit (Q5_*: one bit per element in `qh`) and
   Q6_K's two high bits are spread over the 32 lanes with one byte shuffle and a per-lane bit test.
 - Q4_0 (q − 8), Q5_0 (q − 16), Q6_K (q − 32) and Q8_0 are signed: the sign trick of llama.cpp's mul_sum_i8_pairs,
   |w| as the unsigned operand and x with w's sign moved onto it (|w|·sign(w)x = w·x; w = −128 gives |w| = 128 as an
   unsigned byte, still exact).
 - `rows` rows share each activation load; parallel tasks take `chunk` groups of rows (each task allocates its
-  accumulators once: TVM turns allocations inside a parallel loop into workspace calls); `unroll` groups of 32
-  values (whole super-blocks for the K-quants) are one expression (an FMA chain), so the accumulator goes through
-  its buffer once per `unroll` groups. Buffers and scalar bindings are what LLVM failed to keep in registers inside
-  the model's whole module (it could not prove they alias no argument there; the same kernel alone was fine): with
-  one buffer round trip per 8 blocks and `let` bindings the kernel runs as fast in the model as alone (SmolLM2
-  1536x576: 169 → 69 µs in the model build).
+  accumulators once: TVM turns allocations inside a parallel loop into workspace calls); `unroll` blocks of 32
+  values (rounded to whole units: G-block groups, or super-blocks for the K-quants) are one expression (an FMA
+  chain), so the accumulator goes through its buffer once per `unroll` blocks. Buffers and scalar bindings are
+  what LLVM failed to keep in registers inside the model's whole module (it could not prove they alias no argument
+  there; the same kernel alone was fine): with one buffer round trip per 8 blocks and `let` bindings the kernel
+  runs as fast in the model as alone (SmolLM2 1536x576: 169 → 69 µs in the model build).
 256-bit vectors as llama.cpp uses them (a block is 32 bytes). vpdpbusd's i8 operands are `<32 x i8>` in LLVM 22
 (the wheel's LLVM); TVM 0.27's own dot_16x4_vnni intrinsic passes int32 vectors, which LLVM 22 rejects.
 
@@ -120,11 +124,41 @@ def _f32x8(value: tirx.Expr) -> tirx.Expr:
     return T.Broadcast(value, LANES)
 
 
+def _pair_sum(a: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
+    """Adjacent lanes of a and b added: [a0+a1, a2+a3, ..., b0+b1, ...] (vphaddd's pattern, across 256 bits)."""
+    lanes = a.ty.dtype.lanes
+    return T.Shuffle([a, b], list(range(0, 2 * lanes, 2))) + T.Shuffle([a, b], list(range(1, 2 * lanes, 2)))
+
+
+def _fold(dots: list[tirx.Expr]) -> tirx.Expr:
+    """G int32x8 partial-sum vectors (G a power of two ≤ 8) → int32xG, lane j the total of dots[j]: a tree of pair
+    sums keeps the blocks in order (after each level a vector holds its blocks one after the other), then the
+    partials left inside one vector are added pairwise until one lane per block remains."""
+    count = len(dots)
+    while len(dots) > 1:
+        dots = [_pair_sum(dots[i], dots[i + 1]) for i in range(0, len(dots), 2)]
+    (v,) = dots
+    while v.ty.dtype.lanes > count:
+        half = v.ty.dtype.lanes // 2
+        v = T.Shuffle([v], list(range(0, 2 * half, 2))) + T.Shuffle([v], list(range(1, 2 * half, 2)))
+    return v
+
+
 def _unit_terms(kind: str, bufs: Bufs, n: tirx.Expr, u: tirx.Expr, acc: tirx.Expr) -> tirx.Expr:
-    """acc (float32x8) plus unit u of row n: a group of 32 values, or a super-block for the K-quants."""
-    xd, d = bufs["xd"][0, u], T.Cast("float32", bufs["d"][n, u])
+    """acc plus unit u of row n. 32-value types: a unit is G = acc's lanes blocks, whose integer dots are folded
+    into one int32xG (exact), converted and scaled by G d_w·d_x at once, with the min terms m_w·s_x; K-quants
+    (acc float32x8): a unit is a super-block."""
     if not kind.endswith("_K"):
-        return T.fma(_f32x8(d * xd), T.Cast("float32x8", _group_dot(kind, bufs, n, u)), acc)
+        count = acc.ty.dtype.lanes  # 1 for a scalar
+        blocks = T.Ramp(u * count, 1, count) if count > 1 else u  # a Ramp of one lane is refused
+        f32 = f"float32x{count}" if count > 1 else "float32"
+        total = _fold([_group_dot(kind, bufs, n, u * count + j) for j in range(count)])
+        scale = T.Cast(f32, bufs["d"][n, blocks]) * bufs["xd"][0, blocks]
+        acc = T.fma(scale, T.Cast(f32, total), acc)
+        if "xs" in bufs:
+            acc = T.fma(T.Cast(f32, bufs["m"][n, blocks]), bufs["xs"][0, blocks], acc)
+        return acc
+    xd, d = bufs["xd"][0, u], T.Cast("float32", bufs["d"][n, u])
     isum = T.Broadcast(T.int32(0), LANES)
     for j in range(GROUPS):
         g = u * GROUPS + j
@@ -151,54 +185,62 @@ def _byte_view(buf: tirx.Buffer) -> tirx.Buffer:
     return T.decl_buffer((rows, words * 4), "uint8", data=buf.data)
 
 
+def block_group(n_in: int) -> int:
+    """Blocks per unit of the 32-value types: the largest power of two ≤ 8 that divides the block count."""
+    return next(g for g in (8, 4, 2, 1) if (n_in // QK8) % g == 0)
+
+
 def vnni_gemv(kind: str, n_out: int, n_in: int, rows: int, chunk: int, unroll: int) -> tirx.PrimFunc:
     """The kernel for one weight type and shape; same arguments as cpu_int8.int8_matmul(kind, n_out, n_in).
-    `unroll` counts units: groups of 32 values, super-blocks for the K-quants."""
+    `unroll` counts units: groups of `block_group(n_in)` blocks of 32 values, super-blocks for the K-quants."""
     definition = int8_matmul(kind, n_out, n_in)
-    unit = QK_K if kind.endswith("_K") else QK8
+    k_quant = kind.endswith("_K")
+    lanes = LANES if k_quant else block_group(n_in)  # the accumulator's float32 lanes
+    units = n_in // QK_K if k_quant else n_in // QK8 // lanes
     tasks = n_out // (rows * chunk)
-    has_min = "xs" in (b.name for b in definition.params)  # params are the buffers in TVM 0.27
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("main")
         T.func_attr({"tirx.noalias": True})
         bufs: dict[str, tirx.Buffer] = {}
-        for b in definition.params:
+        for b in definition.params:  # params are the buffers in TVM 0.27
             bufs[b.name] = T.arg(b.name, T.buffer(tuple(int(s) for s in b.shape), b.dtype, layout=None))
         y = bufs[definition.params[-1].name]  # the output, named after its TE stage
         for name in ("qs", "qh"):
             if name in bufs and bufs[name].dtype == "uint32":
                 bufs[name] = _byte_view(bufs[name])
         with T.parallel(0, tasks) as c:
-            acc = T.decl_buffer((rows, LANES), "float32", scope="local")
-            mins = T.decl_buffer((rows,), "float32", scope="local")
+            acc = T.decl_buffer((rows, lanes), "float32", scope="local")
+            every = T.Ramp(0, 1, lanes) if lanes > 1 else 0
             with T.serial(0, chunk) as g:
                 with T.unroll(0, rows) as r:
-                    T.buffer_store(acc, T.Broadcast(T.float32(0), LANES), [r, T.Ramp(0, 1, LANES)])
-                    T.buffer_store(mins, T.float32(0), [r])
-                with T.serial(0, n_in // unit // unroll) as u0, T.unroll(0, rows) as r:
+                    T.buffer_store(acc, T.Broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0), [r, every])
+                with T.serial(0, units // unroll) as u0, T.unroll(0, rows) as r:
                     n = T.Bind((c * chunk + g) * rows + r)
-                    total = acc[r, T.Ramp(0, 1, LANES)]
+                    total = acc[r, every]
                     for j in range(unroll):
                         total = _unit_terms(kind, bufs, n, u0 * unroll + j, total)
-                    T.buffer_store(acc, total, [r, T.Ramp(0, 1, LANES)])
-                    if has_min:
-                        m = mins[r]
-                        for j in range(unroll):
-                            m = T.fma(
-                                T.Cast("float32", bufs["m"][n, u0 * unroll + j]), bufs["xs"][0, u0 * unroll + j], m
-                            )
-                        T.buffer_store(mins, m, [r])
+                    T.buffer_store(acc, total, [r, every])
                 with T.unroll(0, rows) as r:
-                    T.buffer_store(y, _lane_sum(acc, r, mins[r]), [0, (c * chunk + g) * rows + r])
+                    T.buffer_store(y, _lane_sum(acc, r, lanes), [0, (c * chunk + g) * rows + r])
     return builder.get()
 
 
-def _lane_sum(acc: tirx.Buffer, r: tirx.Expr, start: tirx.Expr) -> tirx.Expr:
-    """start + the 8 lanes of acc[r], in lane order."""
-    total = start
-    for lane in range(LANES):
+def _lane_sum(acc: tirx.Buffer, r: tirx.Expr, lanes: int) -> tirx.Expr:
+    """The lanes of acc[r], in lane order."""
+    total = acc[r, 0]
+    for lane in range(1, lanes):
         total = total + acc[r, lane]
     return total
+
+
+def _unroll(units: int, want: int) -> int:
+    """A divisor of `units` near `want`: the largest not above it, unless that is under half of it (a prime count
+    of units would give 1), then the smallest above it. Qwen2.5-0.5B's 896 inputs are 7 groups of 4 blocks: the whole
+    row as one chain ran 118.6 µs for its 4864x896 Q5_0 GEMV, one group at a time 129.2 µs (min of 4 x 5 runs)."""
+    below = fit(units, want)
+    if 2 * below > want or want >= units:
+        return below
+    return min(d for d in range(want, units + 1) if units % d == 0)
 
 
 def _signature(func: tirx.PrimFunc) -> list[tuple[tuple[int, ...], str]]:
@@ -222,8 +264,9 @@ class Int8GEMV(KnobbedRule):
         n_out, n_in = int(func.params[-1].shape[1]), int(func.params[0].shape[1])  # y (1, n_out), xq (1, n_in)
         k = self.knobs(knobs)
         rows = fit(n_out, k["rows"])
-        units = n_in // QK_K if kind.endswith("_K") else n_in // QK8
-        unroll = fit(units, max(1, k["unroll"] * QK8 // QK_K) if kind.endswith("_K") else k["unroll"])
+        # `unroll` is in blocks of 32 values: whole units of the kernel (super-blocks, or groups of blocks)
+        unit = QK_K if kind.endswith("_K") else QK8 * block_group(n_in)
+        unroll = _unroll(n_in // unit, max(1, k["unroll"] * QK8 // unit))
         kernel = vnni_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]), unroll)
         if _signature(kernel) != _signature(func):
             log.warning("%s declined %s: its arguments are not int8_matmul's", self.name, func.attrs["global_symbol"])

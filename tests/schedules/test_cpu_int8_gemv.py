@@ -40,13 +40,20 @@ def scheduled(kind: str, n_out: int, n_in: int, knobs: dict | None = None) -> tv
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize(
     "n_out,n_in,knobs",
-    [(96, 512, None), (70, 96, {"rows": 4, "chunk": 4}), (64, 64, {"rows": 1, "chunk": 1, "unroll": 1})],
+    [
+        (96, 512, None),
+        (70, 96, {"rows": 4, "chunk": 4}),
+        (64, 128, {"rows": 1, "chunk": 1, "unroll": 1}),
+        (32, 896, {"rows": 2, "chunk": 2}),
+        (16, 64, None),
+    ],
 )
 def test_vnni_gemv_matches_reference(kind, n_out, n_in, knobs, rng):
-    """Several shapes and knobs: rows that do not divide by the defaults, a single block pair, one row per task.
-    The K-quants take n_in in super-blocks (×8: 4864 = 19·256 is Qwen2.5-0.5B's ffn_down, a prime count)."""
+    """Several shapes and knobs: rows that do not divide by the defaults, one row per task, and every width of
+    the 32-value types' block groups (16, 3, 4, 28 and 2 blocks: groups of 8, 1, 4 (7 of them, one chain), 2).
+    The K-quants take n_in in super-blocks (4864 = 19·256 is Qwen2.5-0.5B's ffn_down, a prime count)."""
     if int8_format(kind).with_bsums:
-        n_in = {512: 4864, 96: 768, 64: 256}[n_in]
+        n_in = {512: 4864, 96: 768, 128: 256, 896: 512, 64: 1024}[n_in]
     raw = random_raw(kind, n_out, n_in, rng)
     x = activations(rng, n_in)
     (y,) = run(
