@@ -125,8 +125,9 @@ TOKEN_IDS = "token_ids"
 
 
 def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_chunk: int = 256,
-                     tiles_per_sm: int = 1) -> TaskGraph:
-    """The decode step of `graph` for `batch` sequences as tasks for `n_sms` persistent blocks."""
+                     tiles_per_sm: int = 1, max_tile_rows: int | None = None) -> TaskGraph:
+    """The decode step of `graph` for `batch` sequences as tasks for `n_sms` persistent blocks; `max_tile_rows`
+    caps a matvec tile (the kernel keeps a tile's outputs in shared memory)."""
     if graph.outputs != (LOGITS,):
         raise UnsupportedError(f"fuse: the megakernel needs a graph whose one output is {LOGITS!r}.")
     values = graph.values()
@@ -134,7 +135,7 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
     for op in graph.attention_ops():
         tg.kv_slots[op.inputs[1]] = (op.attrs["layer"], "k")
         tg.kv_slots[op.inputs[2]] = (op.attrs["layer"], "v")
-    _Tiler(tg, values, target_tiles=max(1, n_sms * tiles_per_sm)).run()
+    _Tiler(tg, values, target_tiles=max(1, n_sms * tiles_per_sm), max_rows=max_tile_rows).run()
     return tg
 
 
@@ -248,8 +249,8 @@ def _round_up(n: int, align: int) -> int:
 
 # ---- tasks ------------------------------------------------------------------------------------------------------
 class _Tiler:
-    def __init__(self, tg: TaskGraph, values: dict[str, Value], target_tiles: int):
-        self.tg, self.values, self.target = tg, values, target_tiles
+    def __init__(self, tg: TaskGraph, values: dict[str, Value], target_tiles: int, max_rows: int | None = None):
+        self.tg, self.values, self.target, self.max_rows = tg, values, target_tiles, max_rows
         self.writers: dict[str, list[tuple[int, Region]]] = {}
 
     def width(self, name: str) -> int:
@@ -272,6 +273,8 @@ class _Tiler:
     def tiles(self, rows: int, align: int, share: float) -> list[tuple[int, int]]:
         n = max(1, round(self.target * share))  # this unit's share of one wave of tiles over the SMs
         step = _round_up(max(-(-rows // n), MIN_TILE_ROWS), align)
+        if self.max_rows is not None and step > self.max_rows:
+            step = max(align, self.max_rows // align * align)
         return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
 
     def embed(self, i: int, st: Stage) -> None:

@@ -1,0 +1,80 @@
+"""Build the megakernels of a model for a CUDA target: one persistent PrimFunc per batch size, in one module.
+
+`megakernel_b{B}` runs one decode step of B sequences. The programs (task tables, arena layout, weight stacks) are
+deterministic functions of the graph and these options, so the runtime side can rebuild and check them
+(`program_fingerprint`)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from luce_compile.errors import UnsupportedError
+from luce_compile.fuse.plan import CostModel
+from luce_compile.fuse.program import Program, build_program
+from luce_compile.graph.ir import Graph
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MegakernelOptions:
+    batches: tuple[int, ...] = (1, 2, 4, 8)
+    max_context: int = 4096
+    page_size: int = 16
+    kv_chunk: int = 256
+    kv_dtype: str = "float16"
+
+
+def kernel_name(batch: int) -> str:
+    return f"megakernel_b{batch}"
+
+
+def plan_programs(graph: Graph, facts: dict, options: MegakernelOptions) -> dict[int, Program]:
+    """The program of every batch size, planned for the target's SM count and bandwidth."""
+    n_sms = int(facts["sm_count"])
+    cost = CostModel(bandwidth=facts["mem_bandwidth_gb_s"] * 1e9, n_sms=n_sms)
+    return {b: build_program(graph, batch=b, n_sms=n_sms, max_context=options.max_context,
+                             kv_chunk=options.kv_chunk, page_size=options.page_size, cost=cost)
+            for b in options.batches}
+
+
+def program_fingerprint(prog: Program) -> str:
+    """A hash of everything the kernel was compiled against (tables, layout, shapes)."""
+    h = hashlib.sha256()
+    for arr in (prog.tasks, prog.queue_len, prog.deps):
+        h.update(np.ascontiguousarray(arr).tobytes())
+    types = [prog.graph.weights[w].ggml_type.name for o in prog.opcodes for w in o.weights]
+    h.update(repr((prog.arena_size, prog.n_counters, prog.lm_tiles, prog.page_size, sorted(prog.kv.items()),
+                   prog.weight_args(), types)).encode())
+    return h.hexdigest()[:16]
+
+
+def compile_megakernels(graph: Graph, target_name: str, out: Path, options: MegakernelOptions) -> dict[int, Program]:
+    """Emit and compile the megakernels into the shared library `out`; returns the programs by batch size."""
+    import tvm
+
+    from luce_compile.codegen.gpu_toolchain import gpu_toolchain
+    from luce_compile.fuse.emit_cuda import emit_megakernel
+    from luce_compile.targets import get_target
+
+    info = get_target(target_name)
+    if info.kind != "cuda":
+        raise UnsupportedError(f"fuse: the megakernel is generated for CUDA targets so far, not {info.name}; "
+                               "build with --no-megakernel.")
+    programs = plan_programs(graph, info.facts, options)
+    funcs = {kernel_name(b): emit_megakernel(p, name=kernel_name(b), kv_dtype=options.kv_dtype)
+             for b, p in programs.items()}
+    target = info.tvm_target()
+    start = time.perf_counter()
+    with gpu_toolchain(info.kind, info.archs or (info.name,), info.name), target:
+        executable = tvm.compile(tvm.IRModule(funcs), target=target, tir_pipeline="tirx")
+    log.info("megakernels %s compiled in %.1f s", list(funcs), time.perf_counter() - start)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    executable.export_library(str(out))
+    return programs

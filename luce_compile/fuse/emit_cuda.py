@@ -1,0 +1,779 @@
+"""Emit the megakernel: one persistent TIRx PrimFunc that runs a Program's task table (fuse/program.py).
+
+One block per SM, 256 threads (8 warps). Each block walks its queue of the task table; per task, thread 0 waits on
+the task's counters (acquire), the block runs the task's opcode, and thread 0 publishes (fence, then the task's
+and its stage's counters). Opcode bodies are generated from the op kinds of their first stage, in TensorIR through
+TVMScript's IR builder; the dequantization of every weight type is `quant_matmul.dequant_expr`, the same
+expression the per-op kernels use.
+
+Task bodies:
+  matvec        the prologue RMS norm's scale per sequence (a block reduction), the input staged in shared memory
+                (transposed by 8-value granule so a warp's lanes read consecutive words) when it fits; each warp
+                runs several rows at once for all sequences, lanes stride over granules, a warp sum per output; the
+                tile's outputs go to shared memory, where the epilogue ops run (elementwise, per-head norms,
+                RoPE); then the values other stages read go to the arena, keys/values to their pages, and the LM
+                head's tile leaves its best logit per sequence
+  row           a whole-row op (gemma's post-norms) and its epilogue, for one sequence, in shared memory
+  attn_partial  one (sequence, KV head, key chunk): lanes own keys for the scores (online softmax per warp), own
+                dimensions for p·v; the warps' partials merge in shared memory; one chunk writes the output,
+                several write (o, max, sum) partials that the merge task (split = -1) combines
+  embed         rows of the embedding table, dequantized, times the scale
+  argmax        per sequence, the best of the LM-head tiles (lowest index on ties, as numpy's argmax)
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+from tvm import tirx
+from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script.builder import ir as B
+
+from luce_compile.errors import UnsupportedError
+from luce_compile.fuse import program as P
+from luce_compile.fuse.taskgraph import TaskKind
+from luce_compile.graph.ir import LOGITS, POSITIONS, Op, OpKind
+from luce_compile.lower.quant_layout import plane_specs
+from luce_compile.lower.quant_matmul import dequant_expr
+
+THREADS, WARPS = 256, 8
+ACCUMULATORS = 16  # float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences)
+SHARED_FLOATS = 11 * 1024  # 44 KiB of the 48 KiB static shared memory
+SPIN_LIMIT = 1 << 21  # polls (~0.1 ms each at worst, with the back-off) before a wait gives up: seconds
+F32 = "float32"
+
+
+def i32(v: int) -> tirx.IntImm:
+    return tirx.const(v, "int32")
+
+
+def f32(v: float) -> tirx.FloatImm:
+    return tirx.const(v, F32)
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+class _Stacked:
+    """A plane of a weight stacked over layers, indexed like the unstacked plane (for dequant_expr)."""
+
+    def __init__(self, buf: tirx.Buffer, layer: tirx.Expr):
+        self.buf, self.layer = buf, layer
+
+    def __getitem__(self, idx):
+        return self.buf[(self.layer, *idx)] if isinstance(idx, tuple) else self.buf[self.layer, idx]
+
+
+class MegakernelEmitter:
+    def __init__(self, prog: P.Program, *, name: str = "megakernel", kv_dtype: str = "float16"):
+        self.p, self.name, self.kv_dtype = prog, name, kv_dtype
+        self.values = prog.graph.values()
+        self.nb = prog.batch
+
+    # ---- small builders -----------------------------------------------------------------------------------------
+    def local(self, dtype: str = F32, n: int = 1) -> tirx.Buffer:
+        return B.alloc_buffer((n,), dtype, scope="local")
+
+    @staticmethod
+    def store(buf: tirx.Buffer, idx, value) -> None:
+        B.buffer_store(buf, value, idx if isinstance(idx, list) else [idx])
+
+    @staticmethod
+    @contextmanager
+    def when(cond):
+        with B.If(cond), B.Then():
+            yield
+
+    @staticmethod
+    def sync() -> None:
+        B.evaluate(T.tvm_storage_sync("shared"))
+
+    def cta(self, value: tirx.Expr, how: str, dtype: str = F32) -> tirx.Expr:
+        """A block-wide sum/max/min, in every thread (TVM's cta_reduce redefines the warp helpers warp_reduce
+        defines: nvcc rejects a kernel that uses both)."""
+        scratch = self.red if dtype == F32 else self.redi
+        part = self.local(dtype)  # every lane shuffles: the reduction must not sink into the lane-0 branch
+        self.store(part, 0, T.cuda.warp_reduce(value, how, 32))
+        with self.when(self.lane == 0):
+            self.store(scratch, self.warp, part[0])
+        self.sync()
+        out = self.local(dtype)
+        self.store(out, 0, scratch[0])
+        for w in range(1, WARPS):
+            x = scratch[w]
+            self.store(out, 0, out[0] + x if how == "sum" else (tirx.max(out[0], x) if how == "max"
+                                                                 else tirx.min(out[0], x)))
+        self.sync()
+        return out[0]
+
+    def width(self, name: str) -> int:
+        return math.prod(int(d) for d in self.values[name].shape[2:])
+
+    def col(self, c: int) -> tirx.Expr:
+        return self.trow[c]
+
+    # ---- arguments ----------------------------------------------------------------------------------------------
+    def args(self) -> None:
+        p, nb = self.p, self.nb
+        kv = p.kv
+        max_pages = -(-p.tg.max_context // p.page_size)
+        self.n_pages = tirx.Var("n_pages", "int32")
+        self.tokens = B.arg("tokens", B.buffer((nb,), "int32"))
+        self.lengths = B.arg("lengths", B.buffer((nb,), "int32"))
+        self.page_table = B.arg("page_table", B.buffer((nb, max_pages), "int32"))
+        self.pages = B.arg("pages", B.buffer((kv["n_layers"], self.n_pages, 2, kv["kv_heads"], p.page_size,
+                                               kv["head_dim"]), self.kv_dtype))
+        self.arena = B.arg("arena", B.buffer((p.arena_size,), F32))
+        self.amax_val = B.arg("amax_val", B.buffer((nb, max(1, p.lm_tiles)), F32))
+        self.amax_idx = B.arg("amax_idx", B.buffer((nb, max(1, p.lm_tiles)), "int32"))
+        self.token_out = B.arg("token_out", B.buffer((nb,), "int32"))
+        # the next step's lengths: a greedy loop swaps (tokens, lengths) with (token_out, lengths_out) and launches
+        # nothing else between steps
+        self.lengths_out = B.arg("lengths_out", B.buffer((nb,), "int32"))
+        self.tasks = B.arg("tasks", B.buffer(tuple(int(d) for d in p.tasks.shape), "int32"))
+        self.queue_len = B.arg("queue_len", B.buffer((len(p.queue_len),), "int32"))
+        self.deps = B.arg("deps", B.buffer(tuple(int(d) for d in p.deps.shape), "int32"))
+        self.counters = B.arg("counters", B.buffer((p.n_counters,), "int32"))
+        # per block: (queue position + 1, counter, target, value seen) of a wait that gave up (see `wait`)
+        self.status = B.arg("status", B.buffer((len(p.queue_len), 4), "int32"))
+        # per task (block, queue position): clock64 when its wait began, when its body began, when it finished;
+        # written only when `profiling` is nonzero
+        self.profile = B.arg("profile", B.buffer((len(p.queue_len), int(p.tasks.shape[1]), 3), "int64"))
+        self.profiling = B.arg("profiling", tirx.Var("profiling", "int32"))
+        self.epoch = B.arg("epoch", tirx.Var("epoch", "int32"))
+        self.weights: dict[tuple[int, int], dict[str, tirx.Buffer] | tirx.Buffer] = {}
+        for name, o, s in p.weight_args():
+            op = p.opcodes[o]
+            info = p.graph.weights[op.weights[s]]
+            g = len(op.stages)
+            if len(info.shape) == 1:  # norms, biases, rope factors: float32 vectors
+                self.weights[(o, s)] = B.arg(name, B.buffer((g, info.shape[0]), F32))
+            else:
+                specs = plane_specs(info.ggml_type, *info.shape)
+                self.weights[(o, s)] = {pl: B.arg(f"{name}_{pl}", B.buffer((g, *shape), dt))
+                                        for pl, (shape, dt) in specs.items()}
+
+    def weight(self, op: P.Opcode, tensor: str):
+        return self.weights[(op.index, op.weights.index(tensor))]
+
+    def vector(self, op: P.Opcode, tensor: str, i) -> tirx.Expr:
+        return self.weight(op, tensor)[self.col(P.LAYER), i]
+
+    def dequant(self, op: P.Opcode, tensor: str, n, k) -> tirx.Expr:
+        planes = {pl: _Stacked(buf, self.col(P.LAYER)) for pl, buf in self.weight(op, tensor).items()}
+        return dequant_expr(self.p.graph.weights[tensor].ggml_type, planes, n, k)
+
+    # ---- the kernel ---------------------------------------------------------------------------------------------
+    def build(self) -> tirx.PrimFunc:
+        p = self.p
+        with IRBuilder() as ib, B.prim_func():
+            B.func_name(self.name)
+            self.args()
+            bx, tx = B.env_thread("blockIdx.x"), B.env_thread("threadIdx.x")
+            with B.launch_thread(bx, len(p.queue_len)), B.launch_thread(tx, THREADS):
+                self.tx, self.warp, self.lane = tx, tx // 32, tx % 32
+                self.smem = B.alloc_buffer((SHARED_FLOATS,), F32, scope="shared")
+                self.red = B.alloc_buffer((2 * WARPS,), F32, scope="shared")
+                self.redi = B.alloc_buffer((2 * WARPS,), "int32", scope="shared")
+                self.part = B.alloc_buffer((WARPS * ACCUMULATORS,), F32, scope="shared")  # K-slice sums
+                self.trow = self.local("int32", p.tasks.shape[2])
+                spins = self.local("int32")  # thread 0's wait budget: SPIN_LIMIT, then 0 after one gives up
+                self.store(spins, 0, i32(SPIN_LIMIT))
+                with B.serial(0, self.queue_len[bx]) as i:
+                    for c in range(p.tasks.shape[2]):
+                        self.store(self.trow, c, self.tasks[bx, i, c])
+                    self.stamp(bx, i, 0)
+                    with self.when(tx == 0):
+                        start = self.col(P.DEP_START)
+                        with B.serial(0, self.col(P.DEP_COUNT)) as d:
+                            self.wait(self.deps[start + d, 0], self.deps[start + d, 1] * self.epoch, bx, i, spins)
+                    self.sync()
+                    self.stamp(bx, i, 1)
+                    for op in p.opcodes:
+                        with self.when(self.col(P.OPCODE) == op.index):
+                            self.opcode(op)
+                    self.sync()
+                    self.stamp(bx, i, 2)
+                    with self.when(tx == 0):
+                        B.evaluate(T.cuda.thread_fence())
+                        B.evaluate(T.cuda.atomic_add(T.address_of(self.counters[self.col(P.COUNTER)]), 1))
+                        B.evaluate(T.cuda.atomic_add(T.address_of(self.counters[self.col(P.STAGE_COUNTER)]), 1))
+        return ib.get()
+
+    def stamp(self, bx, position, which: int) -> None:
+        with self.when((self.tx == 0) & (self.profiling != 0)):
+            self.store(self.profile, [bx, position, which], T.cuda.clock64())
+
+    def wait(self, counter, target, bx, position, spins) -> None:
+        """Spin (thread 0) until counters[counter] >= target. Reads are atomic (L2, always coherent); the fence after
+        orders the task's reads after the producers' writes. A wait that exceeds the block's budget records itself
+        in `status` and gives up, and the block's later waits give up at once: a planning bug or a block that is not
+        resident becomes an error the host reports, not a hung GPU."""
+        seen, n = self.local("int32"), self.local("int32")
+        addr = T.address_of(self.counters[counter])
+        self.store(n, 0, i32(0))
+        self.store(seen, 0, T.cuda.atomic_add(addr, i32(0)))
+        with B.While((seen[0] < target) & (n[0] < spins[0])):
+            B.evaluate(T.cuda.nano_sleep(i32(32)))
+            self.store(seen, 0, T.cuda.atomic_add(addr, i32(0)))
+            self.store(n, 0, n[0] + 1)
+        with self.when(seen[0] < target):
+            self.store(self.status, [bx, 0], position + 1)
+            self.store(self.status, [bx, 1], counter)
+            self.store(self.status, [bx, 2], target)
+            self.store(self.status, [bx, 3], seen[0])
+            self.store(spins, 0, i32(0))
+        B.evaluate(T.cuda.thread_fence())
+
+    def opcode(self, op: P.Opcode) -> None:
+        if op.kind == TaskKind.ARGMAX:
+            return self.argmax()
+        st = self.p.tg.stages[op.stage]
+        if op.kind == TaskKind.EMBED:
+            return self.embed(op, st)
+        if op.kind == TaskKind.MATVEC:
+            return self.matvec(op, st)
+        if op.kind == TaskKind.ROW:
+            return self.row(op, st)
+        if op.kind == TaskKind.ATTN_PARTIAL:
+            return self.attention(op, st)
+        raise UnsupportedError(f"fuse: no megakernel body for {op.kind}")
+
+    def arena_at(self, op: P.Opcode, name: str, b, i) -> tirx.Expr:
+        return self.arena[self.col(op.slot(name)) + b * self.width(name) + i]
+
+    # ---- embed --------------------------------------------------------------------------------------------------
+    def embed(self, op: P.Opcode, st) -> None:
+        emb = st.ops[0]
+        out, table = emb.outputs[0], emb.weights["weight"]
+        lo, hi = self.col(P.LO), self.col(P.HI)
+        n = hi - lo
+        with B.serial(0, (self.nb * self._max_tile(op) + THREADS - 1) // THREADS) as it:
+            idx = it * THREADS + self.tx
+            b, r = idx // n, idx % n
+            with self.when(idx < self.nb * n):
+                val = self.dequant(op, table, self.tokens[b], lo + r) * f32(emb.attrs["scale"])
+                self.store(self.arena, self.col(op.slot(out)) + b * self.width(out) + lo + r, val)
+
+    def _max_tile(self, op: P.Opcode) -> int:
+        return max(t.hi - t.lo for t in self.p.tg.tasks if t.stage == op.stage)
+
+    # ---- matvec -------------------------------------------------------------------------------------------------
+    def matvec(self, op: P.Opcode, st) -> None:
+        nb = self.nb
+        k_in = self.width(st.input)
+        granules = k_in // 8
+        if k_in % 8:
+            raise UnsupportedError(f"fuse: a matvec input of {k_in} features is not a multiple of 8")
+        env_need = max(self._env_floats(st, u, rows) for u, rows in enumerate(op.max_rows))
+        staged = nb * k_in + env_need + nb <= SHARED_FLOATS
+        if env_need + nb > SHARED_FLOATS:
+            raise UnsupportedError(f"fuse: a matvec tile of stage {op.stage} needs {env_need} floats of shared "
+                                   "memory; build with --no-megakernel")
+        rstd_at = SHARED_FLOATS - nb  # per-sequence 1/rms of the prologue norm
+        x_name = st.input
+        # 1. the prologue norm's scale, per sequence
+        if st.prologue is not None:
+            for b in range(nb):
+                part = self.local()
+                self.store(part, 0, f32(0))
+                with B.serial(0, (k_in + THREADS - 1) // THREADS) as it:
+                    k = it * THREADS + self.tx
+                    with self.when(k < k_in):
+                        v = self.arena_at(op, x_name, b, k)
+                        self.store(part, 0, part[0] + v * v)
+                total = self.cta(part[0], "sum")
+                with self.when(self.tx == 0):
+                    eps = f32(st.prologue.attrs["eps"])
+                    self.store(self.smem, rstd_at + b, tirx.rsqrt(total / f32(k_in) + eps))
+                self.sync()
+
+        def xval(b: int, k) -> tirx.Expr:
+            v = self.arena_at(op, x_name, b, k)
+            if st.prologue is not None:
+                v = v * self.smem[rstd_at + b] * self.vector(op, st.prologue.weights["weight"], k)
+            return v
+
+        # 2. the input, normalized, in shared memory, transposed by granule: xs[(b*8 + j) * G + g] = x[b, 8g + j]
+        if staged:
+            with B.serial(0, (nb * k_in + THREADS - 1) // THREADS) as it:
+                idx = it * THREADS + self.tx
+                with self.when(idx < nb * k_in):
+                    for b in range(nb):
+                        with self.when(idx // k_in == b):
+                            k = idx % k_in
+                            self.store(self.smem, (b * 8 + k % 8) * granules + k // 8, xval(b, k))
+            self.sync()
+        env_base = nb * k_in if staged else 0
+        for u, unit in enumerate(st.units):
+            with self.when(self.col(P.UNIT) == u):
+                self.matvec_unit(op, st, u, unit, k_in, staged, xval, env_base)
+
+    def _env_slots(self, st, u: int) -> dict[str, int]:
+        """Shared-memory slots of a unit's values (a reshape shares its input's slot)."""
+        unit = st.units[u]
+        slots: dict[str, int] = {}
+        for m in unit.matmuls:
+            slots[m.outputs[0]] = len(set(slots.values()))
+        for e in unit.epilogue:
+            if e.kind == OpKind.RESHAPE:
+                slots[e.outputs[0]] = slots[e.inputs[0]]
+            else:
+                slots[e.outputs[0]] = len(set(slots.values()))
+        return slots
+
+    def _env_floats(self, st, u: int, rows: int) -> int:
+        return len(set(self._env_slots(st, u).values())) * self.nb * rows
+
+    def matvec_unit(self, op: P.Opcode, st, u: int, unit, k_in: int, staged: bool, xval, env_base: int) -> None:
+        nb, rows_max = self.nb, op.max_rows[u]
+        self._cur_rows_max = rows_max
+        granules = k_in // 8
+        lo, hi = self.col(P.LO), self.col(P.HI)
+        slots = self._env_slots(st, u)
+
+        def env(slot: int, b, r) -> tirx.Expr:
+            return env_base + (slot * nb + b) * rows_max + r
+
+        n_m = len(unit.matmuls)
+        # The block's warps split K into `split` slices (enough granules per slice to keep 32 lanes busy) and the
+        # rows into WARPS / split groups; a warp accumulates `rows` rows at once (ACCUMULATORS partial sums a lane):
+        # every weight load of a pass is independent of the others, so all of them are in flight together
+        split = 1
+        while split < WARPS and granules // (2 * split) >= 32:
+            split *= 2
+        groups = WARPS // split
+        per_slice = -(-granules // split)
+        rows = max(1, min(-(-rows_max // groups), ACCUMULATORS // (n_m * nb)))
+        steps = -(-rows_max // (groups * rows))
+        passes = -(-per_slice // 32)
+        slice_, group = self.warp % split, self.warp // split
+        g_end = tirx.min((slice_ + 1) * per_slice, granules)
+        acc = self.local(F32, n_m * rows * nb)
+        xv = self.local(F32, 8 * nb)
+        with B.serial(0, steps) as s:
+            r0 = lo + (s * groups + group) * rows
+            for a in range(n_m * rows * nb):
+                self.store(acc, a, f32(0))
+            loop = B.unroll if passes <= 4 else B.serial
+            with loop(0, passes) as gi:
+                g = slice_ * per_slice + gi * 32 + self.lane
+                exact = split == 1 and granules % 32 == 0
+                with _nothing() if exact else self.when(g < g_end):
+                    for b in range(nb):
+                        for j in range(8):
+                            x = self.smem[(b * 8 + j) * granules + g] if staged else xval(b, g * 8 + j)
+                            self.store(xv, b * 8 + j, x)
+                    for m_i, m in enumerate(unit.matmuls):
+                        for r in range(rows):
+                            row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
+                            for j in range(8):
+                                w = self.dequant(op, m.weights["weight"], row, g * 8 + j)
+                                for b in range(nb):
+                                    a = (m_i * rows + r) * nb + b
+                                    self.store(acc, a, acc[a] + w * xv[b * 8 + j])
+            n_acc = n_m * rows * nb
+            for a in range(n_acc):
+                self.store(acc, a, T.cuda.warp_sum(acc[a]))
+            if split > 1:  # the slices' sums meet in shared memory
+                with self.when(self.lane == 0):
+                    for a in range(n_acc):
+                        self.store(self.part, (group * n_acc + a) * split + slice_, acc[a])
+                self.sync()
+            for m_i, m in enumerate(unit.matmuls):
+                for r in range(rows):
+                    with self.when((self.lane == 0) & (slice_ == 0) & (r0 + r < hi)):
+                        for b in range(nb):
+                            a = (m_i * rows + r) * nb + b
+                            y = acc[a]
+                            for k in range(1, split):
+                                y = y + self.part[(group * n_acc + a) * split + k]
+                            if "bias" in m.weights:
+                                y = y + self.vector(op, m.weights["bias"], r0 + r)
+                            self.store(self.smem, env(slots[m.outputs[0]], b, r0 + r - lo), y)
+            if split > 1:
+                self.sync()  # the next step's partials overwrite these
+        self.sync()
+        self.epilogue(op, unit.epilogue, slots, env, lo, hi - lo, rows_max, rows=list(range(nb)))
+        # the values other stages read → the arena; keys and values → their pages; the LM head → argmax partials
+        n = hi - lo
+        for name, slot in slots.items():
+            if name in op.outputs:
+                w = self.width(name)
+                self._each(nb * rows_max, lambda idx, slot=slot, name=name, w=w: self._write_out(
+                    op, name, slot, env, idx, n, rows_max, lo, w))
+            if name in self.p.tg.kv_slots:
+                which = 0 if self.p.tg.kv_slots[name][1] == "k" else 1
+                self._each(nb * rows_max, lambda idx, slot=slot, which=which: self._append_kv(
+                    slot, env, idx, n, rows_max, lo, which))
+        if any(m.kind == OpKind.LM_HEAD for m in unit.matmuls):
+            last = unit.epilogue[-1].outputs[0] if unit.epilogue else unit.matmuls[0].outputs[0]
+            self.lm_partial(slots[last], env, n, rows_max, lo)
+
+    def _each(self, total: int, body) -> None:
+        with B.serial(0, (total + THREADS - 1) // THREADS) as it:
+            idx = it * THREADS + self.tx
+            with self.when(idx < total):
+                body(idx)
+
+    def _write_out(self, op, name, slot, env, idx, n, rows_max, lo, w) -> None:
+        b, r = idx // rows_max, idx % rows_max
+        with self.when(r < n):
+            self.store(self.arena, self.col(op.slot(name)) + b * w + lo + r, self.smem[env(slot, b, r)])
+
+    def _append_kv(self, slot, env, idx, n, rows_max, lo, which) -> None:
+        d = self.p.kv["head_dim"]
+        b, r = idx // rows_max, idx % rows_max
+        with self.when(r < n):
+            pos = self.lengths[b]
+            page = self.page_table[b, pos // self.p.page_size]
+            f = lo + r
+            self.store(self.pages, [self.col(P.KV_LAYER), page, which, f // d, pos % self.p.page_size, f % d],
+                       self.smem[env(slot, b, r)].astype(self.kv_dtype))
+
+    def lm_partial(self, slot: int, env, n, rows_max: int, lo) -> None:
+        """Per sequence: the tile's best logit and its index (the lowest on ties)."""
+        for b in range(self.nb):
+            best, arg = self.local(), self.local("int32")
+            self.store(best, 0, tirx.min_value(F32))
+            self.store(arg, 0, i32(2**31 - 1))
+            with B.serial(0, -(-rows_max // THREADS)) as it:
+                r = it * THREADS + self.tx
+                with self.when(r < n):
+                    v = self.smem[env(slot, b, r)]
+                    with self.when(v > best[0]):
+                        self.store(best, 0, v)
+                        self.store(arg, 0, lo + r)
+            top = self.local()
+            self.store(top, 0, self.cta(best[0], "max"))
+            first = self.cta(tirx.if_then_else(best[0] == top[0], arg[0], i32(2**31 - 1)), "min", "int32")
+            idx = self.local("int32")
+            self.store(idx, 0, first)
+            with self.when(self.tx == 0):
+                self.store(self.amax_val, [b, self.col(P.TILE)], top[0])
+                self.store(self.amax_idx, [b, self.col(P.TILE)], idx[0])
+            self.sync()
+
+    # ---- row-local ops on a tile in shared memory ---------------------------------------------------------------
+    def epilogue(self, op: P.Opcode, ops: tuple[Op, ...], slots, env, lo, n, rows_max: int, rows: list) -> None:
+        """`ops` on features [lo, lo+n) of the batch rows `rows` (env row i is batch row rows[i])."""
+        for e in ops:
+            if e.kind == OpKind.RESHAPE:
+                continue
+            out = slots[e.outputs[0]]
+
+            def load(name: str, i: int, r, name_slot=slots):
+                if name in name_slot:
+                    return self.smem[env(name_slot[name], i, r)]
+                return self.arena_at(op, name, rows[i], lo + r)
+
+            if e.kind == OpKind.RMS_NORM:
+                self.head_norm(op, e, slots, env, out, n, len(rows), load)
+            elif e.kind == OpKind.ROPE:
+                self.rope(op, e, env, out, n, rows, lo, load)
+            else:
+                for i in range(len(rows)):
+                    self._each(rows_max, lambda r, i=i, e=e, out=out: self._elementwise(
+                        op, e, env, out, i, r, n, load))
+            self.sync()
+
+    def _elementwise(self, op, e: Op, env, out: int, i: int, r, n, load) -> None:
+        with self.when(r < n):
+            x = load(e.inputs[0], i, r)
+            match e.kind:
+                case OpKind.SCALE:
+                    y = x * f32(e.attrs["scale"])
+                case OpKind.SOFTCAP:
+                    cap = f32(e.attrs["cap"])
+                    y = cap * tirx.tanh(x / cap)
+                case OpKind.ADD:
+                    y = x + load(e.inputs[1], i, r)
+                case OpKind.GLU:
+                    if e.attrs["activation"] == "silu":
+                        act = x / (f32(1) + tirx.exp(-x))
+                    else:  # gelu, tanh form (ggml_gelu)
+                        act = f32(0.5) * x * (f32(1) + tirx.tanh(f32(math.sqrt(2 / math.pi)) *
+                                                                  (x + f32(0.044715) * x * x * x)))
+                    y = act * load(e.inputs[1], i, r)
+                case _:
+                    raise UnsupportedError(f"fuse: no megakernel epilogue for {e.kind}")
+            self.store(self.smem, env(out, i, r), y)
+
+    def head_norm(self, op, e: Op, slots, env, out: int, n, n_rows: int, load) -> None:
+        """RMS norm over each head (4-D input) or over the whole row (3-D: row stages), one warp per (row, head)."""
+        d = int(self.p.graph.weights[e.weights["weight"]].shape[0])
+        eps = f32(e.attrs["eps"])
+        heads = n // d
+        with B.serial(0, (n_rows * max(1, self._cur_rows_max // d) + WARPS - 1) // WARPS) as it:
+            pair = it * WARPS + self.warp
+            i, h = pair // tirx.max(heads, 1), pair % tirx.max(heads, 1)
+            with self.when(pair < n_rows * heads):
+                part = self.local()
+                self.store(part, 0, f32(0))
+                with B.serial(0, -(-d // 32)) as dd:
+                    c = dd * 32 + self.lane
+                    with self.when(c < d):
+                        for ii in range(n_rows):
+                            with self.when(i == ii):
+                                v = load(e.inputs[0], ii, h * d + c)
+                                self.store(part, 0, part[0] + v * v)
+                scale = self.local()
+                self.store(scale, 0, tirx.rsqrt(T.cuda.warp_sum(part[0]) / f32(d) + eps))
+                with B.serial(0, -(-d // 32)) as dd:
+                    c = dd * 32 + self.lane
+                    with self.when(c < d):
+                        for ii in range(n_rows):
+                            with self.when(i == ii):
+                                v = load(e.inputs[0], ii, h * d + c)
+                                self.store(self.smem, env(out, ii, h * d + c),
+                                           v * scale[0] * self.vector(op, e.weights["weight"], c))
+
+    def rope(self, op, e: Op, env, out: int, n, rows: list, lo, load) -> None:
+        a = e.attrs
+        d = int(self.values[e.inputs[0]].shape[-1])
+        dim, half = a["dim"], a["dim"] // 2
+        for i, b in enumerate(rows):
+            pos = self.lengths[b].astype(F32)
+
+            def body(r, i=i, pos=pos):
+                with self.when(r < n):
+                    c = (lo + r) % d  # the feature within its head (tiles start on a head)
+                    x = load(e.inputs[0], i, r)
+                    if a["layout"] == "norm":
+                        p_i, first = c // 2, c % 2 == 0
+                        partner = tirx.if_then_else(first, r + 1, r - 1)
+                    else:
+                        p_i, first = c % half, c < half
+                        partner = tirx.if_then_else(first, r + half, r - half)
+                    inv = f32(a["freq_scale"]) * tirx.pow(f32(a["base"]), f32(-2.0 / dim) * p_i.astype(F32))
+                    if "freq_factors" in e.weights:
+                        inv = inv / self.vector(op, e.weights["freq_factors"], p_i)
+                    theta = pos * inv
+                    y = load(e.inputs[0], i, tirx.if_then_else(c < dim, partner, r))
+                    rot = tirx.if_then_else(first, x * tirx.cos(theta) - y * tirx.sin(theta),
+                                            y * tirx.sin(theta) + x * tirx.cos(theta))
+                    self.store(self.smem, env(out, i, r), tirx.if_then_else(c < dim, rot, x))
+
+            self._each(self._cur_rows_max, body)
+
+    # ---- row stages ---------------------------------------------------------------------------------------------
+    def row(self, op: P.Opcode, st) -> None:
+        first = st.ops[0]
+        w = self.width(first.outputs[0])
+        slots: dict[str, int] = {}
+        for e in st.ops:
+            slots[e.outputs[0]] = slots[e.inputs[0]] if e.kind == OpKind.RESHAPE else len(set(slots.values()))
+        if len(set(slots.values())) * w > SHARED_FLOATS:
+            raise UnsupportedError(f"fuse: a row stage of {w} features does not fit shared memory")
+        b = self.col(P.ROW)
+
+        def env(slot: int, i, r) -> tirx.Expr:
+            return slot * w + r
+
+        self._cur_rows_max = w
+        if first.kind == OpKind.RMS_NORM:  # the whole-row norm: a block reduction
+            part = self.local()
+            self.store(part, 0, f32(0))
+            self._each(w, lambda k: self.store(part, 0, part[0] + self.arena_at(op, first.inputs[0], b, k)
+                                               * self.arena_at(op, first.inputs[0], b, k)))
+            total = self.cta(part[0], "sum")
+            scale = self.local()
+            self.store(scale, 0, tirx.rsqrt(total / f32(w) + f32(first.attrs["eps"])))
+            self._each(w, lambda k: self.store(self.smem, env(slots[first.outputs[0]], 0, k),
+                                               self.arena_at(op, first.inputs[0], b, k) * scale[0]
+                                               * self.vector(op, first.weights["weight"], k)))
+            self.sync()
+            rest = st.ops[1:]
+        else:
+            rest = st.ops
+        self.epilogue(op, tuple(rest), slots, env, i32(0), i32(w), w, rows=[b])
+        for name, slot in slots.items():
+            if name in op.outputs:
+                self._each(w, lambda k, slot=slot, name=name: self.store(
+                    self.arena, self.col(op.slot(name)) + b * w + k, self.smem[env(slot, 0, k)]))
+
+    # ---- attention ----------------------------------------------------------------------------------------------
+    def attention(self, op: P.Opcode, st) -> None:
+        att = st.attention
+        a = att.attrs
+        q_name = att.inputs[0]
+        h, hkv = a["n_head"], a["n_head_kv"]
+        group, d = h // hkv, self.p.kv["head_dim"]
+        per_lane = -(-d // 32)  # dimensions per lane in p·v (the last may be partial for heads under 32)
+        n_splits = st.n_splits
+        chunk = self.p.tg.kv_chunk if n_splits > 1 else self.p.tg.max_context
+        window = int(a.get("sliding_window") or 0)
+        # shared: q (group, d) | p (warps, group, 32) | o (warps, group, d) | m, l (warps, group)
+        q_at, p_at = 0, group * d
+        o_at = p_at + WARPS * group * 32
+        ml_at = o_at + WARPS * group * d
+        if ml_at + 2 * WARPS * group > SHARED_FLOATS:
+            raise UnsupportedError("fuse: attention's partials for this head group do not fit shared memory")
+        b, g, split = self.col(P.ROW), self.col(P.LO), self.col(P.SPLIT)
+        partials = self.p.partials.get(op.stage)
+        with self.when(split >= 0):
+            self._attn_partial(op, att, q_name, b, g, split, group, d, per_lane, chunk, window, n_splits,
+                               q_at, p_at, o_at, ml_at, partials)
+        if partials is not None:
+            with self.when(split < 0):
+                self._attn_merge(op, att, b, g, group, d, n_splits, partials)
+
+    def _attn_partial(self, op, att, q_name, b, g, split, group, d, per_lane, chunk, window, n_splits,
+                      q_at, p_at, o_at, ml_at, partials) -> None:
+        a = att.attrs
+        ps, layer = self.p.page_size, self.col(P.KV_LAYER)
+        pos = self.lengths[b]
+        first = tirx.max(pos - (window - 1), 0) if window else i32(0)
+        kv_lo = first + split * chunk
+        kv_hi = tirx.min(pos + 1, kv_lo + chunk)
+        hd = a["n_head"] * d
+        self._each(group * d, lambda idx: self.store(
+            self.smem, q_at + idx, self.arena[self.col(op.slot(q_name)) + b * hd + g * group * d + idx]))
+        self.sync()
+        m, lsum = self.local(F32, group), self.local(F32, group)
+        o = self.local(F32, group * per_lane)
+        s = self.local(F32, group)
+        for hh in range(group):
+            self.store(m, hh, tirx.min_value(F32))
+            self.store(lsum, hh, f32(0))
+            for c in range(per_lane):
+                self.store(o, hh * per_lane + c, f32(0))
+        waves = -(-chunk // (WARPS * 32))
+        with B.serial(0, waves) as wv:
+            base = kv_lo + (wv * WARPS + self.warp) * 32
+            with self.when(base < kv_hi):
+                j = base + self.lane
+                valid = j < kv_hi
+                jc = tirx.min(j, kv_hi - 1)
+                page, slot = self.page_table[b, jc // ps], jc % ps
+                for hh in range(group):
+                    self.store(s, hh, f32(0))
+                with B.unroll(0, d) as c:  # every key's loads in flight at once
+                    kval = self.pages[layer, page, 0, g, slot, c].astype(F32)
+                    for hh in range(group):
+                        self.store(s, hh, s[hh] + self.smem[q_at + hh * d + c] * kval)
+                for hh in range(group):
+                    score = s[hh]
+                    if a["softcap"]:
+                        cap = f32(a["softcap"])
+                        score = cap * tirx.tanh(score / cap)
+                    score = tirx.if_then_else(valid, score * f32(a["scale"]), tirx.min_value(F32))
+                    self.store(s, hh, score)
+                    score = s[hh]  # the stored score: `score` above reads s[hh], which the store just replaced
+                    m_new = self.local()
+                    self.store(m_new, 0, tirx.max(m[hh], T.cuda.warp_max(score)))
+                    pv = self.local()
+                    self.store(pv, 0, tirx.if_then_else(valid, tirx.exp(score - m_new[0]), f32(0)))
+                    corr = self.local()
+                    self.store(corr, 0, tirx.exp(m[hh] - m_new[0]))
+                    self.store(lsum, hh, lsum[hh] * corr[0] + T.cuda.warp_sum(pv[0]))
+                    self.store(self.smem, p_at + (self.warp * group + hh) * 32 + self.lane, pv[0])
+                    for c in range(per_lane):
+                        self.store(o, hh * per_lane + c, o[hh * per_lane + c] * corr[0])
+                    self.store(m, hh, m_new[0])
+                B.evaluate(T.cuda.warp_sync())
+                with B.unroll(0, 32) as kk:
+                    jj = base + kk
+                    with self.when(jj < kv_hi):
+                        pg, sl = self.page_table[b, jj // ps], jj % ps
+                        for c in range(per_lane):
+                            dim = tirx.min(c * 32 + self.lane, d - 1)
+                            v = self.pages[layer, pg, 1, g, sl, dim].astype(F32)
+                            for hh in range(group):
+                                i = hh * per_lane + c
+                                self.store(o, i, o[i] + self.smem[p_at + (self.warp * group + hh) * 32 + kk] * v)
+                B.evaluate(T.cuda.warp_sync())
+        # the warps' partials → shared, then one (max, sum, o) per head
+        for hh in range(group):
+            with self.when(self.lane == 0):
+                self.store(self.smem, ml_at + (self.warp * group + hh) * 2, m[hh])
+                self.store(self.smem, ml_at + (self.warp * group + hh) * 2 + 1, lsum[hh])
+            for c in range(per_lane):
+                with self.when(c * 32 + self.lane < d):
+                    self.store(self.smem, o_at + (self.warp * group + hh) * d + c * 32 + self.lane,
+                               o[hh * per_lane + c])
+        self.sync()
+        out = att.outputs[0]
+
+        def combine(idx) -> None:
+            hh, c = idx // d, idx % d
+            mx, den, num = self.local(), self.local(), self.local()
+            self.store(mx, 0, tirx.min_value(F32))
+            for w in range(WARPS):
+                self.store(mx, 0, tirx.max(mx[0], self.smem[ml_at + (w * group + hh) * 2]))
+            self.store(den, 0, f32(0))
+            self.store(num, 0, f32(0))
+            for w in range(WARPS):
+                sc = tirx.exp(self.smem[ml_at + (w * group + hh) * 2] - mx[0])
+                self.store(den, 0, den[0] + sc * self.smem[ml_at + (w * group + hh) * 2 + 1])
+                self.store(num, 0, num[0] + sc * self.smem[o_at + (w * group + hh) * d + c])
+            head = g * group + hh
+            if partials is None:
+                self.store(self.arena, self.col(op.slot(out)) + b * (att.attrs["n_head"] * d) + head * d + c,
+                           num[0] / den[0])
+            else:
+                h = att.attrs["n_head"]
+                base = (b * n_splits + split) * h
+                self.store(self.arena, partials.o + (base + head) * d + c, num[0])
+                with self.when(c == 0):
+                    self.store(self.arena, partials.ml + (base + head) * 2, mx[0])
+                    self.store(self.arena, partials.ml + (base + head) * 2 + 1, den[0])
+
+        self._each(group * d, combine)
+
+    def _attn_merge(self, op, att, b, g, group, d, n_splits, partials) -> None:
+        h = att.attrs["n_head"]
+        out = att.outputs[0]
+
+        def merge(idx) -> None:
+            hh, c = idx // d, idx % d
+            head = g * group + hh
+            mx, den, num = self.local(), self.local(), self.local()
+            self.store(mx, 0, tirx.min_value(F32))
+            for j in range(n_splits):
+                self.store(mx, 0, tirx.max(mx[0], self.arena[partials.ml + ((b * n_splits + j) * h + head) * 2]))
+            self.store(den, 0, f32(0))
+            self.store(num, 0, f32(0))
+            for j in range(n_splits):
+                at = (b * n_splits + j) * h + head
+                sc = tirx.exp(self.arena[partials.ml + at * 2] - mx[0])
+                self.store(den, 0, den[0] + sc * self.arena[partials.ml + at * 2 + 1])
+                self.store(num, 0, num[0] + sc * self.arena[partials.o + at * d + c])
+            self.store(self.arena, self.col(op.slot(out)) + b * (h * d) + head * d + c, num[0] / den[0])
+
+        self._each(group * d, merge)
+
+    # ---- argmax -------------------------------------------------------------------------------------------------
+    def argmax(self) -> None:
+        b = self.col(P.ROW)
+        tiles = max(1, self.p.lm_tiles)
+        best, arg = self.local(), self.local("int32")
+        self.store(best, 0, tirx.min_value(F32))
+        self.store(arg, 0, i32(2**31 - 1))
+        with B.serial(0, -(-tiles // THREADS)) as it:
+            t = it * THREADS + self.tx
+            with self.when(t < tiles):
+                v, i = self.amax_val[b, t], self.amax_idx[b, t]
+                with self.when((v > best[0]) | ((v == best[0]) & (i < arg[0]))):
+                    self.store(best, 0, v)
+                    self.store(arg, 0, i)
+        top = self.local()
+        self.store(top, 0, self.cta(best[0], "max"))
+        first = self.cta(tirx.if_then_else(best[0] == top[0], arg[0], i32(2**31 - 1)), "min", "int32")
+        idx = self.local("int32")
+        self.store(idx, 0, first)
+        with self.when(self.tx == 0):
+            self.store(self.token_out, b, idx[0])
+            self.store(self.lengths_out, b, self.lengths[b] + 1)
+
+
+def emit_megakernel(prog: P.Program, *, name: str = "megakernel", kv_dtype: str = "float16") -> tirx.PrimFunc:
+    em = MegakernelEmitter(prog, name=name, kv_dtype=kv_dtype)
+    return em.build()
+
+
+__all__ = ["emit_megakernel", "MegakernelEmitter", "LOGITS", "POSITIONS"]

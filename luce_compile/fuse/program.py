@@ -1,0 +1,312 @@
+"""The megakernel's program: a planned task graph as the tables and memory layout the persistent kernel reads.
+
+Layers that compute the same thing become one **opcode** (Hazy's opcode interpreter): stages whose ops, shapes,
+attributes, weight types and tiles are equal up to the layer share their code in the kernel, and their weights are
+stacked along a leading layer axis, so the kernel takes a few dozen buffers however deep the model is. What differs
+from layer to layer is in each task's row of the **task table**: which stacked layer it reads, which KV layer it
+appends to, and the arena offsets of the values it reads and writes.
+
+Memory, all plain tensors the runtime owns:
+  arena      float32: every value one stage writes and another reads, (batch, features) each, at a fixed offset;
+             attention's split partials (o unnormalized, and the running max / sum per head) too
+  pages      the KV pool, TVM's paged layout per layer (layers, pages, 2, kv_heads, page_size, head_dim) with a
+             page table (batch, pages per sequence) and each sequence's length (= the new token's position)
+  counters   int32, one per stage and one per task; a task adds 1 to both when done. A consumer waits until a counter
+             reaches count x epoch (epoch = the step's 1-based launch number: monotonic, never reset; MPK's events)
+  argmax     each LM-head tile's best logit and index per sequence; the last task per sequence reduces them
+
+A task depends on a whole stage (its counter reaches the stage's task count) or on a few tasks of it (their own
+counters): fuse/taskgraph.py derives the exact set from the regions, this module picks the cheaper wait.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from luce_compile.errors import UnsupportedError
+from luce_compile.fuse.plan import CostModel, Plan, plan_queues
+from luce_compile.fuse.taskgraph import ARGMAX_PARTIAL, Stage, TaskGraph, TaskKind, build_task_graph
+from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, OpKind
+
+# task table columns (then one arena offset per operand slot of the task's opcode: inputs, then outputs)
+OPCODE, LAYER, KV_LAYER, LO, HI, ROW, SPLIT, UNIT, TILE, DEP_START, DEP_COUNT, COUNTER, STAGE_COUNTER = range(13)
+FIXED_COLUMNS = 13
+FEW_DEPS = 8  # at most this many tasks of a stage: wait on each one's counter; more: on the stage's counter
+ALIGN = 4  # arena offsets in float32 elements (16 bytes: vector loads)
+
+
+@dataclass
+class Opcode:
+    index: int
+    kind: TaskKind
+    stages: tuple[int, ...]  # the stages it runs, one per layer it covers, in order (stacked weight index = position)
+    inputs: tuple[str, ...]  # arena values it reads, named as in its first stage (slot order)
+    outputs: tuple[str, ...]  # arena values it writes, named as in its first stage
+    weights: tuple[str, ...]  # weight tensors of its first stage (slot order); each stacked over `stages`
+    max_rows: tuple[int, ...] = ()  # matvec: the largest tile of each unit
+
+    @property
+    def stage(self) -> int:
+        return self.stages[0]
+
+    def slot(self, name: str) -> int:
+        """The task-table column (after the fixed ones) holding value `name`'s arena offset."""
+        return FIXED_COLUMNS + (self.inputs + self.outputs).index(name)
+
+
+@dataclass
+class AttentionPartials:
+    o: int  # arena offset of (batch, splits, heads * dv), unnormalized sums of p·v
+    ml: int  # arena offset of (batch, splits, heads, 2): running max and sum of exp per head
+
+
+@dataclass
+class Program:
+    tg: TaskGraph
+    plan: Plan
+    opcodes: list[Opcode]
+    stage_opcode: list[int]
+    arena: dict[str, int]  # value → offset (float32 elements)
+    arena_size: int
+    partials: dict[int, AttentionPartials]  # attention stage → its split partials
+    lm_tiles: int  # LM-head tiles: the argmax partials' second dimension
+    tasks: np.ndarray  # (n_sms, max queue, columns) int32
+    queue_len: np.ndarray  # (n_sms,) int32
+    deps: np.ndarray  # (n, 2) int32: (counter, count per epoch)
+    n_counters: int
+    page_size: int
+    kv: dict = field(default_factory=dict)  # n_layers, kv_heads, head_dim of the pool
+    stage_counts: dict[int, int] = field(default_factory=dict)  # tasks per counted stage (argmax: the last)
+
+    @property
+    def graph(self) -> Graph:
+        return self.tg.graph
+
+    @property
+    def batch(self) -> int:
+        return self.tg.batch
+
+    def width(self, name: str) -> int:
+        return math.prod(int(d) for d in self.graph.values()[name].shape[2:])
+
+    def stacked_tensors(self, opcode: int, slot: int) -> list[str]:
+        """The GGUF tensors stacked into weight `slot` of `opcode`, one per stage it runs (the stack's order)."""
+        return [_weights(self.tg.stages[s])[slot] for s in self.opcodes[opcode].stages]
+
+    def weight_args(self) -> list[tuple[str, int, int]]:
+        """(argument name, opcode, slot) of every stacked weight, in kernel argument order."""
+        return [(f"w{o.index}_{s}", o.index, s) for o in self.opcodes for s in range(len(o.weights))]
+
+
+def build_program(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_chunk: int = 256,
+                  page_size: int = 16, cost: CostModel | None = None, max_tile_bytes: int = 36 * 1024) -> Program:
+    """Plan the decode step of `graph` for `batch` sequences on `n_sms` persistent blocks."""
+    tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=max_context, kv_chunk=kv_chunk,
+                          max_tile_rows=max_tile_bytes // (4 * batch * 4))
+    plan = plan_queues(tg, cost or CostModel(n_sms=n_sms))
+    values = graph.values()
+    stage_opcode, opcodes = _opcodes(tg, values)
+    arena, size, partials = _arena(tg, values, opcodes)
+    kv = _kv_shape(graph, values)
+    lm_stage = [i for i, st in enumerate(tg.stages) if any(op.kind == OpKind.LM_HEAD for op in st.ops)]
+    lm_tiles = sum(1 for t in tg.tasks if t.stage in lm_stage)
+    prog = Program(tg, plan, opcodes, stage_opcode, arena, size, partials, lm_tiles, np.zeros(0), np.zeros(0),
+                   np.zeros(0), 0, page_size, kv)
+    _tables(prog)
+    return prog
+
+
+# ---- opcodes ----------------------------------------------------------------------------------------------------
+def _stage_values(tg: TaskGraph, st: Stage) -> tuple[list[str], list[str]]:
+    """A stage's external inputs (values other stages write) and the values it produces, in first-use order."""
+    ops = ([st.prologue] if st.prologue is not None else []) + list(st.ops)
+    produced = [o for op in ops for o in op.outputs]
+    ins: list[str] = []
+    if st.kind == TaskKind.MATVEC:
+        ins.append(st.input)
+    for op in ops:
+        if st.kind == TaskKind.ATTN_PARTIAL:
+            ins += [op.inputs[0]]  # q; keys and values come from the cache
+            break
+        for n in op.inputs:
+            if n not in produced and n not in (TOKENS, POSITIONS) and n not in ins:
+                ins.append(n)
+    return ins, produced
+
+
+def _signature(tg: TaskGraph, index: int, values) -> tuple:
+    st = tg.stages[index]
+    names: dict[str, str] = {}
+
+    def canon(n: str) -> str:
+        return n if n in (TOKENS, POSITIONS) else names.setdefault(n, f"v{len(names)}")
+
+    ops = ([st.prologue] if st.prologue is not None else []) + list(st.ops)
+    sig_ops = tuple(
+        (op.kind, tuple(canon(n) for n in op.inputs), tuple(canon(n) for n in op.outputs),
+         tuple(sorted((k, repr(v)) for k, v in op.attrs.items() if k != "layer")),
+         tuple((r, tg.graph.weights[w].ggml_type.name, tg.graph.weights[w].shape)
+               for r, w in sorted(op.weights.items())),
+         tuple(values[n].shape for n in op.inputs))
+        for op in ops)
+    units = tuple((tuple(ops.index(m) for m in u.matmuls), tuple(ops.index(e) for e in u.epilogue), u.rows, u.align)
+                  for u in st.units)
+    kv = tuple(sorted((canon(n), w) for n, (_, w) in tg.kv_slots.items() if n in names))
+    tiles = tuple((t.kind, t.unit, t.lo, t.hi, t.row, t.split) for t in tg.tasks if t.stage == index)
+    return st.kind, sig_ops, units, kv, st.n_splits, tiles, st.prologue is not None
+
+
+def _weights(st: Stage) -> tuple[str, ...]:
+    ops = ([st.prologue] if st.prologue is not None else []) + list(st.ops)
+    return tuple(w for op in ops for _, w in sorted(op.weights.items()))
+
+
+def _opcodes(tg: TaskGraph, values) -> tuple[list[int], list[Opcode]]:
+    groups: dict[tuple, list[int]] = {}
+    for i in range(len(tg.stages)):
+        groups.setdefault(_signature(tg, i, values), []).append(i)
+    stage_opcode = [0] * len(tg.stages)
+    opcodes = []
+    readers: dict[str, set[int]] = {}
+    for i, st in enumerate(tg.stages):
+        for n in _stage_values(tg, st)[0]:
+            readers.setdefault(n, set()).add(i)
+    for stages in groups.values():
+        st = tg.stages[stages[0]]
+        ins, produced = _stage_values(tg, st)
+        outs = [n for n in produced if readers.get(n, set()) - {stages[0]} or n == LOGITS]
+        rows = tuple(max(t.hi - t.lo for t in tg.tasks if t.stage == stages[0] and t.unit == u)
+                     for u in range(len(st.units))) if st.kind == TaskKind.MATVEC else ()
+        op = Opcode(len(opcodes), st.kind, tuple(stages), tuple(ins), tuple(outs), _weights(st), rows)
+        for s in stages:
+            stage_opcode[s] = op.index
+        opcodes.append(op)
+    # the final argmax is its own opcode (its tasks carry the LM head's stage number)
+    opcodes.append(Opcode(len(opcodes), TaskKind.ARGMAX, (), (), (), ()))
+    return stage_opcode, opcodes
+
+
+def _arena(tg: TaskGraph, values, opcodes: list[Opcode]) -> tuple[dict[str, int], int, dict[int, AttentionPartials]]:
+    arena: dict[str, int] = {}
+    size = 0
+
+    def take(n: int) -> int:
+        nonlocal size
+        off, size = size, size + -(-n // ALIGN) * ALIGN
+        return off
+
+    def width(n: str) -> int:
+        return math.prod(int(d) for d in values[n].shape[2:])
+
+    for op in opcodes:
+        for s in op.stages:
+            st = tg.stages[s]
+            ins, produced = _stage_values(tg, st)
+            for n in ins + [p for p in produced if p in _outputs_of(op, tg, s)]:
+                if n not in arena:
+                    arena[n] = take(tg.batch * width(n))
+    partials = {}
+    for i, st in enumerate(tg.stages):
+        if st.kind == TaskKind.ATTN_PARTIAL and st.n_splits > 1:
+            a = st.attention.attrs
+            dv = int(values[st.attention.inputs[2]].shape[-1])
+            h = a["n_head"]
+            partials[i] = AttentionPartials(take(tg.batch * st.n_splits * h * dv), take(tg.batch * st.n_splits * h * 2))
+    return arena, size, partials
+
+
+def _outputs_of(op: Opcode, tg: TaskGraph, stage: int) -> list[str]:
+    """Opcode `op`'s output slots, named as in `stage` (the same positions in that stage's produced values)."""
+    first = _stage_values(tg, tg.stages[op.stage])[1]
+    mine = _stage_values(tg, tg.stages[stage])[1]
+    return [mine[first.index(n)] for n in op.outputs]
+
+
+def _inputs_of(op: Opcode, tg: TaskGraph, stage: int) -> list[str]:
+    return _stage_values(tg, tg.stages[stage])[0]
+
+
+def _kv_shape(graph: Graph, values) -> dict:
+    attn = graph.attention_ops()
+    shapes = {(op.attrs["n_head_kv"], int(values[op.inputs[1]].shape[-1]), int(values[op.inputs[2]].shape[-1]))
+              for op in attn}
+    if len(shapes) != 1:
+        raise UnsupportedError(f"fuse: the megakernel's KV pool needs one (kv heads, head dim) for every layer, got "
+                               f"{sorted(shapes)}; build with --no-megakernel.")
+    hkv, d, dv = shapes.pop()
+    if d != dv:
+        raise UnsupportedError(f"fuse: keys and values of different sizes ({d}, {dv}) do not fit TVM's page layout; "
+                               "build with --no-megakernel.")
+    return {"n_layers": 1 + max(op.attrs["layer"] for op in attn), "kv_heads": hkv, "head_dim": d}
+
+
+# ---- tables -----------------------------------------------------------------------------------------------------
+def _tables(prog: Program) -> None:
+    tg = prog.tg
+    stage_tasks: dict[int, list[int]] = {}
+    for t in tg.tasks:
+        stage_tasks.setdefault(t.stage, []).append(t.id)
+    argmax_ids = {t.id for t in tg.tasks if t.kind == TaskKind.ARGMAX}
+    for t in argmax_ids:  # argmax tasks carry the LM head's stage number: count them apart
+        stage_tasks[tg.tasks[t].stage].remove(t)
+    n_stages = len(tg.stages) + 1  # + the argmax pseudo-stage
+    stage_of = {t.id: t.stage for t in tg.tasks}
+    for t in argmax_ids:
+        stage_of[t] = len(tg.stages)
+    stage_tasks[len(tg.stages)] = sorted(argmax_ids)
+    lm_tile = {}
+    for t in tg.tasks:
+        if t.kind == TaskKind.MATVEC and any(w.value == ARGMAX_PARTIAL for w in t.writes):
+            lm_tile[t.id] = len(lm_tile)
+    n_slots = max((len(o.inputs) + len(o.outputs) for o in prog.opcodes), default=0)
+    width = FIXED_COLUMNS + n_slots
+    q_max = max((len(q) for q in prog.plan.queues), default=0)
+    tasks = np.zeros((len(prog.plan.queues), max(1, q_max), width), np.int32)
+    deps: list[tuple[int, int]] = []
+    for sm, queue in enumerate(prog.plan.queues):
+        for i, tid in enumerate(queue):
+            t = tg.tasks[tid]
+            row = tasks[sm, i]
+            stage = stage_of[tid]
+            op = prog.opcodes[-1] if tid in argmax_ids else prog.opcodes[prog.stage_opcode[stage]]
+            row[OPCODE], row[LO], row[HI] = op.index, t.lo, t.hi
+            row[ROW], row[UNIT] = -1 if t.row is None else t.row, t.unit
+            row[SPLIT] = -1 if t.kind == TaskKind.ATTN_MERGE else t.split  # attention's merge runs in its opcode
+            row[TILE] = lm_tile.get(tid, 0)
+            row[COUNTER], row[STAGE_COUNTER] = n_stages + tid, stage
+            if op.stages:
+                row[LAYER] = op.stages.index(stage)
+                st = tg.stages[stage]
+                layers = [tg.kv_slots[n][0] for n in _stage_values(tg, st)[1] if n in tg.kv_slots]
+                if st.attention is not None:
+                    layers.append(st.attention.attrs["layer"])
+                row[KV_LAYER] = layers[0] if layers else 0
+                for j, n in enumerate(_inputs_of(op, tg, stage) + _outputs_of(op, tg, stage)):
+                    row[FIXED_COLUMNS + j] = prog.arena[n]
+            row[DEP_START] = len(deps)
+            by_stage: dict[int, list[int]] = {}
+            for d in t.deps:
+                by_stage.setdefault(stage_of[d], []).append(d)
+            for s, ds in sorted(by_stage.items()):
+                if len(ds) == len(stage_tasks[s]) or len(ds) > FEW_DEPS:
+                    deps.append((s, len(stage_tasks[s])))
+                else:
+                    deps += [(n_stages + d, 1) for d in ds]
+            row[DEP_COUNT] = len(deps) - row[DEP_START]
+    prog.tasks = tasks
+    prog.queue_len = np.array([len(q) for q in prog.plan.queues], np.int32)
+    prog.deps = np.array(deps or [(0, 0)], np.int32).reshape(-1, 2)
+    prog.n_counters = n_stages + len(tg.tasks)
+    prog.stage_counts = {s: len(v) for s, v in stage_tasks.items()}
+
+
+def describe(prog: Program) -> str:
+    lines = [f"{len(prog.opcodes)} opcodes for {len(prog.tg.stages)} stages, {len(prog.tg.tasks)} tasks, "
+             f"arena {prog.arena_size * 4 / 2**20:.2f} MiB, {len(prog.deps)} waits"]
+    for o in prog.opcodes:
+        lines.append(f"  op{o.index:<3d} {o.kind:12s} x{len(o.stages) or 1:<3d} in={len(o.inputs)} "
+                     f"out={len(o.outputs)} weights={len(o.weights)} rows={o.max_rows}")
+    return "\n".join(lines)

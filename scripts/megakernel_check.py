@@ -1,0 +1,470 @@
+"""Check and time the generated megakernels on the GPU machine (issue 11), runtime-only there.
+
+  prepare (here):  python scripts/megakernel_check.py prepare [--dir .gpucheck/mk] [--models ...] [--batches 1 2 5 8]
+      compiles every model's megakernels for sm_90 into <dir>/<model>/megakernel.so with the fingerprint of each
+      batch size's program; tiny synthetic models of every architecture and weight type travel as GGUFs, the
+      benchmark workloads as the spec, tokenizer and reference logits that benchmarks/h200/prepare.py wrote to
+      .gpucheck/h200 (their GGUFs are regenerated there, byte for byte).
+  run (there):     python scripts/megakernel_check.py run [--dir .gpucheck/mk] [--out $OUT/mk.json] [--time]
+      per model: rebuilds the programs (checked against the fingerprints) and the stacked weights from the GGUF,
+      then checks, one decode step per token from an empty cache (the megakernel has no prefill yet):
+        oracle   logits after the prompt and after each teacher-forced greedy step vs the float64 oracle's
+                 (reference.npz for the workloads; computed there for the tiny models), relative to the row's max;
+                 greedy ids equal until the first near-tie
+        batched  2, 5 and 8 sequences of different lengths stepped together vs each alone (the alone run's cache
+                 copied in at each prompt's end)
+      and with --time: device time per step (CUDA events over back-to-back launches that feed each step's ids
+      and lengths to the next, nothing else launched) and the host's wall clock per step when each step's ids are
+      copied to the host, at context 512, batch 1 and 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "runtime"))
+
+WORKLOADS = ("smollm2-135m", "llama-1b-body", "llama-1b-body-bf16", "qwen3-0.6b")
+TINY_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+TINY_ARCHS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3")
+REL_TOL = 2e-3  # float16 KV cache, float32 everything else (the oracle is float64)
+NEAR_TIE = 0.05
+BATCH_TOL = 1e-5
+
+
+def tiny_specs() -> dict:
+    from luce_compile.synthetic import preset
+
+    specs = {name: preset(name) for name in TINY_ARCHS}
+    for q in TINY_TYPES:
+        specs[f"tiny-llama-{q.lower()}"] = dataclasses.replace(preset("tiny-llama"), quant=q)
+    return specs
+
+
+def options(max_context: int, batches: tuple[int, ...]):
+    from luce_compile.fuse.build import MegakernelOptions
+
+    return MegakernelOptions(batches=batches, max_context=max_context)
+
+
+# ---- prepare (build machine) --------------------------------------------------------------------------------------
+def prepare(args: argparse.Namespace) -> int:
+    from luce_compile.fuse.build import compile_megakernels, program_fingerprint
+    from luce_compile.graph.registry import open_graph
+    from luce_compile.synthetic import cached_synthetic
+
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = ROOT / ".gpucheck" / "h200" / "smollm2-135m" / "artifact" / "tokenizer.json"  # for the tiny GGUFs
+    shutil.copyfile(tokenizer, out / "tokenizer.json")
+    tiny = tiny_specs()
+    models = args.models or [*tiny, *WORKLOADS]
+    batches = tuple(args.batches)
+    summary = {}
+    for name in models:
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        if name in tiny:  # the GGUF is regenerated there from the spec (with the shared tokenizer keys)
+            gguf = cached_synthetic(tiny[name])
+            (folder / "synthetic.json").write_text(json.dumps(dataclasses.asdict(tiny[name])))
+        else:
+            src = ROOT / ".gpucheck" / "h200" / name
+            for f in ("spec.json", "reference.npz"):
+                shutil.copyfile(src / f, folder / f)
+            shutil.copyfile(src / "artifact" / "tokenizer.json", folder / "tokenizer.json")
+            gguf = cached_synthetic(name)
+        graph, _ = open_graph(gguf)
+        start = time.perf_counter()
+        try:
+            programs = compile_megakernels(graph, "sm_90", folder / "megakernel.so", options(args.ctx, batches))
+        except Exception as e:  # noqa: BLE001  (recorded: the run reports which models could not build)
+            (folder / "build.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            summary[name] = f"error: {e}"
+            print(name, "error", e)
+            continue
+        seconds = round(time.perf_counter() - start, 1)
+        info = {"batches": list(batches), "max_context": args.ctx, "compile_seconds": seconds,
+                "fingerprints": {str(b): program_fingerprint(p) for b, p in programs.items()},
+                "tasks": {str(b): len(p.tg.tasks) for b, p in programs.items()}}
+        (folder / "build.json").write_text(json.dumps(info))
+        summary[name] = info["compile_seconds"]
+        print(name, info)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(json.dumps(summary), f"{size / 2**20:.1f} MiB")
+    return 0
+
+
+# ---- run (GPU machine) ------------------------------------------------------------------------------------------
+class Runner:
+    """One compiled megakernel with its program's buffers; steps B sequences, page tables contiguous per sequence."""
+
+    def __init__(self, fn, prog, weights: list, torch):
+        self.fn, self.p, self.torch = fn, prog, torch
+        t, dev = torch, "cuda"
+        b, kv = prog.batch, prog.kv
+        self.max_pages = -(-prog.tg.max_context // prog.page_size)
+        self.pages = t.zeros((kv["n_layers"], b * self.max_pages, 2, kv["kv_heads"], prog.page_size, kv["head_dim"]),
+                             dtype=t.float16, device=dev)
+        self.page_table = t.arange(b * self.max_pages, dtype=t.int32, device=dev).reshape(b, self.max_pages)
+        self.arena = t.zeros(prog.arena_size, dtype=t.float32, device=dev)
+        self.amax_val = t.zeros((b, max(1, prog.lm_tiles)), dtype=t.float32, device=dev)
+        self.amax_idx = t.zeros((b, max(1, prog.lm_tiles)), dtype=t.int32, device=dev)
+        self.tasks = t.from_numpy(prog.tasks).to(dev)
+        self.queue_len = t.from_numpy(prog.queue_len).to(dev)
+        self.deps = t.from_numpy(prog.deps).to(dev)
+        self.counters = t.zeros(prog.n_counters, dtype=t.int32, device=dev)
+        self.status = t.zeros((len(prog.queue_len), 4), dtype=t.int32, device=dev)
+        self.profile = t.zeros((len(prog.queue_len), prog.tasks.shape[1], 3), dtype=t.int64, device=dev)
+        self.profiling = 0
+        self.tok = [t.zeros(b, dtype=t.int32, device=dev) for _ in range(2)]
+        self.len = [t.zeros(b, dtype=t.int32, device=dev) for _ in range(2)]
+        self.weights = weights
+        self.epoch = 0
+        self.cur = 0
+        from luce_compile.graph.ir import LOGITS
+
+        self.logits_at = prog.arena[LOGITS]
+        self.vocab = prog.width(LOGITS)
+
+    def launch(self) -> None:
+        """One step from (tok, len)[cur] into (tok, len)[1 - cur]; then cur flips."""
+        self.epoch += 1
+        a, z = self.cur, 1 - self.cur
+        self.fn(self.tok[a], self.len[a], self.page_table, self.pages, self.arena, self.amax_val, self.amax_idx,
+                self.tok[z], self.len[z], self.tasks, self.queue_len, self.deps, self.counters, self.status,
+                self.epoch, self.profile, self.profiling, *self.weights)
+        self.cur = z
+
+    def check_status(self) -> None:
+        st = self.status.cpu().numpy()
+        stuck = np.nonzero(st[:, 0])[0]
+        if len(stuck):
+            first = [(int(b), *map(int, st[b])) for b in stuck[:6]]
+            raise RuntimeError(f"megakernel: {len(stuck)} blocks gave up waiting at epoch {self.epoch}: "
+                               f"(block, queue position + 1, counter, target, seen) {first}")
+
+    def step(self, tokens: list[int], lengths: list[int]) -> tuple[np.ndarray, list[int]]:
+        t = self.torch
+        self.tok[self.cur].copy_(t.tensor(tokens, dtype=t.int32))
+        self.len[self.cur].copy_(t.tensor(lengths, dtype=t.int32))
+        self.launch()
+        self.check_status()
+        logits = self.arena[self.logits_at:self.logits_at + self.p.batch * self.vocab].reshape(self.p.batch, -1)
+        return logits.double().cpu().numpy(), self.tok[self.cur].cpu().tolist()
+
+
+def stacked_weights(prog, gguf, torch) -> list:
+    from luce_compile.lower.quant_layout import weight_planes
+
+    out = []
+    for _, o, s in prog.weight_args():
+        names = prog.stacked_tensors(o, s)
+        info = gguf.tensor(names[0])
+        if len(info.shape) == 1:
+            out.append(torch.from_numpy(np.stack([gguf.dequantize(n).astype(np.float32) for n in names])).cuda())
+            continue
+        per = [weight_planes(gguf.raw(n), info.ggml_type, 2) for n in names]
+        for plane in per[0]:
+            out.append(torch.from_numpy(np.ascontiguousarray(np.stack([p[plane] for p in per]))).cuda())
+    return out
+
+
+def rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def near_tie(row: np.ndarray) -> bool:
+    top = np.sort(row)[-2:]
+    return bool(top[1] - top[0] < NEAR_TIE * max(1.0, abs(top[1])))
+
+
+def decode_trace(runner, prompt: list[int], forced: list[int] | None, steps: int):
+    """Logits after the prompt and after each step (teacher-forced with `forced` when given), and the kernel's ids."""
+    rows, ids = [], []
+    logits = None
+    for i, tok in enumerate(prompt):
+        logits, out = runner.step([tok], [i])
+    rows.append(logits[0])
+    ids.append(out[0])
+    n = len(prompt)
+    for s in range(steps):
+        tok = forced[s] if forced is not None else ids[-1]
+        logits, out = runner.step([tok], [n + s])
+        rows.append(logits[0])
+        ids.append(out[0])
+    return np.stack(rows), ids
+
+
+def check_values(runner, gguf_path: Path, steps: int = 3) -> dict:
+    """Every arena value after each of the first steps vs the oracle's value of the same name: the first wrong one
+    names the task body to look at."""
+    from luce_compile.graph.oracle import Oracle
+
+    oracle = Oracle(gguf_path)
+    tokens = [5, 17, 301][:steps]
+    order = [o for op in oracle.graph.ops for o in op.outputs]
+    worst: dict = {}
+    for i, tok in enumerate(tokens):
+        env = oracle.run(np.array([[tok]]), np.array([[i]]))
+        oracle.n_past += 1
+        runner.step([tok], [i])
+        for name in order:
+            if name not in runner.p.arena or name not in env:
+                continue
+            w = runner.p.width(name)
+            got = runner.arena[runner.p.arena[name]:runner.p.arena[name] + w].double().cpu().numpy()
+            err = rel(got, env[name].reshape(-1)[:w])
+            if err > 1e-3 and "first_wrong" not in worst:
+                want = env[name].reshape(-1)[:6].round(4).tolist()
+                worst["first_wrong"] = {"step": i, "value": name, "rel_err": err, "got": got[:6].round(4).tolist(),
+                                        "want": want}
+    return worst or {"all_within": 1e-3}
+
+
+def check_oracle(runner, ref: dict) -> dict:
+    prompt, want_ids, want = [int(x) for x in ref["prompt"]], [int(x) for x in ref["ids"]], ref["logits"]
+    got, ids = decode_trace(runner, prompt, want_ids, len(want) - 1)
+    errs = [rel(g, w) for g, w in zip(got, want.astype(np.float64), strict=True)]
+    mism, checked = 0, 0
+    for g_id, w_id, w_row in zip(ids, want_ids, want, strict=False):
+        if near_tie(w_row):
+            break
+        checked += 1
+        mism += g_id != w_id or g_id != int(np.argmax(w_row))
+    return {"max_rel_err": max(errs), "rows": len(errs), "ids_checked": checked, "ids_mismatched": int(mism),
+            "ok": max(errs) < REL_TOL and mism == 0}
+
+
+def tiny_reference(gguf_path: Path, steps: int = 64, seed: int = 0) -> dict:
+    from luce_compile.graph.oracle import Oracle
+
+    oracle = Oracle(gguf_path)
+    vocab = int(oracle.graph.values()["logits"].shape[-1])
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(1, min(vocab, 49152), 8)]
+    rows = [oracle.prefill(prompt)[-1]]
+    ids = []
+    for _ in range(steps):
+        ids.append(int(np.argmax(rows[-1])))
+        rows.append(oracle.decode(ids[-1]))
+    ids.append(int(np.argmax(rows[-1])))
+    return {"prompt": np.array(prompt), "ids": np.array(ids), "logits": np.stack(rows)}
+
+
+def check_batched(runners: dict, vocab: int, sizes=(2, 5, 8), steps: int = 12, seed: int = 1) -> dict:
+    """Sequences of different lengths stepped together vs each alone (alone runs give the batched run its cache)."""
+    torch = runners[1].torch
+    rng = np.random.default_rng(seed)
+    worst, mism, done = 0.0, 0, []
+    for n in sizes:
+        if n not in runners:
+            continue
+        batch, alone = runners[n], runners[1]
+        prompts = [[int(t) for t in rng.integers(1, min(vocab, 49152), 3 + 2 * i)] for i in range(n)]
+        want_rows, want_ids = [], []
+        for i, pr in enumerate(prompts):
+            rows, ids = decode_trace(alone, pr, None, steps)
+            want_rows.append(rows)
+            want_ids.append(ids)
+            # the alone run's cache holds the prompt at positions below its length: row i starts from it
+            mp = batch.max_pages
+            batch.pages[:, i * mp:(i + 1) * mp].copy_(alone.pages[:, 0:mp])
+        lengths = [len(p) for p in prompts]
+        toks = [want_ids[i][0] for i in range(n)]
+        for s in range(steps):
+            logits, ids = batch.step(toks, [lengths[i] + s for i in range(n)])
+            for i in range(n):
+                worst = max(worst, rel(logits[i], want_rows[i][s + 1]))
+                mism += ids[i] != want_ids[i][s + 1]
+            toks = ids
+        done.append(n)
+        torch.cuda.synchronize()
+    return {"sizes": done, "max_rel_diff": worst, "ids_mismatched": int(mism), "ok": worst < BATCH_TOL and mism == 0}
+
+
+def time_runner(runner, context: int = 512, steps: int = 200) -> dict:
+    torch = runner.torch
+    runner.pages.normal_()  # values do not change the speed; positions below `context` are read
+    b = runner.p.batch
+    runner.tok[runner.cur].copy_(torch.randint(1, 1000, (b,), dtype=torch.int32))
+    runner.len[runner.cur].fill_(context)
+    for _ in range(10):
+        runner.launch()
+    runner.len[runner.cur].fill_(context)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        runner.launch()
+    end.record()
+    torch.cuda.synchronize()
+    device_us = start.elapsed_time(end) * 1e3 / steps
+    runner.len[runner.cur].fill_(context)
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        runner.launch()
+        runner.tok[runner.cur].cpu()  # what a streaming server does: the ids reach the host every step
+        walls.append(time.perf_counter() - t0)
+    wall_us = float(np.median(walls)) * 1e6
+    return {"batch": b, "context": context, "device_us_per_step": round(device_us, 1),
+            "host_us_per_step": round(wall_us, 1), "tok_s_device": round(b / device_us * 1e6),
+            "tok_s_host": round(b / wall_us * 1e6)}
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def profile_step(runner, context: int = 512) -> dict:
+    """One step with the clocks on: per opcode, tasks, mean wait and body time (µs at the SM clock), and the step's
+    span; the SM clocks are per SM, so only durations are compared."""
+    torch = runner.torch
+    runner.len[runner.cur].fill_(context)
+    runner.profiling = 1
+    runner.launch()
+    torch.cuda.synchronize()
+    runner.profiling = 0
+    prof = runner.profile.cpu().numpy()
+    ghz = torch.cuda.get_device_properties(0).clock_rate / 1e6 if hasattr(torch.cuda.get_device_properties(0),
+                                                                           "clock_rate") else 1.98
+    p = runner.p
+    per: dict = {}
+    busy = []
+    for sm in range(len(p.queue_len)):
+        n = int(p.queue_len[sm])
+        if not n:
+            continue
+        t = prof[sm, :n].astype(np.float64) / (ghz * 1e3)  # cycles → µs
+        busy.append((t[-1, 2] - t[0, 0], float((t[:, 2] - t[:, 1]).sum()), float((t[:, 1] - t[:, 0]).sum())))
+        for i in range(n):
+            op = p.opcodes[int(p.tasks[sm, i, 0])]
+            key = f"op{op.index} {op.kind}"
+            d = per.setdefault(key, [0, 0.0, 0.0])
+            d[0] += 1
+            d[1] += t[i, 1] - t[i, 0]
+            d[2] += t[i, 2] - t[i, 1]
+    span, body, wait = (float(np.max([b[0] for b in busy])), float(np.mean([b[1] for b in busy])),
+                        float(np.mean([b[2] for b in busy])))
+    return {"clock_ghz": round(ghz, 3), "span_us": round(span, 1), "mean_sm_body_us": round(body, 1),
+            "mean_sm_wait_us": round(wait, 1),
+            "opcodes": {k: {"tasks": v[0], "wait_us": round(v[1] / v[0], 2), "body_us": round(v[2] / v[0], 2)}
+                        for k, v in per.items()}}
+
+
+def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
+    from luce_compile.fuse.build import plan_programs, program_fingerprint
+    from luce_compile.gguf.reader import read_gguf
+    from luce_compile.graph.registry import open_graph
+    from luce_compile.targets import get_target
+
+    build = json.loads((folder / "build.json").read_text())
+    if "error" in build:
+        return {"build_error": build["error"], "ok": False}
+    gguf_path = Path(args.work) / f"{folder.name}.gguf"
+    if (folder / "synthetic.json").is_file() and not gguf_path.is_file():
+        import luce_compile.synthetic as synthetic
+
+        keys = json.loads((folder.parent / "tokenizer.json").read_text())
+        synthetic.tokenizer_metadata = lambda: {k: v for k, v in keys.items() if k.startswith("tokenizer.")}
+        spec = json.loads((folder / "synthetic.json").read_text())
+        synthetic.write_synthetic(synthetic.SyntheticSpec(**spec), gguf_path)
+    if not gguf_path.is_file():  # a workload: device_check regenerates it from the preset and its tokenizer
+        from device_check import generate_gguf
+
+        staging = Path(args.work) / f"{folder.name}-spec"
+        (staging / "artifact").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(folder / "spec.json", staging / "spec.json")
+        shutil.copyfile(folder / "tokenizer.json", staging / "artifact" / "tokenizer.json")
+        generate_gguf(staging, gguf_path)
+    say(f"{folder.name}: GGUF ready")
+    graph, _ = open_graph(gguf_path)
+    programs = plan_programs(graph, get_target("sm_90").facts, options(build["max_context"], tuple(build["batches"])))
+    result: dict = {"tasks": build["tasks"]}
+    for b, p in programs.items():
+        if program_fingerprint(p) != build["fingerprints"][str(b)]:
+            return {"error": f"the program for batch {b} differs from the compiled one", "ok": False}
+    say(f"{folder.name}: programs match")
+    mod = tvm_ffi.load_module(str((folder / "megakernel.so").resolve()))
+    gguf = read_gguf(gguf_path)
+    weights = stacked_weights(programs[1], gguf, torch)  # the same stacks for every batch size
+    say(f"{folder.name}: weights stacked")
+    runners = {b: Runner(mod[f"megakernel_b{b}"], p, weights, torch) for b, p in programs.items()}
+    ref_path = folder / "reference.npz"
+    ref = dict(np.load(ref_path)) if ref_path.is_file() else tiny_reference(gguf_path)
+    t0 = time.perf_counter()
+    runners[1].step([1], [0])
+    torch.cuda.synchronize()
+    say(f"{folder.name}: first step done in {time.perf_counter() - t0:.2f} s")
+    result["values"] = check_values(runners[1], gguf_path)
+    say(f"{folder.name}: values {result['values']}")
+    result["oracle"] = check_oracle(runners[1], ref)
+    say(f"{folder.name}: oracle {result['oracle']}")
+    result["batched"] = check_batched(runners, runners[1].vocab)
+    say(f"{folder.name}: batched {result['batched']}")
+    result["check_seconds"] = round(time.perf_counter() - t0, 1)
+    if args.time:
+        result["timing"] = [time_runner(runners[b]) for b in (1, 8) if b in runners]
+        result["profile_b1"] = profile_step(runners[1])
+    result["ok"] = result["oracle"]["ok"] and result["batched"]["ok"]
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ["TVM_USE_RUNTIME_LIB"] = "1"
+    import torch
+    import tvm_ffi
+    from luce_runtime.engine import load_device_api
+
+    if not load_device_api("cuda"):
+        raise SystemExit("megakernel_check: the CUDA device API did not load")
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    folders = sorted(p for p in Path(args.dir).iterdir() if (p / "build.json").is_file())
+    if args.models:
+        folders = [f for f in folders if f.name in args.models]
+    for folder in folders:
+        t0 = time.perf_counter()
+        try:
+            results[folder.name] = run_model(folder, args, torch, tvm_ffi)
+        except Exception as e:  # noqa: BLE001  (one model's failure must not hide the others' results)
+            results[folder.name] = {"error": f"{type(e).__name__}: {e}", "ok": False}
+        results[folder.name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(folder.name, json.dumps(results[folder.name]), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0 if all(r.get("ok") for k, r in results.items() if isinstance(r, dict)) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--dir", default=str(ROOT / ".gpucheck" / "mk"))
+    p.add_argument("--models", nargs="*")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 5, 8])
+    p.add_argument("--ctx", type=int, default=1024)
+    p.set_defaults(func=prepare)
+    r = sub.add_parser("run")
+    r.add_argument("--dir", default=str(ROOT / ".gpucheck" / "mk"))
+    r.add_argument("--models", nargs="*")
+    r.add_argument("--out")
+    r.add_argument("--work", default="/tmp/mk-work")
+    r.add_argument("--time", action="store_true")
+    r.set_defaults(func=run)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
