@@ -54,6 +54,7 @@ QK_K = 256  # values per Q8_K block and per K-quant super-block
 BSUM = 16  # values per Q8_K block sum (bsums)
 INT8_GEMV_ATTR = "luce.int8_gemv"  # marks int8_matmul's PrimFuncs for the schedule rule: value = weight type name
 PRECISIONS = ("auto", "int8", "f32")
+Rows = int | tirx.Expr  # rows of activations: 1 (decode1's GEMVs), or the batch of the batched decode (a Var)
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,15 @@ class Q8Format:
         """The inverse: the position (0..31) that element e (0..31) of a group of 32 is stored at."""
         return e if self.order == "natural" else (e % 2) * 16 + e // 2
 
-    def specs(self, n_in: int) -> dict[str, tuple[tuple[int, int], str]]:
-        """Name → (shape, dtype) of the quantized tensors xq, xd [, xs] [, xb]: int8_matmul's first arguments."""
+    def specs(self, n_in: int, rows: Rows = 1) -> dict[str, tuple[tuple[Rows, int], str]]:
+        """Name → (shape, dtype) of the quantized tensors xq, xd [, xs] [, xb] of `rows` input rows (one per row,
+        as ggml quantizes them): int8_matmul's first arguments."""
         nb = n_in // self.block
-        specs = {"xq": ((1, n_in), "int8"), "xd": ((1, nb), "float32")}
+        specs = {"xq": ((rows, n_in), "int8"), "xd": ((rows, nb), "float32")}
         if self.with_sum:
-            specs["xs"] = ((1, nb), "float32")
+            specs["xs"] = ((rows, nb), "float32")
         if self.with_bsums:
-            specs["xb"] = ((1, n_in // BSUM), "int32")
+            specs["xb"] = ((rows, n_in // BSUM), "int32")
         return specs
 
 
@@ -140,8 +142,18 @@ def resolve_precision(precision: str, target: Target) -> str:
     return chosen
 
 
-def _i64(*dims: int) -> tuple[tirx.Expr, ...]:
-    return tuple(tirx.IntImm("int64", d) for d in dims)
+def _i64(*dims: int | tirx.Expr) -> tuple[tirx.Expr, ...]:
+    """Shapes in int64, as Relax writes them (a symbolic row count stays as it is)."""
+    return tuple(tirx.IntImm("int64", d) if isinstance(d, int) else d for d in dims)
+
+
+def _rows(batch: int | str) -> Rows:
+    """1, or an int64 Var for a batch known only at run time ("dynamic")."""
+    if batch == "dynamic":
+        return tirx.Var("rows", "int64")
+    if batch != 1:
+        raise UnsupportedError(f"lower: int8 kernels take batch 1 or 'dynamic', got {batch!r}")
+    return 1
 
 
 def _f16_round(value: tirx.Expr) -> tirx.Expr:
@@ -156,56 +168,60 @@ def _check_n_in(n_in: int, fmt: Q8Format) -> None:
         )
 
 
-def _quantize_q8_k(x: te.Tensor, n_in: int, fmt: Q8Format) -> list[te.Tensor]:
-    """quantize_row_q8_K_ref: xq (1, n_in) int8 in `fmt.order`, xd (1, n_in/256) float32, xb (1, n_in/16) int32."""
+def _quantize_q8_k(x: te.Tensor, rows: Rows, n_in: int, fmt: Q8Format) -> list[te.Tensor]:
+    """quantize_row_q8_K_ref per row: xq (R, n_in) int8 in `fmt.order`, xd (R, n_in/256) float32, xb (R, n_in/16)
+    int32."""
     nb = n_in // QK_K
     i = te.reduce_axis(_i64(0, QK_K), name="i")
-    amax = te.compute(_i64(1, nb), lambda r, b: te.max(tirx.abs(x[r, b * QK_K + i]), axis=i), name="amax")
+    amax = te.compute(_i64(rows, nb), lambda r, b: te.max(tirx.abs(x[r, b * QK_K + i]), axis=i), name="amax")
     # ggml keeps the first value of largest magnitude (`if (ax > amax)`), sign included: its index, then its value
     j = te.reduce_axis(_i64(0, QK_K), name="j")
     first = te.compute(
-        _i64(1, nb),
+        _i64(rows, nb),
         lambda r, b: te.min(
             tirx.Select(tirx.abs(x[r, b * QK_K + j]) == amax[r, b], j, tirx.IntImm("int64", QK_K)), axis=j
         ),
         name="first",
     )
     iscale = te.compute(
-        _i64(1, nb),
+        _i64(rows, nb),
         lambda r, b: tirx.Select(
             amax[r, b] > 0, tirx.const(-127.0, "float32") / x[r, b * QK_K + first[r, b]], tirx.const(0.0, "float32")
         ),
         name="iscale",
     )
     qn = te.compute(
-        _i64(1, n_in),
+        _i64(rows, n_in),
         lambda r, k: tirx.min(tirx.nearbyint(iscale[r, k // QK_K] * x[r, k]), tirx.const(127.0, "float32")).astype(
             "int8"
         ),
         name="q",
     )
-    xq = te.compute(_i64(1, n_in), lambda r, k: qn[r, k // QK8 * QK8 + fmt.position_element(k % QK8)], name="xq")
+    xq = te.compute(_i64(rows, n_in), lambda r, k: qn[r, k // QK8 * QK8 + fmt.position_element(k % QK8)], name="xq")
     xd = te.compute(
-        _i64(1, nb),
+        _i64(rows, nb),
         lambda r, b: tirx.Select(amax[r, b] > 0, tirx.const(1.0, "float32") / iscale[r, b], tirx.const(0.0, "float32")),
         name="xd",
     )
     h = te.reduce_axis(_i64(0, BSUM), name="h")
-    xb = te.compute(_i64(1, n_in // BSUM), lambda r, g: te.sum(qn[r, g * BSUM + h].astype("int32"), axis=h), name="xb")
+    xb = te.compute(
+        _i64(rows, n_in // BSUM), lambda r, g: te.sum(qn[r, g * BSUM + h].astype("int32"), axis=h), name="xb"
+    )
     return [xq, xd, xb]
 
 
-def quantize_q8(n_in: int, fmt: Q8Format, *, name: str | None = None) -> tirx.PrimFunc:
-    """x (1, n_in) float32 → the tensors of `fmt.specs`: xq (1, n_in) int8 in `fmt.order`, xd (1, n_in/block)
-    float32 [, xs (1, n_in/32) float32] [, xb (1, n_in/16) int32]."""
+def quantize_q8(n_in: int, fmt: Q8Format, *, batch: int | str = 1, name: str | None = None) -> tirx.PrimFunc:
+    """x (R, n_in) float32 → the tensors of `fmt.specs`, each row on its own: xq (R, n_in) int8 in `fmt.order`,
+    xd (R, n_in/block) float32 [, xs (R, n_in/32) float32] [, xb (R, n_in/16) int32]. R = 1 or "dynamic"."""
     _check_n_in(n_in, fmt)
-    x = te.placeholder(_i64(1, n_in), "float32", name="x")
-    symbol = name or f"quantize_{fmt.name.lower()}_{fmt.order}_{n_in}"
+    rows = _rows(batch)
+    x = te.placeholder(_i64(rows, n_in), "float32", name="x")
+    symbol = name or f"quantize_{fmt.name.lower()}_{fmt.order}_{n_in}" + ("" if rows == 1 else "_batch")
     if fmt.with_bsums:
-        return te.create_prim_func([x, *_quantize_q8_k(x, n_in, fmt)]).with_attr("global_symbol", symbol)
+        return te.create_prim_func([x, *_quantize_q8_k(x, rows, n_in, fmt)]).with_attr("global_symbol", symbol)
     nb = n_in // QK8
     i = te.reduce_axis(_i64(0, QK8), name="i")
-    amax = te.compute(_i64(1, nb), lambda r, b: te.max(tirx.abs(x[r, b * QK8 + i]), axis=i), name="amax")
+    amax = te.compute(_i64(rows, nb), lambda r, b: te.max(tirx.abs(x[r, b * QK8 + i]), axis=i), name="amax")
 
     def quant(r: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
         b = k // QK8
@@ -213,15 +229,15 @@ def quantize_q8(n_in: int, fmt: Q8Format, *, name: str | None = None) -> tirx.Pr
         inv = tirx.Select(a > 0, tirx.const(127.0, "float32") / a, tirx.const(0.0, "float32"))
         return tirx.nearbyint(x[r, b * QK8 + fmt.position_element(k % QK8)] * inv).astype("int8")
 
-    xq = te.compute(_i64(1, n_in), quant, name="xq")
-    xd = te.compute(_i64(1, nb), lambda r, b: _f16_round(amax[r, b] / tirx.const(127.0, "float32")), name="xd")
+    xq = te.compute(_i64(rows, n_in), quant, name="xq")
+    xd = te.compute(_i64(rows, nb), lambda r, b: _f16_round(amax[r, b] / tirx.const(127.0, "float32")), name="xd")
     outs = [xq, xd]
     if fmt.with_sum:
         j = te.reduce_axis(_i64(0, QK8), name="j")
-        qsum = te.compute(_i64(1, nb), lambda r, b: te.sum(xq[r, b * QK8 + j].astype("int32"), axis=j), name="qsum")
+        qsum = te.compute(_i64(rows, nb), lambda r, b: te.sum(xq[r, b * QK8 + j].astype("int32"), axis=j), name="qsum")
         d32 = lambda r, b: amax[r, b] / tirx.const(127.0, "float32")  # noqa: E731  (s uses the float32 d)
         outs.append(
-            te.compute(_i64(1, nb), lambda r, b: _f16_round(d32(r, b) * qsum[r, b].astype("float32")), name="xs")
+            te.compute(_i64(rows, nb), lambda r, b: _f16_round(d32(r, b) * qsum[r, b].astype("float32")), name="xs")
         )
     return te.create_prim_func([x, *outs]).with_attr("global_symbol", symbol)
 
@@ -231,10 +247,10 @@ def _f32(value: tirx.Expr) -> tirx.Expr:
 
 
 def int8_matmul(
-    ggml_type: GGMLQuantizationType | str, n_out: int, n_in: int, *, name: str | None = None
+    ggml_type: GGMLQuantizationType | str, n_out: int, n_in: int, *, batch: int | str = 1, name: str | None = None
 ) -> tirx.PrimFunc:
-    """y (1, n_out) = llama.cpp's vec_dot of each weight row with the quantized activations (module docstring):
-    PrimFunc(xq, xd, [xs], [xb], *planes, y).
+    """y (R, n_out) = llama.cpp's vec_dot of each weight row with each row of quantized activations (module
+    docstring): PrimFunc(xq, xd, [xs], [xb], *planes, y); R = batch, 1 or "dynamic".
 
     Reductions: "block_dot" (int32 per 32 values, 16 for Q6_K); for the K-quants "superblock_dot" (int32, the
     sub-block scales) and, for Q4_K/Q5_K, "superblock_min" (int32, the mins times the bsums); then "scale_sum"
@@ -244,7 +260,10 @@ def int8_matmul(
     if fmt is None:
         raise UnsupportedError(f"lower: no integer kernel for {qtype.name}; types: {[t.name for t in INT8_FORMATS]}")
     _check_n_in(n_in, fmt)
-    acts = {name: te.placeholder(_i64(*shape), dtype, name=name) for name, (shape, dtype) in fmt.specs(n_in).items()}
+    rows = _rows(batch)
+    acts = {
+        name: te.placeholder(_i64(*shape), dtype, name=name) for name, (shape, dtype) in fmt.specs(n_in, rows).items()
+    }
     xq, xd = acts["xq"], acts["xd"]
     planes = weight_planes(qtype, n_out, n_in)
     offset = QUANT_OFFSET.get(qtype.name, 0)
@@ -255,9 +274,9 @@ def int8_matmul(
 
     i = te.reduce_axis(_i64(0, dot), name="i")
     isum = te.compute(
-        _i64(n_out, n_in // dot),
-        lambda n, b: te.sum(
-            (stored_quant(qtype, planes, n, b * dot + i) - offset) * xq[0, position(b * dot + i)].astype("int32"),
+        _i64(rows, n_out, n_in // dot),
+        lambda r, n, b: te.sum(
+            (stored_quant(qtype, planes, n, b * dot + i) - offset) * xq[r, position(b * dot + i)].astype("int32"),
             axis=i,
         ),
         name="block_dot",
@@ -266,34 +285,35 @@ def int8_matmul(
         per = QK_K // dot
         j = te.reduce_axis(_i64(0, per), name="j")
         isum = te.compute(
-            _i64(n_out, n_in // QK_K),
-            lambda n, s: te.sum(planes["sc"][n, s * per + j].astype("int32") * isum[n, s * per + j], axis=j),
+            _i64(rows, n_out, n_in // QK_K),
+            lambda r, n, s: te.sum(planes["sc"][n, s * per + j].astype("int32") * isum[r, n, s * per + j], axis=j),
             name="superblock_dot",
         )
     if "mn" in planes:  # Σ_j mn_j · Σ q_x over sub-block j (32 values: two bsums)
         xb = acts["xb"]
         j = te.reduce_axis(_i64(0, QK_K // QK8), name="jm")
         imin = te.compute(
-            _i64(n_out, n_in // QK_K),
-            lambda n, s: te.sum(
-                planes["mn"][n, s * 8 + j].astype("int32") * (xb[0, 2 * (s * 8 + j)] + xb[0, 2 * (s * 8 + j) + 1]),
+            _i64(rows, n_out, n_in // QK_K),
+            lambda r, n, s: te.sum(
+                planes["mn"][n, s * 8 + j].astype("int32") * (xb[r, 2 * (s * 8 + j)] + xb[r, 2 * (s * 8 + j) + 1]),
                 axis=j,
             ),
             name="superblock_min",
         )
 
-    def term(n: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
-        value = xd[0, b] * _f32(planes["d"][n, b]) * _f32(isum[n, b])
+    def term(r: tirx.Expr, n: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
+        value = xd[r, b] * _f32(planes["d"][n, b]) * _f32(isum[r, n, b])
         if fmt.with_sum:
-            return value + _f32(planes["m"][n, b]) * acts["xs"][0, b]
+            return value + _f32(planes["m"][n, b]) * acts["xs"][r, b]
         if "mn" in planes:
-            return value - xd[0, b] * _f32(planes["dmin"][n, b]) * _f32(imin[n, b])
+            return value - xd[r, b] * _f32(planes["dmin"][n, b]) * _f32(imin[r, n, b])
         return value
 
     j = te.reduce_axis(_i64(0, n_in // fmt.block), name="j")
-    y = te.compute(_i64(1, n_out), lambda r, n: te.sum(term(n, j), axis=j), name="scale_sum")
+    y = te.compute(_i64(rows, n_out), lambda r, n: te.sum(term(r, n, j), axis=j), name="scale_sum")
     args = [*acts.values(), *planes.values(), y]
-    symbol = name or f"int8_gemv_{qtype.name.lower()}_{n_out}x{n_in}"
+    kind = "gemv" if rows == 1 else "gemm"
+    symbol = name or f"int8_{kind}_{qtype.name.lower()}_{n_out}x{n_in}"
     return te.create_prim_func(args).with_attr("global_symbol", symbol).with_attr(INT8_GEMV_ATTR, qtype.name)
 
 
@@ -307,26 +327,46 @@ class _Module(Protocol):
     def _planes(self, tensor: str) -> list[nn.Tensor]: ...
 
 
+def _int8_rows(x: nn.Tensor, cache: dict) -> Rows | None:
+    """The rows an input has if it is decode's, else None (prefill keeps its float32 GEMMs): a static 1 (decode1),
+    or decode's batch B. decode's hidden states are (B, 1, K) with B a Var (its tokens are (batch, 1)); prefill's
+    are (1, T, K). The LM head's input is flattened to (rows, K) in both; it is decode's when rows is the very Var
+    seen in decode's (B, 1, K) inputs, which every layer's matmuls show before the LM head (kept in `cache`)."""
+    lead = x.shape[:-1]
+    if all(isinstance(d, int) and d == 1 for d in lead):
+        return 1
+    if len(lead) == 2 and isinstance(lead[0], tirx.Var) and isinstance(lead[1], int) and lead[1] == 1:
+        cache["decode_batch"] = lead[0]
+        return lead[0]
+    batch = cache.get("decode_batch")
+    if len(lead) == 1 and batch is not None and lead[0].same_as(batch):
+        return batch
+    return None
+
+
 def int8_linear(m: _Module, x: nn.Tensor, tensor: str, cache: dict) -> nn.Tensor | None:
-    """x (..., K) float32 @ Wᵀ → (..., N) with 8-bit activations, or None where this path does not apply: the rows
-    are not a static 1 (only decode1's GEMVs take it), or the weight type has no integer kernel. `cache` maps an
-    input already quantized in a format to its quantized tensors, so the Q/K/V (and gate/up) matmuls of one input
-    quantize it once; it is keyed by the input tensor, and each value keeps that tensor alive so that its id cannot
-    be taken by another tensor meanwhile."""
+    """x (..., K) float32 @ Wᵀ → (..., N) with 8-bit activations, or None where this path does not apply: the input
+    is not decode's (`_int8_rows`: decode1's GEMVs and the batched decode take it, prefill does not), or the
+    weight type has no integer kernel. A lone and a batched sequence get the same arithmetic: each row is quantized
+    on its own and the batched kernel runs the GEMV's sums row by row. `cache` maps an input already quantized in a
+    format to its quantized tensors, so the Q/K/V (and gate/up) matmuls of one input quantize it once; it is keyed
+    by the input tensor, and each value keeps that tensor alive so that its id cannot be taken by another tensor
+    meanwhile."""
     info = m.graph.weights[tensor]
     fmt = int8_format(info.ggml_type)
     n, k = info.shape
-    lead = x.shape[:-1]
-    if fmt is None or x.dtype != "float32" or any(not isinstance(d, int) or d != 1 for d in lead):
+    rows = _int8_rows(x, cache) if fmt is not None and x.dtype == "float32" else None
+    if rows is None:
         return None
+    batch = 1 if rows == 1 else "dynamic"
     key = (id(x), fmt)
     if key not in cache:
-        quantize = m._kernel(("q8", fmt, k), lambda: quantize_q8(k, fmt))
-        outs = [nn.Tensor.placeholder(shape, dtype) for shape, dtype in fmt.specs(k).values()]
-        x2 = op.reshape(x, (1, k))
+        quantize = m._kernel(("q8", fmt, k, batch), lambda: quantize_q8(k, fmt, batch=batch))
+        outs = [nn.Tensor.placeholder(shape, dtype) for shape, dtype in fmt.specs(k, rows).values()]
+        x2 = op.reshape(x, (rows, k))
         cache[key] = (x, op.tensor_ir_op(quantize, quantize.attrs["global_symbol"], [x2], outs))
     quantized = list(cache[key][1])
-    func = m._kernel(("int8mm", info.ggml_type, n, k), lambda: int8_matmul(info.ggml_type, n, k))
-    out = nn.Tensor.placeholder((1, n), "float32")
+    func = m._kernel(("int8mm", info.ggml_type, n, k, batch), lambda: int8_matmul(info.ggml_type, n, k, batch=batch))
+    out = nn.Tensor.placeholder((rows, n), "float32")
     y = op.tensor_ir_op(func, func.attrs["global_symbol"], [*quantized, *m._planes(tensor)], out)
-    return op.reshape(y, (*lead, n))
+    return op.reshape(y, (*x.shape[:-1], n))

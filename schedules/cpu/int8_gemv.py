@@ -104,9 +104,9 @@ def _signed_dot(w: tirx.Expr, x: tirx.Expr) -> tirx.Expr:
     return _vpdpbusd(T.abs(w), T.Select(negative, T.Broadcast(T.int8(0), 32) - x, x))
 
 
-def _group_dot(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
-    """int32x8 partial sums of row n's group g (32 values) against the activations there."""
-    x = bufs["xq"][0, T.Ramp(g * QK8, 1, QK8)]
+def _group_dot(kind: str, bufs: Bufs, a: tirx.Expr, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
+    """int32x8 partial sums of weight row n's group g (32 values) against activation row a there."""
+    x = bufs["xq"][a, T.Ramp(g * QK8, 1, QK8)]
     if kind == "Q8_0":
         return _signed_dot(bufs["qs"][n, T.Ramp(g * QK8, 1, QK8)], x)
     quants = _nibbles(bufs["qs"], n, g)
@@ -144,21 +144,21 @@ def _fold(dots: list[tirx.Expr]) -> tirx.Expr:
     return v
 
 
-def _unit_terms(kind: str, bufs: Bufs, n: tirx.Expr, u: tirx.Expr, acc: tirx.Expr) -> tirx.Expr:
-    """acc plus unit u of row n. 32-value types: a unit is G = acc's lanes blocks, whose integer dots are folded
-    into one int32xG (exact), converted and scaled by G d_w·d_x at once, with the min terms m_w·s_x; K-quants
-    (acc float32x8): a unit is a super-block."""
+def _unit_terms(kind: str, bufs: Bufs, a: tirx.Expr, n: tirx.Expr, u: tirx.Expr, acc: tirx.Expr) -> tirx.Expr:
+    """acc plus unit u of weight row n against activation row a. 32-value types: a unit is G = acc's lanes blocks,
+    whose integer dots are folded into one int32xG (exact), converted and scaled by G d_w·d_x at once, with the min
+    terms m_w·s_x; K-quants (acc float32x8): a unit is a super-block."""
     if not kind.endswith("_K"):
         count = acc.ty.dtype.lanes  # 1 for a scalar
         blocks = T.Ramp(u * count, 1, count) if count > 1 else u  # a Ramp of one lane is refused
         f32 = f"float32x{count}" if count > 1 else "float32"
-        total = _fold([_group_dot(kind, bufs, n, u * count + j) for j in range(count)])
-        scale = T.Cast(f32, bufs["d"][n, blocks]) * bufs["xd"][0, blocks]
+        total = _fold([_group_dot(kind, bufs, a, n, u * count + j) for j in range(count)])
+        scale = T.Cast(f32, bufs["d"][n, blocks]) * bufs["xd"][a, blocks]
         acc = T.fma(scale, T.Cast(f32, total), acc)
         if "xs" in bufs:
-            acc = T.fma(T.Cast(f32, bufs["m"][n, blocks]), bufs["xs"][0, blocks], acc)
+            acc = T.fma(T.Cast(f32, bufs["m"][n, blocks]), bufs["xs"][a, blocks], acc)
         return acc
-    xd, d = bufs["xd"][0, u], T.Cast("float32", bufs["d"][n, u])
+    xd, d = bufs["xd"][a, u], T.Cast("float32", bufs["d"][n, u])
     isum = T.Broadcast(T.int32(0), LANES)
     for j in range(GROUPS):
         g = u * GROUPS + j
@@ -167,13 +167,13 @@ def _unit_terms(kind: str, bufs: Bufs, n: tirx.Expr, u: tirx.Expr, acc: tirx.Exp
             scale = T.Shuffle([pair] * 4, [0, 0, 1, 1, 0, 0, 1, 1])
         else:
             scale = T.Broadcast(T.Cast("int32", bufs["sc"][n, g]), LANES)
-        isum = isum + _group_dot(kind, bufs, n, g) * scale
+        isum = isum + _group_dot(kind, bufs, a, n, g) * scale
     acc = T.fma(_f32x8(d * xd), T.Cast("float32x8", isum), acc)
     if "mn" not in bufs:
         return acc
     # Σ_j mn_j·(bsums[2j] + bsums[2j+1]): 16 products of mn_{j//2}·bsums, halves added (any pairing sums the same)
     mn = T.Cast("int32x8", bufs["mn"][n, T.Ramp(u * GROUPS, 1, GROUPS)])
-    products = T.Shuffle([mn] * 2, [j // 2 for j in range(16)]) * bufs["xb"][0, T.Ramp(u * 16, 1, 16)]
+    products = T.Shuffle([mn] * 2, [j // 2 for j in range(16)]) * bufs["xb"][a, T.Ramp(u * 16, 1, 16)]
     imin = T.Shuffle([products], list(range(8))) + T.Shuffle([products], list(range(8, 16)))
     dmin = T.Cast("float32", bufs["dmin"][n, u])
     return T.fma(_f32x8(T.float32(0) - dmin * xd), T.Cast("float32x8", imin), acc)
@@ -190,10 +190,14 @@ def block_group(n_in: int) -> int:
     return next(g for g in (8, 4, 2, 1) if (n_in // QK8) % g == 0)
 
 
-def vnni_gemv(kind: str, n_out: int, n_in: int, rows: int, chunk: int, unroll: int) -> tirx.PrimFunc:
-    """The kernel for one weight type and shape; same arguments as cpu_int8.int8_matmul(kind, n_out, n_in).
-    `unroll` counts units: groups of `block_group(n_in)` blocks of 32 values, super-blocks for the K-quants."""
-    definition = int8_matmul(kind, n_out, n_in)
+def vnni_gemv(
+    kind: str, n_out: int, n_in: int, rows: int, chunk: int, unroll: int, batch: int | str = 1
+) -> tirx.PrimFunc:
+    """The kernel for one weight type and shape; same arguments as cpu_int8.int8_matmul(kind, n_out, n_in, batch).
+    `unroll` counts units: groups of `block_group(n_in)` blocks of 32 values, super-blocks for the K-quants.
+    `rows` here are weight rows; a batch of activation rows is looped inside each weight row (which stays in L1),
+    each activation row with exactly the GEMV's sums in the GEMV's order: a row of a batch equals that row alone."""
+    definition = int8_matmul(kind, n_out, n_in, batch=batch)
     k_quant = kind.endswith("_K")
     lanes = LANES if k_quant else block_group(n_in)  # the accumulator's float32 lanes
     units = n_in // QK_K if k_quant else n_in // QK8 // lanes
@@ -203,7 +207,7 @@ def vnni_gemv(kind: str, n_out: int, n_in: int, rows: int, chunk: int, unroll: i
         T.func_attr({"tirx.noalias": True})
         bufs: dict[str, tirx.Buffer] = {}
         for b in definition.params:  # params are the buffers in TVM 0.27
-            bufs[b.name] = T.arg(b.name, T.buffer(tuple(int(s) for s in b.shape), b.dtype, layout=None))
+            bufs[b.name] = T.arg(b.name, T.buffer(tuple(b.shape), b.dtype, layout=None))
         y = bufs[definition.params[-1].name]  # the output, named after its TE stage
         for name in ("qs", "qh"):
             if name in bufs and bufs[name].dtype == "uint32":
@@ -211,17 +215,17 @@ def vnni_gemv(kind: str, n_out: int, n_in: int, rows: int, chunk: int, unroll: i
         with T.parallel(0, tasks) as c:
             acc = T.decl_buffer((rows, lanes), "float32", scope="local")
             every = T.Ramp(0, 1, lanes) if lanes > 1 else 0
-            with T.serial(0, chunk) as g:
+            with T.serial(0, chunk) as g, T.serial(0, T.Cast("int32", y.shape[0])) as a:
                 with T.unroll(0, rows) as r:
                     T.buffer_store(acc, T.Broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0), [r, every])
                 with T.serial(0, units // unroll) as u0, T.unroll(0, rows) as r:
                     n = T.Bind((c * chunk + g) * rows + r)
                     total = acc[r, every]
                     for j in range(unroll):
-                        total = _unit_terms(kind, bufs, n, u0 * unroll + j, total)
+                        total = _unit_terms(kind, bufs, a, n, u0 * unroll + j, total)
                     T.buffer_store(acc, total, [r, every])
                 with T.unroll(0, rows) as r:
-                    T.buffer_store(y, _lane_sum(acc, r, lanes), [0, (c * chunk + g) * rows + r])
+                    T.buffer_store(y, _lane_sum(acc, r, lanes), [a, (c * chunk + g) * rows + r])
     return builder.get()
 
 
@@ -245,7 +249,7 @@ def _unroll(units: int, want: int) -> int:
 
 def _signature(func: tirx.PrimFunc) -> list[tuple[tuple[int, ...], str]]:
     """(shape, dtype) of every buffer argument, the part of a signature the Relax call depends on."""
-    return [(tuple(int(s) for s in p.shape), str(p.dtype)) for p in func.params]
+    return [(tuple(str(s) for s in p.shape), str(p.dtype)) for p in func.params]
 
 
 class Int8GEMV(KnobbedRule):
@@ -261,13 +265,15 @@ class Int8GEMV(KnobbedRule):
         if not has_vnni(target):
             return None
         kind = str(func.attrs[INT8_GEMV_ATTR])
-        n_out, n_in = int(func.params[-1].shape[1]), int(func.params[0].shape[1])  # y (1, n_out), xq (1, n_in)
+        y, xq = func.params[-1], func.params[0]  # y (R, n_out), xq (R, n_in); R = 1 or a Var (batched decode)
+        n_out, n_in = int(y.shape[1]), int(xq.shape[1])
+        batch = 1 if isinstance(y.shape[0], tirx.IntImm) and int(y.shape[0]) == 1 else "dynamic"
         k = self.knobs(knobs)
         rows = fit(n_out, k["rows"])
         # `unroll` is in blocks of 32 values: whole units of the kernel (super-blocks, or groups of blocks)
         unit = QK_K if kind.endswith("_K") else QK8 * block_group(n_in)
         unroll = _unroll(n_in // unit, max(1, k["unroll"] * QK8 // unit))
-        kernel = vnni_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]), unroll)
+        kernel = vnni_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]), unroll, batch)
         if _signature(kernel) != _signature(func):
             log.warning("%s declined %s: its arguments are not int8_matmul's", self.name, func.attrs["global_symbol"])
             return None

@@ -153,6 +153,29 @@ def test_int8_matmul_definition_matches_reference(kind, rng):
     assert np.all(np.abs(y - want) <= bound), np.abs(y - want).max()
 
 
+@pytest.mark.parametrize("kind", TYPES)
+def test_batched_definition_is_the_gemv_row_by_row(kind, rng):
+    """batch "dynamic" (the batched decode): each row quantized on its own (bit for bit llama.cpp's rounding of that
+    row) and multiplied as the GEMV's reference would; run here on 3 rows."""
+    n_out, n_in, rows = 16, 512 if int8_format(kind).with_bsums else 128, 3
+    fmt = int8_format(kind)
+    raw = random_raw(kind, n_out, n_in, rng)
+    x = np.concatenate([activations(rng, n_in) for _ in range(rows)])
+    quantized = run(quantize_q8(n_in, fmt, batch="dynamic"), x, outs=list(fmt.specs(n_in, rows).values()))
+    (y,) = run(
+        int8_matmul(kind, n_out, n_in, batch="dynamic"),
+        *quantized,
+        *repack(raw, kind).values(),
+        outs=[((rows, n_out), "float32")],
+    )
+    for r in range(rows):
+        want = emulated_activations(x[r : r + 1], kind)
+        for name, value in zip(fmt.specs(n_in), quantized, strict=True):
+            np.testing.assert_array_equal(value[r : r + 1], want[name], err_msg=f"row {r} {name}")
+        ref, bound = reference_gemv(raw, kind, want)
+        assert np.all(np.abs(y[r : r + 1] - ref) <= bound), (r, np.abs(y[r : r + 1] - ref).max())
+
+
 def test_int8_matmul_marks_its_weight_type():
     assert str(int8_matmul("Q4_1", 8, 64).attrs[INT8_GEMV_ATTR]) == "Q4_1"
 
@@ -182,8 +205,9 @@ def test_resolve_precision_picks_int8_with_vnni():
 
 @pytest.mark.parametrize("precision,int8_calls", [("int8", True), ("f32", False)])
 def test_lowering_quantizes_each_input_once(precision, int8_calls):
-    """decode1 with precision int8: one quantize per matmul input (Q/K/V share one, gate/up another), one int8 GEMV
-    per matmul and the LM head; prefill and decode keep the float32 GEMMs. f32 emits no int8 kernel at all."""
+    """decode1 and the batched decode with precision int8: one quantize per matmul input (Q/K/V share one, gate/up
+    another), one int8 GEMV (GEMM for the batch) per matmul and the LM head; prefill keeps the float32 GEMMs. f32
+    emits no int8 kernel at all."""
     import re
 
     from luce_compile.gguf.reader import read_gguf
@@ -194,8 +218,9 @@ def test_lowering_quantizes_each_input_once(precision, int8_calls):
     graph = build_graph(read_gguf(cached_synthetic(SyntheticSpec(quant="Q4_1", n_embd=256, n_ff=512))))
     mod, _ = lower_graph(graph, HOST, LowerOptions(precision=precision))
     layers = graph.config.n_layer
-    decode1, prefill = mod["decode1"].script(), mod["prefill"].script()
-    quantizes = len(re.findall(r"R\.call_tir\(quantize_q8", decode1))
-    gemvs = len(re.findall(r"R\.call_tir\(int8_gemv", decode1))
-    assert (quantizes, gemvs) == ((4 * layers + 1, 7 * layers + 1) if int8_calls else (0, 0))
-    assert "int8_gemv" not in prefill
+    want = (4 * layers + 1, 7 * layers + 1) if int8_calls else (0, 0)
+    for function, kind in (("decode1", "gemv"), ("decode", "gemm")):  # decode: the batch, one row per sequence
+        script = mod[function].script()
+        quantizes = len(re.findall(r"R\.call_tir\(quantize_q8", script))
+        assert (quantizes, len(re.findall(rf"R\.call_tir\(int8_{kind}", script))) == want, function
+    assert "int8_" not in mod["prefill"].script() and "quantize_q8" not in mod["prefill"].script()

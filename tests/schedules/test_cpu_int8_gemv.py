@@ -12,7 +12,7 @@ import tvm
 from luce_schedules.cpu.int8_gemv import Int8GEMV, vnni_gemv
 from luce_schedules.cpu.quant_matmul import QuantGEMV
 
-from luce_compile.lower.cpu_int8 import INT8_FORMATS, has_vnni, int8_format, int8_matmul
+from luce_compile.lower.cpu_int8 import INT8_FORMATS, has_vnni, int8_format, int8_matmul, quantize_q8
 from luce_compile.lower.quant_layout import repack
 from luce_compile.lower.quant_matmul import quant_matmul
 from tests.lower.test_cpu_int8 import (
@@ -64,6 +64,28 @@ def test_vnni_gemv_matches_reference(kind, n_out, n_in, knobs, rng):
     )
     want, bound = reference_gemv(raw, kind, emulated_activations(x, kind))
     assert np.all(np.abs(y - want) <= bound), np.abs(y - want).max()
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", TYPES)
+def test_batched_kernel_rows_equal_the_gemv_bit_for_bit(kind, rng):
+    """The batched decode's kernel: every row of a batch of 5 is the GEMV's result for that row alone, to the bit
+    (a lone and a batched sequence get the same numbers), and within the reference's bound."""
+    n_out, n_in, rows = 48, 1024 if int8_format(kind).with_bsums else 320, 5
+    fmt = int8_format(kind)
+    raw = random_raw(kind, n_out, n_in, rng)
+    planes = list(repack(raw, kind).values())
+    x = np.concatenate([activations(rng, n_in) for _ in range(rows)])
+    quantized = run(quantize_q8(n_in, fmt, batch="dynamic"), x, outs=list(fmt.specs(n_in, rows).values()))
+    sch = Int8GEMV().apply(int8_matmul(kind, n_out, n_in, batch="dynamic"), HOST)
+    assert sch is not None and "vpdpbusd" in sch.mod["main"].script()
+    (y,) = run(sch.mod["main"], *quantized, *planes, outs=[((rows, n_out), "float32")])
+    gemv = scheduled(kind, n_out, n_in)
+    for r in range(rows):
+        (alone,) = run(gemv, *(q[r : r + 1] for q in quantized), *planes, outs=[((1, n_out), "float32")])
+        np.testing.assert_array_equal(y[r : r + 1], alone, err_msg=f"row {r}")
+        want, bound = reference_gemv(raw, kind, emulated_activations(x[r : r + 1], kind))
+        assert np.all(np.abs(alone - want) <= bound)
 
 
 @needs_vnni
