@@ -63,6 +63,9 @@ class Q8Format:
 
     name: str  # "Q8_0", "Q8_1" or "Q8_K"
     order: str  # "natural" or "nibbles" (see the module docstring)
+    # Q8_0 for Q4_0/Q5_0: also Σq per block (`xi`, int32), so that the kernel dots the stored unsigned quants and
+    # subtracts offset·Σq (the same integer as ggml's Σ(q − offset)·x) instead of moving w's sign onto x per row
+    with_isum: bool = False
 
     @property
     def with_sum(self) -> bool:
@@ -96,13 +99,15 @@ class Q8Format:
             specs["xs"] = ((rows, nb), "float32")
         if self.with_bsums:
             specs["xb"] = ((rows, n_in // BSUM), "int32")
+        if self.with_isum:
+            specs["xi"] = ((rows, nb), "int32")
         return specs
 
 
 INT8_FORMATS: dict[GGMLQuantizationType, Q8Format] = {
-    GGMLQuantizationType.Q4_0: Q8Format("Q8_0", "nibbles"),
+    GGMLQuantizationType.Q4_0: Q8Format("Q8_0", "nibbles", with_isum=True),
     GGMLQuantizationType.Q4_1: Q8Format("Q8_1", "nibbles"),
-    GGMLQuantizationType.Q5_0: Q8Format("Q8_0", "nibbles"),
+    GGMLQuantizationType.Q5_0: Q8Format("Q8_0", "nibbles", with_isum=True),
     GGMLQuantizationType.Q5_1: Q8Format("Q8_1", "nibbles"),
     GGMLQuantizationType.Q8_0: Q8Format("Q8_0", "natural"),
     GGMLQuantizationType.Q4_K: Q8Format("Q8_K", "nibbles"),
@@ -232,13 +237,15 @@ def quantize_q8(n_in: int, fmt: Q8Format, *, batch: int | str = 1, name: str | N
     xq = te.compute(_i64(rows, n_in), quant, name="xq")
     xd = te.compute(_i64(rows, nb), lambda r, b: _f16_round(amax[r, b] / tirx.const(127.0, "float32")), name="xd")
     outs = [xq, xd]
+    j = te.reduce_axis(_i64(0, QK8), name="j")
+    qsum = te.compute(_i64(rows, nb), lambda r, b: te.sum(xq[r, b * QK8 + j].astype("int32"), axis=j), name="xi")
     if fmt.with_sum:
-        j = te.reduce_axis(_i64(0, QK8), name="j")
-        qsum = te.compute(_i64(rows, nb), lambda r, b: te.sum(xq[r, b * QK8 + j].astype("int32"), axis=j), name="qsum")
         d32 = lambda r, b: amax[r, b] / tirx.const(127.0, "float32")  # noqa: E731  (s uses the float32 d)
         outs.append(
             te.compute(_i64(rows, nb), lambda r, b: _f16_round(d32(r, b) * qsum[r, b].astype("float32")), name="xs")
         )
+    if fmt.with_isum:
+        outs.append(qsum)
     return te.create_prim_func([x, *outs]).with_attr("global_symbol", symbol)
 
 
@@ -272,6 +279,8 @@ def int8_matmul(
     def position(k: tirx.Expr) -> tirx.Expr:
         return k // QK8 * QK8 + fmt.element_position(k % QK8)
 
+    if fmt.with_isum:  # Σ q·x − offset·Σx: the integer of Σ (q − offset)·x
+        centred, offset = offset, 0
     i = te.reduce_axis(_i64(0, dot), name="i")
     isum = te.compute(
         _i64(rows, n_out, n_in // dot),
@@ -281,6 +290,12 @@ def int8_matmul(
         ),
         name="block_dot",
     )
+    if fmt.with_isum:
+        isum = te.compute(
+            _i64(rows, n_out, n_in // dot),
+            lambda r, n, b: isum[r, n, b] - centred * acts["xi"][r, b],
+            name="centred_dot",
+        )
     if fmt.with_bsums:
         per = QK_K // dot
         j = te.reduce_axis(_i64(0, per), name="j")

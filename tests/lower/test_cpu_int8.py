@@ -42,8 +42,8 @@ def emulated_activations(x: np.ndarray, kind: str) -> dict[str, np.ndarray]:
 
     Returns the quantizer's outputs as `Q8Format.specs` names them: xq (1, n_in) int8, xd (1, nb) (fp16(d) for
     Q8_0/Q8_1, the float32 d for Q8_K), [xs (1, nb) = fp16(d·Σq) from the float32 d], [xb (1, n_in/16) the sums of
-    q per 16 natural values]; and `x_rounded` (1, n_in) float64 = q·d in the natural order (what the weights
-    multiply)."""
+    q per 16 natural values], [xi (1, nb) Σq per block]; and `x_rounded` (1, n_in) float64 = q·d in the natural
+    order (what the weights multiply)."""
     fmt = int8_format(kind)
     q, d = (_q8_k_blocks if fmt.with_bsums else _q8_blocks)(x)  # (1, nb, block) natural order, (1, nb, 1) float32
     if not fmt.with_bsums:
@@ -54,6 +54,8 @@ def emulated_activations(x: np.ndarray, kind: str) -> dict[str, np.ndarray]:
         out["xs"] = (_q8_blocks(x)[1][..., 0] * q.sum(-1)).astype(np.float16).astype(np.float32)
     if fmt.with_bsums:
         out["xb"] = q.reshape(1, -1, 16).sum(-1).astype(np.int32)
+    if fmt.with_isum:
+        out["xi"] = q.sum(-1).astype(np.int32)
     out["x_rounded"] = (q * d.astype(np.float64)).reshape(x.shape)
     return out
 
