@@ -39,9 +39,11 @@ from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import dequant_expr
 
 THREADS, WARPS = 256, 8
-ACCUMULATORS = 16  # float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences)
+# float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences); 32 measured slower on the H200
+# (results/megakernel/h200-2026-11-30-run2.md: register pressure)
+ACCUMULATORS = 16
 SHARED_FLOATS = 11 * 1024  # 44 KiB of the 48 KiB static shared memory
-SPIN_LIMIT = 1 << 21  # polls (~0.1 ms each at worst, with the back-off) before a wait gives up: seconds
+SPIN_LIMIT = 1 << 21  # polls (~1 µs each with the back-off) before a wait gives up: seconds
 F32 = "float32"
 
 
@@ -218,7 +220,7 @@ class MegakernelEmitter:
         self.store(n, 0, i32(0))
         self.store(seen, 0, T.cuda.atomic_add(addr, i32(0)))
         with B.While((seen[0] < target) & (n[0] < spins[0])):
-            B.evaluate(T.cuda.nano_sleep(i32(32)))
+            B.evaluate(T.cuda.nano_sleep(i32(32)))  # back-off: 132 pollers of one counter contend at L2 without it
             self.store(seen, 0, T.cuda.atomic_add(addr, i32(0)))
             self.store(n, 0, n[0] + 1)
         with self.when(seen[0] < target):
