@@ -2,6 +2,7 @@
 
   prefill(seq_ids, token lists) → logits of each sequence's last token   (chunked; several sequences at once)
   decode(seq_ids, one token each) → logits (B, V)                          (continuous batching uses this)
+  verify(seq_ids, token lists) → logits of every fed token                  (speculative decoding's one forward)
   generate(prompt ids, ...) → streamed tokens                               (sampler, stop ids, stop strings)
 
 Only the TVM runtime is imported (`TVM_USE_RUNTIME_LIB=1` is set before `import tvm` unless tvm is already
@@ -139,7 +140,8 @@ class Engine:
     Sequences:  add_sequence() → id, fork_sequence(parent, length) → id (shares the parent's first `length` tokens'
                 pages), length(id), rollback(id, n) (drop the last n tokens), remove_sequence(id).
     Steps:      prefill(ids, token lists) (extend each sequence; logits after each one's last token),
-                decode(ids, one token each) (one batched step; logits (B, V)).
+                decode(ids, one token each) (one batched step; logits (B, V)),
+                verify(ids, token lists) (extend in one forward; logits after every fed token: speculation).
     A step that fails leaves the pool as it was before the step (the tokens it appended are rolled back) and raises;
     the sequences stay usable. Not thread-safe: one thread drives an engine (the server's scheduler thread).
     """
@@ -339,15 +341,36 @@ class Engine:
         self._check_step(seq_ids, [[t] for t in tokens])
         return self._forward(list(seq_ids), [[t] for t in tokens], Fn.DECODE1 if len(seq_ids) == 1 else Fn.DECODE)
 
-    def _forward(self, seq_ids: list[int], tokens: list[list[int]], fn: Fn) -> np.ndarray:
+    def verify(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Append each token list to its sequence in one forward (speculative verify: the last accepted token and
+        the drafts); the logits after every appended token, one (len(tokens[i]), V) float32 array per sequence.
+        Row j of a sequence scores the token after its j-th fed token. Roll back the rejected tail with rollback().
+
+        It runs the prefill function with every row selected, so its numbers are prefill's (float32 GEMMs), which
+        differ from an artifact's int8 decode path (--precision auto) in their rounding."""
+        self._check_step(seq_ids, tokens)
+        total = sum(len(t) for t in tokens)
+        if total > self.prefill_chunk:
+            raise EngineError(f"engine: a verify of {total} tokens is longer than the prefill chunk of "
+                              f"{self.prefill_chunk}; draft fewer tokens (or load with a larger prefill_chunk).")
+        for sid, toks in zip(seq_ids, tokens, strict=True):
+            if len(toks) > self.chunk_limit(sid):
+                raise EngineError(f"engine: sequence {sid} can take {self.chunk_limit(sid)} tokens per call, not "
+                                  f"{len(toks)} (TVM's CPU prefill on sliding-window layers, see chunk_limit); "
+                                  "speculative decoding needs a model without sliding windows.")
+        logits = self._forward(list(seq_ids), [list(t) for t in tokens], Fn.PREFILL, every_row=True)
+        return np.split(logits, np.cumsum([len(t) for t in tokens])[:-1])
+
+    def _forward(self, seq_ids: list[int], tokens: list[list[int]], fn: Fn, every_row: bool = False) -> np.ndarray:
         """One call of a compiled step between the cache's begin and end of forward; on failure the appended
-        tokens are popped again, so the pool is as it was and every sequence can go on."""
+        tokens are popped again, so the pool is as it was and every sequence can go on. Prefill returns the logits
+        of each sequence's last token, or of every token with every_row (verify)."""
         lens = [len(t) for t in tokens]
         self._kv.begin(seq_ids, lens)
         try:
             if fn == Fn.PREFILL:
                 flat = np.array([[t for toks in tokens for t in toks]], dtype=np.int32)
-                rows = (np.cumsum(lens) - 1).astype(np.int32)
+                rows = np.arange(sum(lens), dtype=np.int32) if every_row else (np.cumsum(lens) - 1).astype(np.int32)
                 out = self._fns[fn](tvm.runtime.tensor(flat, self.device), tvm.runtime.tensor(rows, self.device),
                                     self._kv.cache, self.params)
             else:
@@ -379,17 +402,22 @@ class Engine:
         return not self.sliding_window or length <= self.sliding_window
 
     # ---- generation ------------------------------------------------------------------------------------------------
+    def token_limit(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Tokens a generation may produce after a prompt of prompt_len (max_tokens None: until the context is
+        full), refused when they do not fit the context."""
+        limit = max_tokens if max_tokens is not None else self.max_context - prompt_len
+        if limit <= 0:
+            raise EngineError(f"engine: max_tokens must be positive, got {max_tokens} (prompt of "
+                              f"{prompt_len} tokens, context {self.max_context}).")
+        if prompt_len + limit > self.max_context:
+            raise EngineError(f"engine: prompt ({prompt_len} tokens) + max_tokens ({limit}) "
+                              f"exceeds the context of {self.max_context} tokens; shorten one of them.")
+        return limit
+
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[int]:
         """Stream generated token ids until max_tokens, an end-of-generation token, or a stop string."""
         params = params or SamplingParams()
-        # None: until a stop, or until the context is full
-        limit = params.max_tokens if params.max_tokens is not None else self.max_context - len(prompt_ids)
-        if limit <= 0:
-            raise EngineError(f"engine: max_tokens must be positive, got {params.max_tokens} (prompt of "
-                              f"{len(prompt_ids)} tokens, context {self.max_context}).")
-        if len(prompt_ids) + limit > self.max_context:
-            raise EngineError(f"engine: prompt ({len(prompt_ids)} tokens) + max_tokens ({limit}) "
-                              f"exceeds the context of {self.max_context} tokens; shorten one of them.")
+        limit = self.token_limit(len(prompt_ids), params.max_tokens)
         sampler = Sampler(params)
         stop_ids = set(params.stop_token_ids or ()) | set(self.tokenizer.eos_ids)
         with self.sequence() as seq:
