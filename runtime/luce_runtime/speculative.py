@@ -1,0 +1,299 @@
+"""Speculative decoding on the engine API: a drafter proposes k tokens, the target scores them all in one forward.
+
+One step, for a sequence whose committed tokens are `history` (the last one, t, not yet in the target's KV cache):
+  1. the drafter proposes d1..dk (with the distributions q_i it drew them from; none for a model-free drafter)
+  2. Engine.verify feeds [t, d1..dk] in one forward: row i holds the target's logits after d_i (row 0: after t)
+  3. acceptance, so that the output has exactly the target's distribution (Leviathan et al. 2023, "Fast Inference
+     from Transformers via Speculative Decoding", Algorithm 1):
+       temperature 0  the longest prefix of drafts equal to the target's argmax, then the target's own next token
+       temperature >0 accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection resample from
+                      normalize(max(p_i - q_i, 0)); when all are accepted, sample one more token from p_k.
+                      A model-free drafter's q_i is a point mass on d_i (accept with p_i(d_i), resample from p_i
+                      without d_i).
+  4. Engine.rollback drops the rejected drafts' KV entries; the drafter re-syncs with the new history by itself.
+A step emits between 1 and k + 1 tokens. p_i is the Sampler's distribution (penalties, top-k/p, min-p, temperature)
+with the accepted drafts in the history, so speculation changes speed, never what is sampled.
+
+Drafters: NgramDrafter (prompt lookup over prompt + output, as llama.cpp's lookup decoding: no model) and DraftModel
+(a second Engine on a smaller artifact with the same vocabulary). The draft length adapts to the acceptance history
+(DraftLength). Chains only: token trees (issue 14's tree verify) need the compiled tree-attention path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from luce_runtime.engine import Engine, EngineError
+from luce_runtime.errors import LuceError
+from luce_runtime.sampler import Sampler, SamplingParams, find_stop
+from luce_runtime.tokenizer import StreamDecoder
+
+log = logging.getLogger(__name__)
+
+
+class SpecError(LuceError, ValueError):
+    """Speculative decoding cannot run as asked (a draft model with another vocabulary, a sliding-window model)."""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens, and for each the distribution (vocab,) it was drawn from; probs None: point masses (a
+    model-free or greedy drafter)."""
+
+    tokens: list[int]
+    probs: list[np.ndarray] | None = None
+
+
+class Drafter(Protocol):
+    """Proposes up to k tokens to follow `history` (prompt + every committed token; the last one is the target's
+    next input). It keeps whatever state it needs between calls and re-syncs from history itself: the tokens it
+    proposed last time may have been rejected."""
+
+    name: str
+
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> Draft: ...
+
+    def reset(self) -> None:
+        """Forget the current generation (free its sequences)."""
+
+
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n from ngram_max down to
+    ngram_min) and propose what followed it, copied as LZ77 does so that a loop shorter than k repeats itself."""
+
+    name = "ngram"
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
+        if not 1 <= ngram_min <= ngram_max:
+            raise SpecError(f"speculative: n-gram sizes {ngram_min}..{ngram_max} are invalid; use 1 <= min <= max.")
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler | None = None) -> Draft:
+        h = np.asarray(history, dtype=np.int64)
+        for n in range(min(self.ngram_max, h.shape[0] - 1), self.ngram_min - 1, -1):
+            # windows that end before the last token: each has at least one token after it to copy
+            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+            hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
+            if hits.size:
+                src = int(hits[-1]) + n  # where the continuation starts
+                ext = list(history)
+                for m in range(k):
+                    ext.append(ext[src + m])  # src + m < len(ext) always: it may copy what it just appended
+                return Draft(ext[len(history):])
+        return Draft([])
+
+    def reset(self) -> None:
+        pass
+
+
+def check_same_vocabulary(target: Engine, draft: Engine) -> None:
+    """Refuse a draft model whose token ids mean other texts than the target's (its drafts would be noise)."""
+    hint = ("compile a draft model of the target's family, which shares its tokenizer (for Qwen2.5-Coder-1.5B: "
+            "Qwen2.5-Coder-0.5B), or use --spec ngram, which needs no model")
+    if target.vocab_size != draft.vocab_size:
+        raise SpecError(f"speculative: the draft model {draft.artifact.root} has {draft.vocab_size} logits, the "
+                        f"target {target.artifact.root} {target.vocab_size}; {hint}.")
+    mine = target.artifact.tokenizer_metadata().get("tokenizer.ggml.tokens") or []
+    theirs = draft.artifact.tokenizer_metadata().get("tokenizer.ggml.tokens") or []
+    if mine != theirs:
+        where = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine),
+                                                                                                    len(theirs)))
+        raise SpecError(f"speculative: the draft model {draft.artifact.root} has another vocabulary than the target "
+                        f"{target.artifact.root} ({len(theirs)} vs {len(mine)} tokens, first difference at id "
+                        f"{where}); {hint}.")
+
+
+def refuse_sliding_window(engine: Engine, role: str) -> None:
+    if engine.sliding_window:
+        raise SpecError(f"speculative: the {role} {engine.artifact.root} has sliding-window layers; TVM's paged cache "
+                        "cannot roll back past its window nor verify several tokens there (Engine.chunk_limit). "
+                        "Run it without speculation.")
+
+
+class DraftModel:
+    """A second Engine drafts autoregressively: its own sequence mirrors the committed history (it rolls back its
+    rejected drafts at the next proposal), one decode step per drafted token after the first."""
+
+    name = "draft"
+
+    def __init__(self, engine: Engine, target: Engine):
+        check_same_vocabulary(target, engine)
+        refuse_sliding_window(engine, "draft model")
+        self.engine = engine
+        self._seq: int | None = None
+        self._tokens: list[int] = []  # what the draft sequence's cache holds
+        self._committed = 0  # history[:_committed] was committed at the last proposal: never changes after
+
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> Draft:
+        logits = self._sync(history)
+        tokens: list[int] = []
+        probs: list[np.ndarray] = []
+        hist = list(history)
+        for i in range(k):
+            if sampler.params.greedy:
+                token = sampler.sample(logits, hist)
+            else:
+                probs.append(sampler.distribution(logits, hist))
+                token = draw(probs[-1], sampler.rng)
+            tokens.append(token)
+            hist.append(token)
+            if i + 1 < k:  # the last draft is never fed here: the target verifies it, and the next _sync feeds it
+                logits = self.engine.decode([self._seq], [token])[0]
+                self._tokens.append(token)
+        return Draft(tokens, probs or None)
+
+    def _sync(self, history: Sequence[int]) -> np.ndarray:
+        """Make the draft cache hold history and return the logits after it: roll back what was not accepted, feed
+        what is new (the whole prompt the first time)."""
+        if self._seq is None:
+            self._seq = self.engine.add_sequence()
+        same = min(self._committed, len(self._tokens))
+        while same < len(self._tokens) and same < len(history) - 1 and self._tokens[same] == history[same]:
+            same += 1
+        self.engine.rollback(self._seq, len(self._tokens) - same)
+        new = list(history[same:])
+        self._tokens = list(history)
+        self._committed = len(history)
+        if len(new) == 1:
+            return self.engine.decode([self._seq], new)[0]
+        return self.engine.prefill([self._seq], [new])[0]
+
+    def reset(self) -> None:
+        if self._seq is not None:
+            self.engine.remove_sequence(self._seq)
+        self._seq, self._tokens, self._committed = None, [], 0
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One id from a (vocab,) distribution (not necessarily normalized) by inverse CDF."""
+    cum = np.cumsum(probs, dtype=np.float64)
+    return min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), probs.shape[0] - 1)
+
+
+def accept(rows: np.ndarray, draft: Draft, sampler: Sampler, history: Sequence[int]) -> tuple[int, int]:
+    """(how many drafts are accepted, the token after them) for the target's logits rows (k + 1, V) of one verify.
+    Temperature 0: the longest greedy match. Otherwise rejection sampling (module docstring), which makes the
+    result distributed as the target's own sampling."""
+    hist = list(history)
+    for i, d in enumerate(draft.tokens):
+        if sampler.params.greedy:
+            token = sampler.sample(rows[i], hist)
+            if token != d:
+                return i, token
+        else:
+            p = sampler.distribution(rows[i], hist)
+            q_d = 1.0 if draft.probs is None else float(draft.probs[i][d])
+            if sampler.rng.random() * q_d >= p[d]:  # rejected: u >= p/q, written without dividing
+                residual = p.copy()
+                if draft.probs is None:
+                    residual[d] = 0.0
+                else:
+                    residual = np.maximum(p - draft.probs[i], 0.0)
+                # a rejection implies p(d) < q(d), so mass is left elsewhere; rounding could still empty it
+                return i, draw(residual if residual.sum() > 0 else p, sampler.rng)
+        hist.append(d)
+    return len(draft.tokens), sampler.sample(rows[len(draft.tokens)], hist)
+
+
+@dataclass
+class DraftLength:
+    """How many tokens to draft next: +2 after a step that accepted every draft, -1 after one that did not
+    (transformers' "heuristic" schedule for assisted generation), within [1, draft_max]."""
+
+    draft_max: int
+    k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.draft_max < 1:
+            raise SpecError(f"speculative: --draft-max must be at least 1, got {self.draft_max}.")
+        self.k = min(self.k or 4, self.draft_max)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.k = min(self.k + 2, self.draft_max) if accepted == drafted else max(1, self.k - 1)
+
+
+@dataclass
+class SpecStats:
+    """drafted: tokens proposed; accepted: of them, kept; steps: target forwards after the prompt (verify or
+    decode). Tokens per step = (accepted + steps) / steps."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class SpeculativeDecoder:
+    """Engine.generate with a drafter: the same limits, stop ids and stop strings, the same output distribution."""
+
+    engine: Engine
+    drafter: Drafter
+    draft_max: int = 8
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def __post_init__(self) -> None:
+        refuse_sliding_window(self.engine, "target model")
+        self.length = DraftLength(self.draft_max)
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[int]:
+        """Stream generated token ids until max_tokens, an end-of-generation token, or a stop string."""
+        params = params or SamplingParams()
+        limit = self.engine.token_limit(len(prompt_ids), params.max_tokens)
+        sampler = Sampler(params)
+        stop_ids = set(params.stop_token_ids or ()) | set(self.engine.tokenizer.eos_ids)
+        text = StreamDecoder(self.engine.tokenizer)
+        produced, streamed, emitted = "", 0, 0
+        with self.engine.sequence() as seq:
+            try:
+                history = list(prompt_ids)
+                new = [sampler.sample(self.engine.prefill([seq], [history])[0], history)]
+                while True:
+                    for token in new:
+                        if token in stop_ids:
+                            return
+                        history.append(token)
+                        emitted += 1
+                        yield token
+                        if params.stop:
+                            produced += text.feed(token)
+                            where, streamed = find_stop(produced, params.stop, start=streamed)
+                            if where is not None:
+                                return
+                        if emitted == limit:
+                            return
+                    new = self.step(seq, history, sampler, limit - emitted)
+            finally:
+                self.drafter.reset()
+
+    def step(self, seq: int, history: list[int], sampler: Sampler, remaining: int) -> list[int]:
+        """One target forward: the tokens it commits after history (1 to k + 1 of them)."""
+        engine = self.engine
+        # a step emits up to k + 1 tokens; a verify feeds k + 1 into one prefill chunk
+        k = min(self.length.k, remaining - 1, engine.prefill_chunk - 1)
+        draft = self.drafter.propose(history, k, sampler) if k > 0 else Draft([])
+        self.stats.steps += 1
+        if not draft.tokens:  # nothing to verify: a plain decode step (the GEMV path)
+            return [sampler.sample(engine.decode([seq], [history[-1]])[0], history)]
+        if len(draft.tokens) > k:
+            raise EngineError(f"speculative: drafter {self.drafter.name} proposed {len(draft.tokens)} tokens, "
+                              f"asked for at most {k}.")
+        rows = engine.verify([seq], [[history[-1], *draft.tokens]])[0]
+        n, token = accept(rows, draft, sampler, history)
+        engine.rollback(seq, len(draft.tokens) - n)
+        self.stats.drafted += len(draft.tokens)
+        self.stats.accepted += n
+        self.length.update(len(draft.tokens), n)
+        return [*draft.tokens[:n], token]

@@ -1,0 +1,297 @@
+"""Speculative decoding (luce_runtime.speculative) on compiled tiny models: verify scores every fed token as decode
+steps would, greedy speculation gives the ids plain decoding gives, the KV caches after it are plain decoding's, and
+sampled speculation has the target's distribution (chi-square against the exact distribution).
+
+The draft models share the target's vocabulary (every synthetic model has SmolLM2's tokenizer): the target's own
+spec quantized to Q4_0 (close to it: some drafts rejected, many accepted), and the spec with another seed (an
+unrelated network: nearly every draft rejected). All artifacts are float32 (tests/codegen's `compiled`), so the
+verify (prefill GEMMs) and decode (GEMVs) paths differ only in float rounding (TOL, as test_engine_api.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from luce_runtime.sampler import Sampler, SamplingParams
+from luce_runtime.speculative import (
+    Draft,
+    DraftLength,
+    DraftModel,
+    NgramDrafter,
+    SpecError,
+    SpeculativeDecoder,
+    accept,
+)
+
+TOL = 1e-5
+OPTIONS = {"max_batch": 4, "max_context": 256, "prefill_chunk": 64}
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+@pytest.fixture()
+def target(tiny, engine_of):
+    engine = engine_of(tiny("tiny-llama"), **OPTIONS)
+    yield engine
+    for seq in engine.sequences():
+        engine.remove_sequence(seq)
+
+
+@pytest.fixture()
+def drafts(tiny, engine_of, target):
+    """name → a draft Engine with the target's vocabulary; "self" is the target's artifact (every draft accepted)."""
+    models = {"q4": tiny("tiny-llama", quant="Q4_0"), "other": tiny("tiny-llama", seed=1), "self": tiny("tiny-llama")}
+    engines = {name: engine_of(model, **OPTIONS) for name, model in models.items()}
+    yield engines
+    for engine in engines.values():
+        for seq in engine.sequences():
+            engine.remove_sequence(seq)
+
+
+def prompts(rng: np.random.Generator, vocab: int, count: int) -> list[list[int]]:
+    """Random prompts, every other one a short random phrase repeated (where prompt lookup finds matches)."""
+    out = []
+    for i in range(count):
+        n = int(rng.integers(3, 7)) if i % 2 else int(rng.integers(5, 24))
+        words = [int(t) for t in rng.integers(0, vocab, n)]
+        out.append(words * int(rng.integers(2, 5)) if i % 2 else words)
+    return out
+
+
+def drafter_of(name: str, target, drafts):
+    return NgramDrafter() if name == "ngram" else DraftModel(drafts[name], target)
+
+
+# ---- the engine's verify ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_verify_scores_every_fed_token_as_decode_steps_do(target, rng):
+    seq = target.add_sequence()
+    target.prefill([seq], [[int(t) for t in rng.integers(0, target.vocab_size, 21)]])
+    fed = [int(t) for t in rng.integers(0, target.vocab_size, 7)]
+    want = np.stack([target.decode([seq], [t])[0] for t in fed])
+    target.rollback(seq, len(fed))
+    (got,) = target.verify([seq], [fed])
+    assert got.shape == (7, target.vocab_size) and target.length(seq) == 28
+    assert rel_err(got, want) < TOL
+    target.rollback(seq, 4)  # the rejected tail of a verify goes as any tokens do
+    assert rel_err(target.decode([seq], [fed[3]])[0], want[3]) < TOL
+    with pytest.raises(Exception, match="longer than the prefill chunk"):
+        target.verify([seq], [[1] * (target.prefill_chunk + 1)])
+
+
+# ---- drafters and acceptance, no model -------------------------------------------------------------------------------
+@pytest.mark.unit
+def test_ngram_drafter_copies_what_followed_the_longest_recent_match():
+    d = NgramDrafter(ngram_max=3)
+    assert d.propose([5, 6, 7, 8, 9, 1, 6, 7], 3).tokens == [8, 9, 1]  # 2-gram (6, 7) matched
+    # the most recent of two matches of the longest n-gram
+    assert d.propose([1, 2, 3, 4, 1, 2, 3, 5, 9, 2, 3], 2).tokens == [5, 9]
+    # a loop shorter than k repeats itself (the copy reads what it appended)
+    assert d.propose([4, 1, 2, 1, 2], 5).tokens == [1, 2, 1, 2, 1]
+    assert d.propose([1, 2, 3], 4).tokens == [] and d.propose([7], 4).tokens == []
+
+
+@pytest.mark.unit
+def test_draft_length_grows_on_full_acceptance_and_shrinks_otherwise():
+    length = DraftLength(draft_max=6)
+    assert length.k == 4
+    length.update(4, 4)
+    assert length.k == 6
+    length.update(6, 6)
+    assert length.k == 6
+    for _ in range(8):
+        length.update(6, 2)
+    assert length.k == 1
+    length.update(0, 0)  # a step without drafts says nothing about acceptance
+    assert length.k == 1
+    with pytest.raises(SpecError, match="draft-max"):
+        DraftLength(draft_max=0)
+
+
+@pytest.mark.unit
+def test_greedy_acceptance_is_the_longest_match_then_the_targets_token():
+    rows = np.full((4, 6), -1.0, dtype=np.float32)
+    rows[0, 2] = rows[1, 3] = rows[2, 0] = rows[3, 5] = 1.0  # the target's argmax after each fed token
+    greedy = Sampler(SamplingParams(temperature=0))
+    assert accept(rows, Draft([2, 3, 0]), greedy, [1]) == (3, 5)
+    assert accept(rows, Draft([2, 4, 0]), greedy, [1]) == (1, 3)
+    assert accept(rows, Draft([1, 3, 0]), greedy, [1]) == (0, 2)
+
+
+def chi_square_p_value(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Pearson's goodness of fit; cells expected < 5 times are pooled into one (the test's usual condition)."""
+    import torch
+
+    n = counts.sum()
+    expected = expected_probs * n
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    if (obs[~keep] > 0).any():
+        return 0.0  # a draw where the target puts no mass
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.unit
+def test_rejection_sampling_gives_the_target_distribution():
+    """accept() alone on a 6-token vocabulary: whatever q the draft came from (a point mass, a close or a far
+    distribution), the first emitted token is distributed as p; the plain draft is not (the test can fail)."""
+    logits = np.log(np.array([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]] * 2, dtype=np.float32))
+    p = logits[0].astype(np.float64)
+    p = np.exp(p) / np.exp(p).sum()
+    trials = 6000
+    for q in (None, np.array([0.3, 0.3, 0.2, 0.1, 0.05, 0.05]), np.array([0.02, 0.03, 0.05, 0.1, 0.3, 0.5])):
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=11))
+        counts, drafted = np.zeros(6), np.zeros(6)
+        for _ in range(trials):
+            d = 4 if q is None else int(sampler.rng.choice(6, p=q))
+            n, token = accept(logits, Draft([d], None if q is None else [q]), sampler, [])
+            counts[d if n else token] += 1
+            drafted[d] += 1
+        assert chi_square_p_value(counts, p) > 1e-3, (q, counts / trials)
+        if q is not None and np.abs(q - p).max() > 0.1:
+            assert chi_square_p_value(drafted, p) < 1e-6  # the same test rejects the draft's own distribution
+
+
+# ---- speculation on compiled models ----------------------------------------------------------------------------------
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["ngram", "q4", "other", "self"])
+def test_greedy_speculation_gives_plain_decodings_ids(name, target, drafts, rng):
+    decoder = SpeculativeDecoder(target, drafter_of(name, target, drafts), draft_max=6)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    for prompt in prompts(rng, target.vocab_size, 16):
+        assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params)), prompt
+    stats = decoder.stats
+    assert target.sequences() == {} and all(not e.sequences() for e in drafts.values())
+    assert stats.steps > 0 and stats.drafted > 0
+    # each drafter reaches the paths it should: full acceptance, rejections, both
+    expect = {"ngram": 0 < stats.accepted < stats.drafted, "q4": 0 < stats.accepted < stats.drafted,
+              "other": stats.accepted < stats.drafted / 4, "self": stats.accepted == stats.drafted}
+    assert expect[name], stats
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_caches_after_speculation_are_plain_decodings(temperature, target, drafts, rng):
+    """Step by step on a sequence we own: after every step the target's cache holds the committed history but its
+    last token (the next input) and scores the next token as a fresh prefill of that history does; the draft model's
+    cache, re-synced, drafts what a fresh draft sequence drafts."""
+    drafter = DraftModel(drafts["q4"], target)
+    decoder = SpeculativeDecoder(target, drafter, draft_max=5)
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=3))
+    history = [int(t) for t in rng.integers(0, target.vocab_size, 9)]
+    seq = target.add_sequence()
+    history.append(sampler.sample(target.prefill([seq], [history])[0], history))
+    while len(history) < 60:
+        history += decoder.step(seq, history, sampler, 100)
+        assert target.length(seq) == len(history) - 1
+    assert decoder.stats.accepted < decoder.stats.drafted  # rejections were rolled back
+    got = target.decode([seq], [history[-1]])[0]
+    with target.sequence() as fresh:
+        assert rel_err(got, target.prefill([fresh], [history])[0]) < TOL
+    greedy = Sampler(SamplingParams(temperature=0))
+    fresh_drafter = DraftModel(drafts["q4"], target)
+    try:
+        assert drafter.propose(history, 4, greedy).tokens == fresh_drafter.propose(history, 4, greedy).tokens
+        assert drafts["q4"].length(drafter._seq) == len(history) + 3  # all of history, then 3 of the 4 drafts
+    finally:
+        drafter.reset()
+        fresh_drafter.reset()
+
+
+class PointDrafter:
+    """A deterministic drafter, as prompt lookup is (its q a point mass on each draft), that drafts the Q4_0 model's
+    greedy tokens: prompt lookup's path through accept(), with drafts the target often takes (a random tiny model's
+    samples rarely repeat the prompt, so prompt lookup itself would draft nothing here)."""
+
+    name = "point"
+
+    def __init__(self, model: DraftModel):
+        self.model, self.greedy = model, Sampler(SamplingParams(temperature=0))
+
+    def propose(self, history, k: int, sampler: Sampler) -> Draft:
+        return Draft(self.model.propose(history, k, self.greedy).tokens)
+
+    def reset(self) -> None:
+        self.model.reset()
+
+
+@pytest.mark.e2e
+def test_sampled_speculation_has_the_targets_distribution(target, drafts):
+    """The first two sampled tokens of many seeds (t2 is the first speculated one), with the Q4_0 draft model (drafts
+    accepted with p/q or resampled from max(p - q, 0)) and with point-mass drafts, against the target's exact joint
+    distribution of (t1, t2) under top_k=3: 9 cells, computed from one prefill and three decodes. (The unrelated
+    draft model's top 3 miss the target's, so it would only reach the resampling: the unit test above has a far q.)"""
+    params = SamplingParams(temperature=1.5, top_k=3, max_tokens=3)
+    prompt = [17, 400, 9, 17, 400, 9, 17, 400]
+    plain = Sampler(params)
+    with target.sequence() as seq:
+        p1 = plain.distribution(target.prefill([seq], [prompt])[0], prompt)
+    joint: dict[tuple[int, int], float] = {}
+    for t1 in np.flatnonzero(p1):
+        with target.sequence() as seq:
+            target.prefill([seq], [prompt])
+            p2 = plain.distribution(target.decode([seq], [int(t1)])[0], [*prompt, int(t1)])
+        joint |= {(int(t1), int(t2)): float(p1[t1] * p2[t2]) for t2 in np.flatnonzero(p2)}
+    cells = sorted(joint)
+    for drafter in (DraftModel(drafts["q4"], target), PointDrafter(DraftModel(drafts["q4"], target))):
+        decoder = SpeculativeDecoder(target, drafter, draft_max=2)
+        seen = Counter(tuple(list(decoder.generate(prompt, replace(params, seed=seed)))[:2]) for seed in range(1000))
+        assert set(seen) <= set(cells), (drafter.name, seen)
+        counts = np.array([seen[c] for c in cells], dtype=np.float64)
+        assert chi_square_p_value(counts, np.array([joint[c] for c in cells])) > 1e-3, (drafter.name, seen, joint)
+        assert 0 < decoder.stats.accepted < decoder.stats.drafted, drafter.name
+
+
+# ---- refusals --------------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny, target, tmp_path):
+    from luce_runtime.artifact import MANIFEST
+    from luce_runtime.engine import Engine, EngineOptions
+
+    art = tmp_path / "other-vocab"
+    shutil.copytree(tiny("tiny-llama", quant="Q4_0").artifact, art)
+    tokenizer = art / json.loads((art / MANIFEST).read_text())["tokenizer"]
+    meta = json.loads(tokenizer.read_text())
+    tokens = meta["tokenizer.ggml.tokens"]
+    tokens[100], tokens[101] = tokens[101], tokens[100]  # same size, two ids swapped: still another vocabulary
+    tokenizer.write_text(json.dumps(meta))
+    draft = Engine(art, EngineOptions(max_batch=1, max_context=64), verify=False)
+    with pytest.raises(SpecError, match="another vocabulary.*first difference at id 100.*ngram"):
+        DraftModel(draft, target)
+
+
+@pytest.mark.e2e
+def test_a_sliding_window_target_is_refused(tiny, engine_of):
+    engine = engine_of(tiny("tiny-gemma3"), **OPTIONS)
+    with pytest.raises(SpecError, match="sliding-window"):
+        SpeculativeDecoder(engine, NgramDrafter())
+
+
+# ---- the command line ------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_run_with_speculation_prints_the_same_ids_and_its_counts(tiny, capsys):
+    from luce_compile.cli import main
+
+    art, draft = str(tiny("tiny-llama").artifact), str(tiny("tiny-llama", quant="Q4_0").artifact)
+    runs = {}
+    for name, extra in [("plain", []), ("ngram", ["--spec", "ngram", "--draft-max", "3"]),
+                        ("draft", ["--draft", draft])]:
+        assert main(["run", art, "-p", "one two one two one two one", "-n", "24", "--json", *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert "spec" not in runs["plain"]
+    for name in ("ngram", "draft"):
+        assert runs[name]["ids"] == runs["plain"]["ids"]
+        spec = runs[name]["spec"]
+        assert set(spec) == {"drafted", "accepted", "steps"} and 0 <= spec["accepted"] <= spec["drafted"]
+        assert spec["steps"] + spec["accepted"] == len(runs["plain"]["ids"]) - 1  # the first token is the prefill's
