@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +142,10 @@ def prompt_ids(tok, text: str, chat: bool) -> list[int]:
     return encode_chat(tok, [{"role": "user", "content": text}])
 
 
-def print_generation(tok, ids: list[int], tokens, as_json: bool, label: str) -> int:
-    """Stream tokens as text (valid UTF-8 at every step), or print {"prompt_ids", "ids", "text"} with --json."""
+def print_generation(tok, ids: list[int], tokens, as_json: bool, label: str,
+                     extra: Callable[[], dict[str, Any]] | None = None) -> int:
+    """Stream tokens as text (valid UTF-8 at every step), or print {"prompt_ids", "ids", "text"} with --json;
+    extra() adds its fields once the generation is done (the JSON's keys, or one more stderr line)."""
     from luce_runtime.tokenizer import StreamDecoder
 
     start, out = time.perf_counter(), []
@@ -152,12 +155,15 @@ def print_generation(tok, ids: list[int], tokens, as_json: bool, label: str) -> 
         if not as_json:
             print(stream.feed(token), end="", flush=True)
     elapsed = time.perf_counter() - start
+    more = extra() if extra else {}
     if as_json:
-        print(json.dumps({"prompt_ids": ids, "ids": out, "text": tok.decode(out, strip_leading_space=False)}))
+        print(json.dumps({"prompt_ids": ids, "ids": out, "text": tok.decode(out, strip_leading_space=False), **more}))
     else:
         print(stream.flush())
         print(f"[{label}: {len(ids)} prompt + {len(out)} generated tokens in {elapsed:.2f} s, "
               f"{len(out) / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
+        for key, value in more.items():
+            print(f"[{key}: {json.dumps(value)}]", file=sys.stderr)
     return 0
 
 
@@ -260,7 +266,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine = Engine(args.artifact, EngineOptions(max_batch=1, max_context=args.ctx))
     tok = engine.tokenizer
     ids = prompt_ids(tok, args.prompt, args.chat)
-    return print_generation(tok, ids, engine.generate(ids, params), args.json, "runtime")
+    if not (args.spec or args.draft):
+        return print_generation(tok, ids, engine.generate(ids, params), args.json, "runtime")
+    decoder = speculative_decoder(engine, args)
+    return print_generation(tok, ids, decoder.generate(ids, params), args.json, f"runtime, {decoder.drafter.name}",
+                            extra=lambda: {"spec": decoder.stats.to_dict()})
+
+
+def speculative_decoder(engine, args: argparse.Namespace):
+    """--spec ngram or --draft DRAFT_ART on a loaded target engine (the draft model gets the target's context)."""
+    from luce_runtime.engine import Engine, EngineOptions
+    from luce_runtime.speculative import DraftModel, NgramDrafter, SpeculativeDecoder
+
+    if args.draft:
+        draft = Engine(args.draft, EngineOptions(max_batch=1, max_context=engine.max_context))
+        return SpeculativeDecoder(engine, DraftModel(draft, engine), draft_max=args.draft_max)
+    return SpeculativeDecoder(engine, NgramDrafter(), draft_max=args.draft_max)
 
 
 def compile_into_cache(model: str, target: str, purpose: str) -> Path:
@@ -320,6 +341,14 @@ def add_sampling_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--stop", action="append", help="stop when this string is generated (repeatable)")
 
 
+def add_spec_args(s: argparse.ArgumentParser) -> None:
+    spec = s.add_mutually_exclusive_group()
+    spec.add_argument("--spec", choices=["ngram"], help="speculative decoding with prompt lookup (no draft model)")
+    spec.add_argument("--draft", metavar="DRAFT_ART",
+                      help="speculative decoding with this draft artifact (same vocabulary as ART)")
+    s.add_argument("--draft-max", type=int, default=8, help="most tokens drafted per step (default 8)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from luce_runtime.bench import add_bench_arguments  # numpy only: TVM is not loaded by parsing
 
@@ -371,8 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-p", "--prompt", required=True)
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     s.add_argument("--ctx", type=int, default=0, help="context length to allocate (default: model's, ≤ 4096)")
-    s.add_argument("--json", action="store_true", help='print {"prompt_ids", "ids", "text"}')
+    s.add_argument("--json", action="store_true", help='print {"prompt_ids", "ids", "text"} (and "spec")')
     add_sampling_args(s)
+    add_spec_args(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("bench", help="prefill/decode tok/s and roofline fraction of an artifact (or a GGUF)")
