@@ -294,10 +294,16 @@ def compile_into_cache(model: str, target: str, purpose: str) -> Path:
     return compile_model(gguf, target, cache_dir() / purpose / f"{gguf.stem}.{target}", overwrite=True)
 
 
+def bench_path(model: str, target: str) -> Path:
+    """An artifact directory as is; a GGUF (or model name) compiled first, through the cache."""
+    path = Path(model)
+    return path if (path / "manifest.json").is_file() else compile_into_cache(model, target, "bench")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    path = Path(args.model)
-    if not (path / "manifest.json").is_file():  # a GGUF (or model name): compile it first, through the cache
-        path = compile_into_cache(args.model, args.target, "bench")
+    path = bench_path(args.model, args.target)
+    if args.spec or args.draft:
+        return bench_spec(path, args)
     from luce_runtime.bench import bench_artifact  # after compiling: the runtime loads TVM's runtime library only
 
     result = bench_artifact(path, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
@@ -314,6 +320,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{100 * d['roofline_fraction']:.1f}% of roofline")
     for n, tok_s in d["extra"].get("prefill_tok_s_by_len", {}).items():
         print(f"prefill {tok_s:.1f} tok/s (pp{n})")
+    return 0
+
+
+def bench_spec(path: Path, args: argparse.Namespace) -> int:
+    """bench --spec/--draft: greedy tok/s without and with speculation on the same prompts, in one run."""
+    if args.draft:
+        args.draft = str(bench_path(args.draft, args.target))
+    from luce_runtime.engine import Engine, EngineOptions
+    from luce_runtime.speculative import BENCH_PROMPTS, bench_speculation
+
+    engine = Engine(path, EngineOptions(max_batch=1))
+    prompts = [engine.tokenizer.encode(text, add_special=True) for text in BENCH_PROMPTS]
+    d = bench_speculation(speculative_decoder(engine, args), prompts, args.gen_len)
+    d["model"] = engine.artifact.manifest["source"]["file_name"]
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    differ = ("; the ids differ from plain decoding: the verify runs float32 prefill kernels, plain decoding 8-bit "
+              "ones (--precision auto); compile with --precision f32 for identical ids")
+    print(f"{d['model']}, {d['drafter']} (draft max {d['draft_max']}), {d['prompts']} prompts, greedy: plain "
+          f"{d['plain_tok_s']:.1f} tok/s, speculative {d['spec_tok_s']:.1f} tok/s ({d['speedup']:.2f}x); "
+          f"{d['accepted']} of {d['drafted']} drafts accepted, {d['tokens_per_step']:.2f} tokens per target step"
+          f"{'' if d['identical'] else differ}")
     return 0
 
 
@@ -409,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="an artifact directory, a .gguf path or a known model name")
     s.add_argument("--target", default="cpu")
     add_bench_arguments(s)
+    add_spec_args(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_bench)
 

@@ -22,6 +22,7 @@ Drafters: NgramDrafter (prompt lookup over prompt + output, as llama.cpp's looku
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
@@ -297,3 +298,36 @@ class SpeculativeDecoder:
         self.stats.accepted += n
         self.length.update(len(draft.tokens), n)
         return [*draft.tokens[:n], token]
+
+
+# Prompts for `luce-compile bench --spec/--draft`: a code edit (the answer repeats most of the prompt, where prompt
+# lookup pays) and an open question (where only a draft model can guess).
+BENCH_PROMPTS = (
+    "Rewrite this function so that it skips negative numbers:\n\n"
+    "def total(values):\n    result = 0\n    for value in values:\n        result += value\n    return result\n\n"
+    "def total(values):\n",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.\n",
+)
+
+
+def bench_speculation(decoder: SpeculativeDecoder, prompts: Sequence[Sequence[int]], gen_len: int) -> dict:
+    """Greedy tokens/s of plain decoding and of speculation on the same prompts, in one run (each prompt once
+    untimed first, so both paths have loaded their kernels), with the acceptance counts and whether the ids agree."""
+    engine, params = decoder.engine, SamplingParams(temperature=0, max_tokens=gen_len)
+    plain = lambda p: engine.generate(p, params)  # noqa: E731
+    spec = lambda p: decoder.generate(p, params)  # noqa: E731
+    for run in (plain, spec):
+        list(run(prompts[0][:8]))
+    decoder.stats, decoder.length = SpecStats(), DraftLength(decoder.draft_max)
+    timed = {}
+    for name, run in (("plain", plain), ("spec", spec)):
+        start, ids = time.perf_counter(), [list(run(p)) for p in prompts]
+        timed[name] = (ids, time.perf_counter() - start)
+    tokens = sum(len(ids) for ids in timed["plain"][0])
+    plain_tok_s = tokens / timed["plain"][1]
+    spec_tok_s = sum(len(ids) for ids in timed["spec"][0]) / timed["spec"][1]
+    stats = decoder.stats
+    return {"drafter": decoder.drafter.name, "draft_max": decoder.draft_max, "prompts": len(prompts),
+            "tokens": tokens, "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / plain_tok_s,
+            "identical": timed["plain"][0] == timed["spec"][0], **stats.to_dict(),
+            "mean_accepted": stats.accepted / max(stats.steps, 1), "tokens_per_step": stats.tokens_per_step}

@@ -295,3 +295,16 @@ def test_run_with_speculation_prints_the_same_ids_and_its_counts(tiny, capsys):
         spec = runs[name]["spec"]
         assert set(spec) == {"drafted", "accepted", "steps"} and 0 <= spec["accepted"] <= spec["drafted"]
         assert spec["steps"] + spec["accepted"] == len(runs["plain"]["ids"]) - 1  # the first token is the prefill's
+
+
+@pytest.mark.e2e
+def test_bench_compares_plain_and_speculative_decoding_in_one_run(tiny, capsys):
+    from luce_compile.cli import main
+
+    art, draft = str(tiny("tiny-llama").artifact), str(tiny("tiny-llama", quant="Q4_0").artifact)
+    for extra in (["--spec", "ngram"], ["--draft", draft, "--draft-max", "4"]):
+        assert main(["bench", art, "--gen-len", "12", "--json", *extra]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["identical"] and d["tokens"] > 0 and d["plain_tok_s"] > 0 and d["spec_tok_s"] > 0
+        assert d["speedup"] == pytest.approx(d["spec_tok_s"] / d["plain_tok_s"])
+        assert d["tokens_per_step"] == pytest.approx((d["accepted"] + d["steps"]) / d["steps"])
