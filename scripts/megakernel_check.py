@@ -96,7 +96,8 @@ def prepare(args: argparse.Namespace) -> int:
         seconds = round(time.perf_counter() - start, 1)
         info = {"batches": list(batches), "max_context": args.ctx, "compile_seconds": seconds,
                 "fingerprints": {str(b): program_fingerprint(p) for b, p in programs.items()},
-                "tasks": {str(b): len(p.tg.tasks) for b, p in programs.items()}}
+                "tasks": {str(b): len(p.tg.tasks) for b, p in programs.items()},
+                "params": {str(b): p.param_names for b, p in programs.items()}}
         (folder / "build.json").write_text(json.dumps(info))
         summary[name] = info["compile_seconds"]
         print(name, info)
@@ -109,8 +110,8 @@ def prepare(args: argparse.Namespace) -> int:
 class Runner:
     """One compiled megakernel with its program's buffers; steps B sequences, page tables contiguous per sequence."""
 
-    def __init__(self, fn, prog, weights: list, torch):
-        self.fn, self.p, self.torch = fn, prog, torch
+    def __init__(self, fn, prog, weights: list, torch, params: list[str]):
+        self.fn, self.p, self.torch, self.params = fn, prog, torch, params
         t, dev = torch, "cuda"
         b, kv = prog.batch, prog.kv
         self.max_pages = -(-prog.tg.max_context // prog.page_size)
@@ -138,12 +139,17 @@ class Runner:
         self.vocab = prog.width(LOGITS)
 
     def launch(self) -> None:
-        """One step from (tok, len)[cur] into (tok, len)[1 - cur]; then cur flips."""
+        """One step from (tok, len)[cur] into (tok, len)[1 - cur]; then cur flips. Arguments go by name, in the
+        order the build recorded (build.json "params")."""
         self.epoch += 1
         a, z = self.cur, 1 - self.cur
-        self.fn(self.tok[a], self.len[a], self.page_table, self.pages, self.arena, self.amax_val, self.amax_idx,
-                self.tok[z], self.len[z], self.tasks, self.queue_len, self.deps, self.counters, self.status,
-                self.profile, self.profiling, self.epoch, *self.weights)
+        named = {"tokens": self.tok[a], "lengths": self.len[a], "page_table": self.page_table, "pages": self.pages,
+                 "arena": self.arena, "amax_val": self.amax_val, "amax_idx": self.amax_idx, "token_out": self.tok[z],
+                 "lengths_out": self.len[z], "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps,
+                 "counters": self.counters, "status": self.status, "profile": self.profile,
+                 "profiling": self.profiling, "epoch": self.epoch}
+        weights = iter(self.weights)
+        self.fn(*(named[n] if n in named else next(weights) for n in self.params))
         self.cur = z
 
     def check_status(self) -> None:
@@ -399,7 +405,8 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
     gguf = read_gguf(gguf_path)
     weights = stacked_weights(programs[1], gguf, torch)  # the same stacks for every batch size
     say(f"{folder.name}: weights stacked")
-    runners = {b: Runner(mod[f"megakernel_b{b}"], p, weights, torch) for b, p in programs.items()}
+    runners = {b: Runner(mod[f"megakernel_b{b}"], p, weights, torch, build["params"][str(b)])
+               for b, p in programs.items()}
     ref_path = folder / "reference.npz"
     ref = dict(np.load(ref_path)) if ref_path.is_file() else tiny_reference(gguf_path)
     t0 = time.perf_counter()

@@ -72,6 +72,8 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
     programs = plan_programs(graph, info.facts, options)
     funcs = {kernel_name(b): emit_megakernel(p, name=kernel_name(b), kv_dtype=options.kv_dtype)
              for b, p in programs.items()}
+    for b, p in programs.items():  # the argument order callers must follow (the runtime passes them by position)
+        p.param_names = [str(v.name) for v in funcs[kernel_name(b)].params]
     target = info.tvm_target()
     start = time.perf_counter()
     with gpu_toolchain(info.kind, info.archs or (info.name,), info.name), target:

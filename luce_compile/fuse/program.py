@@ -80,6 +80,7 @@ class Program:
     page_size: int
     kv: dict = field(default_factory=dict)  # n_layers, kv_heads, head_dim of the pool
     stage_counts: dict[int, int] = field(default_factory=dict)  # tasks per counted stage (argmax: the last)
+    param_names: list[str] = field(default_factory=list)  # the compiled kernel's arguments, in order (fuse/build.py)
 
     @property
     def graph(self) -> Graph:
