@@ -244,6 +244,7 @@ class SpeculativeDecoder:
     drafter: Drafter
     draft_max: int = 8
     stats: SpecStats = field(default_factory=SpecStats)
+    length: DraftLength = field(init=False)  # kept across generations: the acceptance history of this pair
 
     def __post_init__(self) -> None:
         refuse_sliding_window(self.engine, "target model")

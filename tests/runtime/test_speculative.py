@@ -181,6 +181,21 @@ def test_greedy_speculation_gives_plain_decodings_ids(name, target, drafts, rng)
 
 
 @pytest.mark.e2e
+def test_stops_end_speculation_where_they_end_plain_decoding(target, drafts, rng):
+    """A stop token or stop string inside a step's accepted drafts ends the output there, as in plain decoding."""
+    decoder = SpeculativeDecoder(target, drafter_of("self", target, drafts), draft_max=6)  # every draft accepted
+    prompt = [int(t) for t in rng.integers(0, target.vocab_size, 10)]
+    full = list(target.generate(prompt, SamplingParams(temperature=0, max_tokens=30)))
+    stop_token = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(full[13],))
+    text = next(t for j in range(17, 28) if (t := target.tokenizer.decode(full[j:j + 2])).strip())
+    stop_text = SamplingParams(temperature=0, max_tokens=30, stop=text)
+    for params in (stop_token, stop_text):
+        want = list(target.generate(prompt, params))
+        assert len(want) < len(full) and list(decoder.generate(prompt, params)) == want
+    assert decoder.stats.accepted > 0
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_caches_after_speculation_are_plain_decodings(temperature, target, drafts, rng):
     """Step by step on a sequence we own: after every step the target's cache holds the committed history but its
