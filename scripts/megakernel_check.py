@@ -252,19 +252,13 @@ def check_oracle(runner, ref: dict) -> dict:
             "ok": max(errs) < REL_TOL and mism == 0}
 
 
-def tiny_reference(gguf_path: Path, steps: int = 64, seed: int = 0) -> dict:
-    from luce_compile.graph.oracle import Oracle
+def tiny_reference(gguf_path: Path, vocab: int, steps: int = 64, seed: int = 0) -> dict:
+    """The oracle's greedy trace, as device_check's reference.npz holds it (computed there: tiny models are fast)."""
+    from device_check import _oracle_trace
 
-    oracle = Oracle(gguf_path)
-    vocab = int(oracle.graph.values()["logits"].shape[-1])
     prompt = [int(t) for t in np.random.default_rng(seed).integers(1, min(vocab, 49152), 8)]
-    rows = [oracle.prefill(prompt)[-1]]
-    ids = []
-    for _ in range(steps):
-        ids.append(int(np.argmax(rows[-1])))
-        rows.append(oracle.decode(ids[-1]))
-    ids.append(int(np.argmax(rows[-1])))
-    return {"prompt": np.array(prompt), "ids": np.array(ids), "logits": np.stack(rows)}
+    ids, logits = _oracle_trace(gguf_path, prompt, steps)
+    return {"prompt": np.array(prompt), "ids": np.array(ids), "logits": logits}
 
 
 def check_batched(runners: dict, vocab: int, sizes=(2, 5, 8), steps: int = 12, seed: int = 1) -> dict:
@@ -408,7 +402,7 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
     runners = {b: Runner(mod[f"megakernel_b{b}"], p, weights, torch, build["params"][str(b)])
                for b, p in programs.items()}
     ref_path = folder / "reference.npz"
-    ref = dict(np.load(ref_path)) if ref_path.is_file() else tiny_reference(gguf_path)
+    ref = dict(np.load(ref_path)) if ref_path.is_file() else tiny_reference(gguf_path, runners[1].vocab)
     t0 = time.perf_counter()
     runners[1].step([1], [0])
     torch.cuda.synchronize()

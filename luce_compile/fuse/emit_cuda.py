@@ -437,24 +437,31 @@ class MegakernelEmitter:
             self.store(self.pages, [self.col(P.KV_LAYER), page, which, f // d, pos % self.p.page_size, f % d],
                        self.smem[env(slot, b, r)].astype(self.kv_dtype))
 
+    def block_argmax(self, extent: int, n, value, index) -> tuple[tirx.Buffer, tirx.Buffer]:
+        """The largest value(i) over i < n (extent bounds n) and the lowest index(i) that has it, in every thread:
+        each thread scans its items (ties keep the lower index), then a block max and a block min of the indices
+        holding it."""
+        best, arg = self.local(), self.local("int32")
+        self.store(best, 0, tirx.min_value(F32))
+        self.store(arg, 0, i32(2**31 - 1))
+        with B.serial(0, -(-extent // THREADS)) as it:
+            i = it * THREADS + self.tx
+            with self.when(i < n):
+                v, k = value(i), index(i)
+                with self.when((v > best[0]) | ((v == best[0]) & (k < arg[0]))):
+                    self.store(best, 0, v)
+                    self.store(arg, 0, k)
+        top = self.local()
+        self.store(top, 0, self.cta(best[0], "max"))
+        first = self.cta(tirx.if_then_else(best[0] == top[0], arg[0], i32(2**31 - 1)), "min", "int32")
+        idx = self.local("int32")
+        self.store(idx, 0, first)
+        return top, idx
+
     def lm_partial(self, slot: int, env, n, rows_max: int, lo) -> None:
         """Per sequence: the tile's best logit and its index (the lowest on ties)."""
         for b in range(self.nb):
-            best, arg = self.local(), self.local("int32")
-            self.store(best, 0, tirx.min_value(F32))
-            self.store(arg, 0, i32(2**31 - 1))
-            with B.serial(0, -(-rows_max // THREADS)) as it:
-                r = it * THREADS + self.tx
-                with self.when(r < n):
-                    v = self.smem[env(slot, b, r)]
-                    with self.when(v > best[0]):
-                        self.store(best, 0, v)
-                        self.store(arg, 0, lo + r)
-            top = self.local()
-            self.store(top, 0, self.cta(best[0], "max"))
-            first = self.cta(tirx.if_then_else(best[0] == top[0], arg[0], i32(2**31 - 1)), "min", "int32")
-            idx = self.local("int32")
-            self.store(idx, 0, first)
+            top, idx = self.block_argmax(rows_max, n, lambda r, b=b: self.smem[env(slot, b, r)], lambda r: lo + r)
             with self.when(self.tx == 0):
                 self.store(self.amax_val, [b, self.col(P.TILE)], top[0])
                 self.store(self.amax_idx, [b, self.col(P.TILE)], idx[0])
@@ -753,21 +760,7 @@ class MegakernelEmitter:
     def argmax(self) -> None:
         b = self.col(P.ROW)
         tiles = max(1, self.p.lm_tiles)
-        best, arg = self.local(), self.local("int32")
-        self.store(best, 0, tirx.min_value(F32))
-        self.store(arg, 0, i32(2**31 - 1))
-        with B.serial(0, -(-tiles // THREADS)) as it:
-            t = it * THREADS + self.tx
-            with self.when(t < tiles):
-                v, i = self.amax_val[b, t], self.amax_idx[b, t]
-                with self.when((v > best[0]) | ((v == best[0]) & (i < arg[0]))):
-                    self.store(best, 0, v)
-                    self.store(arg, 0, i)
-        top = self.local()
-        self.store(top, 0, self.cta(best[0], "max"))
-        first = self.cta(tirx.if_then_else(best[0] == top[0], arg[0], i32(2**31 - 1)), "min", "int32")
-        idx = self.local("int32")
-        self.store(idx, 0, first)
+        top, idx = self.block_argmax(tiles, tiles, lambda t: self.amax_val[b, t], lambda t: self.amax_idx[b, t])
         with self.when(self.tx == 0):
             self.store(self.token_out, b, idx[0])
             self.store(self.lengths_out, b, self.lengths[b] + 1)
