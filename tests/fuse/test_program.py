@@ -70,3 +70,30 @@ def test_operand_offsets_name_each_layers_own_values():
                 assert row[P.FIXED_COLUMNS + j] in offsets
                 seen.add(int(row[P.FIXED_COLUMNS + j]))
     assert len(seen) > len(graph.attention_ops()) * 3  # every layer reads and writes its own values
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_row_decodes_back_to_its_task(name):
+    """A row's opcode and stacked-layer index name the task's stage; its tile, sequence and split are the task's;
+    its operand offsets are the arena offsets of that stage's own values; its KV layer is its attention's."""
+    graph, _ = open_graph(cached_synthetic(preset(name)))
+    prog = P.build_program(graph, batch=2, n_sms=5, max_context=40, kv_chunk=8)
+    first_task = prog.n_counters - len(prog.tg.tasks)
+    inverse = {off: n for n, off in prog.arena.items()}
+    for sm in range(len(prog.queue_len)):
+        for row in prog.tasks[sm, :prog.queue_len[sm]]:
+            task = prog.tg.tasks[row[P.COUNTER] - first_task]
+            op = prog.opcodes[row[P.OPCODE]]
+            if task.kind == "argmax":
+                assert op.kind == "argmax" and row[P.ROW] == task.row
+                continue
+            assert op.stages[row[P.LAYER]] == task.stage and row[P.STAGE_COUNTER] == task.stage
+            assert (row[P.LO], row[P.HI], row[P.UNIT]) == (task.lo, task.hi, task.unit)
+            assert row[P.ROW] == (-1 if task.row is None else task.row)
+            assert row[P.SPLIT] == (-1 if task.kind == "attn_merge" else task.split)
+            stage = prog.tg.stages[task.stage]
+            ins, produced = P._stage_values(prog.tg, stage)
+            names = [inverse[int(o)] for o in row[P.FIXED_COLUMNS:P.FIXED_COLUMNS + len(op.inputs) + len(op.outputs)]]
+            assert names[:len(op.inputs)] == ins and set(names[len(op.inputs):]) <= set(produced)
+            if stage.attention is not None:
+                assert row[P.KV_LAYER] == stage.attention.attrs["layer"]
