@@ -169,7 +169,7 @@ def test_rejection_sampling_gives_the_target_distribution():
 def test_greedy_speculation_gives_plain_decodings_ids(name, target, drafts, rng):
     decoder = SpeculativeDecoder(target, drafter_of(name, target, drafts), draft_max=6)
     params = SamplingParams(temperature=0, max_tokens=40)
-    for prompt in prompts(rng, target.vocab_size, 16):
+    for prompt in prompts(rng, target.vocab_size, 24):
         assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params)), prompt
     stats = decoder.stats
     assert target.sequences() == {} and all(not e.sequences() for e in drafts.values())
