@@ -16,7 +16,7 @@ def bench_llama_cpp(gguf: Path, *, threads: int, prompt_len: int, gen_len: int, 
     bench does on the CPU) and batch-1 decode tok/s (median step)."""
     import llama_cpp
 
-    longest = max(prompt_len, *prefill_lens)
+    longest = max([prompt_len, *prefill_lens])  # prefill_lens may be empty
     llm = llama_cpp.Llama(str(gguf), n_ctx=longest + gen_len + 16, n_batch=max(longest, 32),
                           n_threads=threads, n_threads_batch=threads, verbose=False)
     rng = np.random.default_rng(seed)
