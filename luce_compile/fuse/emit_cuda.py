@@ -520,26 +520,22 @@ class MegakernelEmitter:
         with B.serial(0, (n_rows * max(1, self._cur_rows_max // d) + WARPS - 1) // WARPS) as it:
             pair = it * WARPS + self.warp
             i, h = pair // tirx.max(heads, 1), pair % tirx.max(heads, 1)
+            def each_feature(body) -> None:  # the warp's lanes over the head's features: body(row, feature, x)
+                with B.serial(0, -(-d // 32)) as dd:
+                    c = dd * 32 + self.lane
+                    with self.when(c < d):
+                        for ii in range(n_rows):
+                            with self.when(i == ii):
+                                body(ii, c, load(e.inputs[0], ii, h * d + c))
+
             with self.when(pair < n_rows * heads):
                 part = self.local()
                 self.store(part, 0, f32(0))
-                with B.serial(0, -(-d // 32)) as dd:
-                    c = dd * 32 + self.lane
-                    with self.when(c < d):
-                        for ii in range(n_rows):
-                            with self.when(i == ii):
-                                v = load(e.inputs[0], ii, h * d + c)
-                                self.store(part, 0, part[0] + v * v)
+                each_feature(lambda ii, c, v: self.store(part, 0, part[0] + v * v))
                 scale = self.local()
                 self.store(scale, 0, tirx.rsqrt(T.cuda.warp_sum(part[0]) / f32(d) + eps))
-                with B.serial(0, -(-d // 32)) as dd:
-                    c = dd * 32 + self.lane
-                    with self.when(c < d):
-                        for ii in range(n_rows):
-                            with self.when(i == ii):
-                                v = load(e.inputs[0], ii, h * d + c)
-                                self.store(self.smem, env(out, ii, h * d + c),
-                                           v * scale[0] * self.vector(op, e.weights["weight"], c))
+                each_feature(lambda ii, c, v: self.store(self.smem, env(out, ii, h * d + c),
+                                                         v * scale[0] * self.vector(op, e.weights["weight"], c)))
 
     def rope(self, op, e: Op, env, out: int, n, rows: list, lo, load) -> None:
         a = e.attrs
