@@ -134,6 +134,30 @@ class _KV:
         return int(self._free(self.cache))
 
 
+class GenerationEnd:
+    """Where a generation stops, for every decoding loop (plain and speculative): an end-of-generation or stop id
+    ends it before that token is emitted; a stop string ends it after the token that completes it, and so does the
+    token limit."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, limit: int):
+        self.stop_ids = set(params.stop_token_ids or ()) | set(tokenizer.eos_ids)
+        self.stop, self.limit, self.emitted = params.stop, limit, 0
+        self.text = StreamDecoder(tokenizer)
+        self.produced, self.streamed = "", 0  # streamed: where a stop string could still start (sampler.find_stop)
+
+    def before(self, token: int) -> bool:
+        return token in self.stop_ids
+
+    def after(self, token: int) -> bool:
+        self.emitted += 1
+        if self.stop:
+            self.produced += self.text.feed(token)
+            where, self.streamed = find_stop(self.produced, self.stop, start=self.streamed)
+            if where is not None:
+                return True
+        return self.emitted >= self.limit
+
+
 class Engine:
     """One artifact loaded on one device, and the one KV pool every step reads and writes.
 
@@ -417,23 +441,17 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[int]:
         """Stream generated token ids until max_tokens, an end-of-generation token, or a stop string."""
         params = params or SamplingParams()
-        limit = self.token_limit(len(prompt_ids), params.max_tokens)
+        end = GenerationEnd(self.tokenizer, params, self.token_limit(len(prompt_ids), params.max_tokens))
         sampler = Sampler(params)
-        stop_ids = set(params.stop_token_ids or ()) | set(self.tokenizer.eos_ids)
         with self.sequence() as seq:
             history = list(prompt_ids)
             logits = self.prefill([seq], [history])[0]
-            text = StreamDecoder(self.tokenizer)
-            produced, streamed = "", 0  # streamed: where a stop string could still start (sampler.find_stop)
-            for _ in range(limit):
+            while True:
                 token = sampler.sample(logits, history)
-                if token in stop_ids:
+                if end.before(token):
                     return
                 history.append(token)
                 yield token
-                if params.stop:
-                    produced += text.feed(token)
-                    where, streamed = find_stop(produced, params.stop, start=streamed)
-                    if where is not None:
-                        return
+                if end.after(token):
+                    return
                 logits = self.decode([seq], [token])[0]

@@ -29,10 +29,9 @@ from typing import Protocol
 
 import numpy as np
 
-from luce_runtime.engine import Engine, EngineError
+from luce_runtime.engine import Engine, EngineError, GenerationEnd
 from luce_runtime.errors import LuceError
-from luce_runtime.sampler import Sampler, SamplingParams, find_stop
-from luce_runtime.tokenizer import StreamDecoder
+from luce_runtime.sampler import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -253,30 +252,22 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[int]:
         """Stream generated token ids until max_tokens, an end-of-generation token, or a stop string."""
         params = params or SamplingParams()
-        limit = self.engine.token_limit(len(prompt_ids), params.max_tokens)
+        end = GenerationEnd(self.engine.tokenizer, params,
+                            self.engine.token_limit(len(prompt_ids), params.max_tokens))
         sampler = Sampler(params)
-        stop_ids = set(params.stop_token_ids or ()) | set(self.engine.tokenizer.eos_ids)
-        text = StreamDecoder(self.engine.tokenizer)
-        produced, streamed, emitted = "", 0, 0
         with self.engine.sequence() as seq:
             try:
                 history = list(prompt_ids)
                 new = [sampler.sample(self.engine.prefill([seq], [history])[0], history)]
                 while True:
                     for token in new:
-                        if token in stop_ids:
+                        if end.before(token):
                             return
                         history.append(token)
-                        emitted += 1
                         yield token
-                        if params.stop:
-                            produced += text.feed(token)
-                            where, streamed = find_stop(produced, params.stop, start=streamed)
-                            if where is not None:
-                                return
-                        if emitted == limit:
+                        if end.after(token):
                             return
-                    new = self.step(seq, history, sampler, limit - emitted)
+                    new = self.step(seq, history, sampler, end.limit - end.emitted)
             finally:
                 self.drafter.reset()
 
