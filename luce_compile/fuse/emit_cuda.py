@@ -34,7 +34,7 @@ from tvm.tirx.script.builder import ir as B
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse import program as P
 from luce_compile.fuse.taskgraph import TaskKind
-from luce_compile.graph.ir import LOGITS, POSITIONS, Op, OpKind
+from luce_compile.graph.ir import Op, OpKind
 from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import dequant_expr
 
@@ -73,7 +73,7 @@ class _Stacked:
 class MegakernelEmitter:
     def __init__(self, prog: P.Program, *, name: str = "megakernel", kv_dtype: str = "float16"):
         self.p, self.name, self.kv_dtype = prog, name, kv_dtype
-        self.values = prog.graph.values()
+        self.values = prog.values
         self.nb = prog.batch
 
     # ---- small builders -----------------------------------------------------------------------------------------
@@ -111,9 +111,6 @@ class MegakernelEmitter:
                                                                  else tirx.min(out[0], x)))
         self.sync()
         return out[0]
-
-    def width(self, name: str) -> int:
-        return math.prod(int(d) for d in self.values[name].shape[2:])
 
     def col(self, c: int) -> tirx.Expr:
         return self.trow[c]
@@ -246,7 +243,7 @@ class MegakernelEmitter:
         raise UnsupportedError(f"fuse: no megakernel body for {op.kind}")
 
     def arena_at(self, op: P.Opcode, name: str, b, i) -> tirx.Expr:
-        return self.arena[self.col(op.slot(name)) + b * self.width(name) + i]
+        return self.arena[self.col(op.slot(name)) + b * self.p.width(name) + i]
 
     # ---- embed --------------------------------------------------------------------------------------------------
     def embed(self, op: P.Opcode, st) -> None:
@@ -259,7 +256,7 @@ class MegakernelEmitter:
             b, r = idx // n, idx % n
             with self.when(idx < self.nb * n):
                 val = self.dequant(op, table, self.tokens[b], lo + r) * f32(emb.attrs["scale"])
-                self.store(self.arena, self.col(op.slot(out)) + b * self.width(out) + lo + r, val)
+                self.store(self.arena, self.col(op.slot(out)) + b * self.p.width(out) + lo + r, val)
 
     def _max_tile(self, op: P.Opcode) -> int:
         return max(t.hi - t.lo for t in self.p.tg.tasks if t.stage == op.stage)
@@ -267,7 +264,7 @@ class MegakernelEmitter:
     # ---- matvec -------------------------------------------------------------------------------------------------
     def matvec(self, op: P.Opcode, st) -> None:
         nb = self.nb
-        k_in = self.width(st.input)
+        k_in = self.p.width(st.input)
         granules = k_in // 8
         if k_in % 8:
             raise UnsupportedError(f"fuse: a matvec input of {k_in} features is not a multiple of 8")
@@ -405,7 +402,7 @@ class MegakernelEmitter:
         n = hi - lo
         for name, slot in slots.items():
             if name in op.outputs:
-                w = self.width(name)
+                w = self.p.width(name)
                 self._each(nb * rows_max, lambda idx, slot=slot, name=name, w=w: self._write_out(
                     op, name, slot, env, idx, n, rows_max, lo, w))
             if name in self.p.tg.kv_slots:
@@ -568,7 +565,7 @@ class MegakernelEmitter:
     # ---- row stages ---------------------------------------------------------------------------------------------
     def row(self, op: P.Opcode, st) -> None:
         first = st.ops[0]
-        w = self.width(first.outputs[0])
+        w = self.p.width(first.outputs[0])
         slots: dict[str, int] = {}
         for e in st.ops:
             slots[e.outputs[0]] = slots[e.inputs[0]] if e.kind == OpKind.RESHAPE else len(set(slots.values()))
@@ -765,6 +762,3 @@ class MegakernelEmitter:
 def emit_megakernel(prog: P.Program, *, name: str = "megakernel", kv_dtype: str = "float16") -> tirx.PrimFunc:
     em = MegakernelEmitter(prog, name=name, kv_dtype=kv_dtype)
     return em.build()
-
-
-__all__ = ["emit_megakernel", "MegakernelEmitter", "LOGITS", "POSITIONS"]

@@ -29,7 +29,7 @@ import numpy as np
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse.plan import CostModel, Plan, plan_queues
 from luce_compile.fuse.taskgraph import ARGMAX_PARTIAL, Stage, TaskGraph, TaskKind, build_task_graph
-from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, OpKind
+from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph
 
 # task table columns (then one arena offset per operand slot of the task's opcode: inputs, then outputs)
 OPCODE, LAYER, KV_LAYER, LO, HI, ROW, SPLIT, UNIT, TILE, DEP_START, DEP_COUNT, COUNTER, STAGE_COUNTER = range(13)
@@ -79,7 +79,7 @@ class Program:
     n_counters: int
     page_size: int
     kv: dict = field(default_factory=dict)  # n_layers, kv_heads, head_dim of the pool
-    stage_counts: dict[int, int] = field(default_factory=dict)  # tasks per counted stage (argmax: the last)
+    values: dict = field(default_factory=dict)  # the graph's value types (graph.values() infers them: once)
     param_names: list[str] = field(default_factory=list)  # the compiled kernel's arguments, in order (fuse/build.py)
 
     @property
@@ -91,7 +91,8 @@ class Program:
         return self.tg.batch
 
     def width(self, name: str) -> int:
-        return math.prod(int(d) for d in self.graph.values()[name].shape[2:])
+        """Features per sequence of a value (its dims after batch and step, flattened)."""
+        return _width(self.values, name)
 
     def stacked_tensors(self, opcode: int, slot: int) -> list[str]:
         """The GGUF tensors stacked into weight `slot` of `opcode`, one per stage it runs (the stack's order)."""
@@ -109,15 +110,29 @@ def build_program(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_
                           max_tile_rows=max_tile_bytes // (4 * batch * 4))
     plan = plan_queues(tg, cost or CostModel(n_sms=n_sms))
     values = graph.values()
-    stage_opcode, opcodes = _opcodes(tg, values)
-    arena, size, partials = _arena(tg, values, opcodes)
+    stage_values = [_stage_values(tg, st) for st in tg.stages]
+    stage_opcode, opcodes = _opcodes(tg, values, stage_values)
+    arena, size, partials = _arena(tg, values, opcodes, stage_values)
     kv = _kv_shape(graph, values)
-    lm_stage = [i for i, st in enumerate(tg.stages) if any(op.kind == OpKind.LM_HEAD for op in st.ops)]
-    lm_tiles = sum(1 for t in tg.tasks if t.stage in lm_stage)
-    prog = Program(tg, plan, opcodes, stage_opcode, arena, size, partials, lm_tiles, np.zeros(0), np.zeros(0),
-                   np.zeros(0), 0, page_size, kv)
-    _tables(prog)
+    lm_tiles = _lm_tiles(tg)
+    prog = Program(tg, plan, opcodes, stage_opcode, arena, size, partials, len(lm_tiles), np.zeros(0), np.zeros(0),
+                   np.zeros(0), 0, page_size, kv, values)
+    _tables(prog, stage_values, lm_tiles)
     return prog
+
+
+def _width(values, name: str) -> int:
+    return math.prod(int(d) for d in values[name].shape[2:])
+
+
+def _lm_tiles(tg: TaskGraph) -> dict[int, int]:
+    """LM-head task id → its tile's column in the argmax partials (the argmax tasks that share the LM head's stage
+    are not tiles)."""
+    tiles: dict[int, int] = {}
+    for t in tg.tasks:
+        if t.kind == TaskKind.MATVEC and any(w.value == ARGMAX_PARTIAL for w in t.writes):
+            tiles[t.id] = len(tiles)
+    return tiles
 
 
 # ---- opcodes ----------------------------------------------------------------------------------------------------
@@ -165,19 +180,19 @@ def _weights(st: Stage) -> tuple[str, ...]:
     return tuple(w for op in ops for _, w in sorted(op.weights.items()))
 
 
-def _opcodes(tg: TaskGraph, values) -> tuple[list[int], list[Opcode]]:
+def _opcodes(tg: TaskGraph, values, stage_values) -> tuple[list[int], list[Opcode]]:
     groups: dict[tuple, list[int]] = {}
     for i in range(len(tg.stages)):
         groups.setdefault(_signature(tg, i, values), []).append(i)
     stage_opcode = [0] * len(tg.stages)
     opcodes = []
     readers: dict[str, set[int]] = {}
-    for i, st in enumerate(tg.stages):
-        for n in _stage_values(tg, st)[0]:
+    for i, (ins, _) in enumerate(stage_values):
+        for n in ins:
             readers.setdefault(n, set()).add(i)
     for stages in groups.values():
         st = tg.stages[stages[0]]
-        ins, produced = _stage_values(tg, st)
+        ins, produced = stage_values[stages[0]]
         outs = [n for n in produced if readers.get(n, set()) - {stages[0]} or n == LOGITS]
         rows = tuple(max(t.hi - t.lo for t in tg.tasks if t.stage == stages[0] and t.unit == u)
                      for u in range(len(st.units))) if st.kind == TaskKind.MATVEC else ()
@@ -190,7 +205,8 @@ def _opcodes(tg: TaskGraph, values) -> tuple[list[int], list[Opcode]]:
     return stage_opcode, opcodes
 
 
-def _arena(tg: TaskGraph, values, opcodes: list[Opcode]) -> tuple[dict[str, int], int, dict[int, AttentionPartials]]:
+def _arena(tg: TaskGraph, values, opcodes: list[Opcode],
+           stage_values) -> tuple[dict[str, int], int, dict[int, AttentionPartials]]:
     arena: dict[str, int] = {}
     size = 0
 
@@ -199,16 +215,11 @@ def _arena(tg: TaskGraph, values, opcodes: list[Opcode]) -> tuple[dict[str, int]
         off, size = size, size + -(-n // ALIGN) * ALIGN
         return off
 
-    def width(n: str) -> int:
-        return math.prod(int(d) for d in values[n].shape[2:])
-
     for op in opcodes:
         for s in op.stages:
-            st = tg.stages[s]
-            ins, produced = _stage_values(tg, st)
-            for n in ins + [p for p in produced if p in _outputs_of(op, tg, s)]:
+            for n in stage_values[s][0] + _outputs_of(op, stage_values, s):
                 if n not in arena:
-                    arena[n] = take(tg.batch * width(n))
+                    arena[n] = take(tg.batch * _width(values, n))
     partials = {}
     for i, st in enumerate(tg.stages):
         if st.kind == TaskKind.ATTN_PARTIAL and st.n_splits > 1:
@@ -219,15 +230,10 @@ def _arena(tg: TaskGraph, values, opcodes: list[Opcode]) -> tuple[dict[str, int]
     return arena, size, partials
 
 
-def _outputs_of(op: Opcode, tg: TaskGraph, stage: int) -> list[str]:
+def _outputs_of(op: Opcode, stage_values, stage: int) -> list[str]:
     """Opcode `op`'s output slots, named as in `stage` (the same positions in that stage's produced values)."""
-    first = _stage_values(tg, tg.stages[op.stage])[1]
-    mine = _stage_values(tg, tg.stages[stage])[1]
+    first, mine = stage_values[op.stage][1], stage_values[stage][1]
     return [mine[first.index(n)] for n in op.outputs]
-
-
-def _inputs_of(op: Opcode, tg: TaskGraph, stage: int) -> list[str]:
-    return _stage_values(tg, tg.stages[stage])[0]
 
 
 def _kv_shape(graph: Graph, values) -> dict:
@@ -245,7 +251,7 @@ def _kv_shape(graph: Graph, values) -> dict:
 
 
 # ---- tables -----------------------------------------------------------------------------------------------------
-def _tables(prog: Program) -> None:
+def _tables(prog: Program, stage_values, lm_tile: dict[int, int]) -> None:
     tg = prog.tg
     stage_tasks: dict[int, list[int]] = {}
     for t in tg.tasks:
@@ -258,10 +264,6 @@ def _tables(prog: Program) -> None:
     for t in argmax_ids:
         stage_of[t] = len(tg.stages)
     stage_tasks[len(tg.stages)] = sorted(argmax_ids)
-    lm_tile = {}
-    for t in tg.tasks:
-        if t.kind == TaskKind.MATVEC and any(w.value == ARGMAX_PARTIAL for w in t.writes):
-            lm_tile[t.id] = len(lm_tile)
     n_slots = max((len(o.inputs) + len(o.outputs) for o in prog.opcodes), default=0)
     width = FIXED_COLUMNS + n_slots
     q_max = max((len(q) for q in prog.plan.queues), default=0)
@@ -281,11 +283,11 @@ def _tables(prog: Program) -> None:
             if op.stages:
                 row[LAYER] = op.stages.index(stage)
                 st = tg.stages[stage]
-                layers = [tg.kv_slots[n][0] for n in _stage_values(tg, st)[1] if n in tg.kv_slots]
+                layers = [tg.kv_slots[n][0] for n in stage_values[stage][1] if n in tg.kv_slots]
                 if st.attention is not None:
                     layers.append(st.attention.attrs["layer"])
                 row[KV_LAYER] = layers[0] if layers else 0
-                for j, n in enumerate(_inputs_of(op, tg, stage) + _outputs_of(op, tg, stage)):
+                for j, n in enumerate(stage_values[stage][0] + _outputs_of(op, stage_values, stage)):
                     row[FIXED_COLUMNS + j] = prog.arena[n]
             row[DEP_START] = len(deps)
             by_stage: dict[int, list[int]] = {}
@@ -301,13 +303,3 @@ def _tables(prog: Program) -> None:
     prog.queue_len = np.array([len(q) for q in prog.plan.queues], np.int32)
     prog.deps = np.array(deps or [(0, 0)], np.int32).reshape(-1, 2)
     prog.n_counters = n_stages + len(tg.tasks)
-    prog.stage_counts = {s: len(v) for s, v in stage_tasks.items()}
-
-
-def describe(prog: Program) -> str:
-    lines = [f"{len(prog.opcodes)} opcodes for {len(prog.tg.stages)} stages, {len(prog.tg.tasks)} tasks, "
-             f"arena {prog.arena_size * 4 / 2**20:.2f} MiB, {len(prog.deps)} waits"]
-    for o in prog.opcodes:
-        lines.append(f"  op{o.index:<3d} {o.kind:12s} x{len(o.stages) or 1:<3d} in={len(o.inputs)} "
-                     f"out={len(o.outputs)} weights={len(o.weights)} rows={o.max_rows}")
-    return "\n".join(lines)

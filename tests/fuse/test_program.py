@@ -97,3 +97,15 @@ def test_each_row_decodes_back_to_its_task(name):
             assert names[:len(op.inputs)] == ins and set(names[len(op.inputs):]) <= set(produced)
             if stage.attention is not None:
                 assert row[P.KV_LAYER] == stage.attention.attrs["layer"]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_every_argmax_partial_column_is_one_lm_head_tile(batch):
+    """The final argmax scans prog.lm_tiles columns: each must be written by exactly one LM-head tile (a column no
+    tile writes reads as logit 0 at token 0 and wins whenever a sequence's logits are all negative)."""
+    graph, _ = open_graph(cached_synthetic(preset("tiny-llama")))
+    prog = P.build_program(graph, batch=batch, n_sms=5, max_context=40, kv_chunk=8)
+    lm_rows = [row for sm in range(len(prog.queue_len)) for row in prog.tasks[sm, :prog.queue_len[sm]]
+               if prog.opcodes[row[P.OPCODE]].kind == "matvec" and "LM_HEAD" in
+               {op.kind.name for op in prog.tg.stages[prog.opcodes[row[P.OPCODE]].stage].ops}]
+    assert sorted(int(r[P.TILE]) for r in lm_rows) == list(range(prog.lm_tiles))
