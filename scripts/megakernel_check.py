@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import sys
 import time
@@ -35,11 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "runtime"))
 
+from device_check import _load_runtime, _rel, near_tie  # noqa: E402  (the same bars and loading as device_check)
+
 WORKLOADS = ("smollm2-135m", "llama-1b-body", "llama-1b-body-bf16", "qwen3-0.6b")
 TINY_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 TINY_ARCHS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3")
 REL_TOL = 2e-3  # float16 KV cache, float32 everything else (the oracle is float64)
-NEAR_TIE = 0.05
 BATCH_TOL = 1e-5
 
 
@@ -186,15 +186,6 @@ def stacked_weights(prog, gguf, torch) -> list:
     return out
 
 
-def rel(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
-
-
-def near_tie(row: np.ndarray) -> bool:
-    top = np.sort(row)[-2:]
-    return bool(top[1] - top[0] < NEAR_TIE * max(1.0, abs(top[1])))
-
-
 def decode_trace(runner, prompt: list[int], forced: list[int] | None, steps: int):
     """Logits after the prompt and after each step (teacher-forced with `forced` when given), and the kernel's ids."""
     rows, ids = [], []
@@ -230,7 +221,7 @@ def check_values(runner, gguf_path: Path, steps: int = 3) -> dict:
                 continue
             w = runner.p.width(name)
             got = runner.arena[runner.p.arena[name]:runner.p.arena[name] + w].double().cpu().numpy()
-            err = rel(got, env[name].reshape(-1)[:w])
+            err = _rel(got, env[name].reshape(-1)[:w])
             if err > 1e-3 and "first_wrong" not in worst:
                 want = env[name].reshape(-1)[:6].round(4).tolist()
                 worst["first_wrong"] = {"step": i, "value": name, "rel_err": err, "got": got[:6].round(4).tolist(),
@@ -241,7 +232,7 @@ def check_values(runner, gguf_path: Path, steps: int = 3) -> dict:
 def check_oracle(runner, ref: dict) -> dict:
     prompt, want_ids, want = [int(x) for x in ref["prompt"]], [int(x) for x in ref["ids"]], ref["logits"]
     got, ids = decode_trace(runner, prompt, want_ids, len(want) - 1)
-    errs = [rel(g, w) for g, w in zip(got, want.astype(np.float64), strict=True)]
+    errs = [_rel(g, w) for g, w in zip(got, want.astype(np.float64), strict=True)]
     mism, checked = 0, 0
     for g_id, w_id, w_row in zip(ids, want_ids, want, strict=False):
         if near_tie(w_row):  # teacher-forced: each row stands alone, so only near-ties are skipped
@@ -284,7 +275,7 @@ def check_batched(runners: dict, vocab: int, sizes=(2, 5, 8), steps: int = 12, s
         for s in range(steps):
             logits, ids = batch.step(toks, [lengths[i] + s for i in range(n)])
             for i in range(n):
-                worst = max(worst, rel(logits[i], want_rows[i][s + 1]))
+                worst = max(worst, _rel(logits[i], want_rows[i][s + 1]))
                 mism += ids[i] != want_ids[i][s + 1]
             toks = ids
         done.append(n)
@@ -423,13 +414,10 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ["TVM_USE_RUNTIME_LIB"] = "1"
+    _load_runtime()
     import torch
     import tvm_ffi
-    from luce_runtime.engine import load_device_api
 
-    if not load_device_api("cuda"):
-        raise SystemExit("megakernel_check: the CUDA device API did not load")
     Path(args.work).mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     folders = sorted(p for p in Path(args.dir).iterdir() if (p / "build.json").is_file())
