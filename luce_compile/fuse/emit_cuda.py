@@ -277,7 +277,7 @@ class MegakernelEmitter:
         x_name = st.input
         # 1. the prologue norm's scale, per sequence
         if st.prologue is not None:
-            for b in range(nb):
+            with B.serial(0, nb) as b:  # a loop, not a copy per sequence: the kernel's size is nvcc's time
                 part = self.local()
                 self.store(part, 0, f32(0))
                 with B.serial(0, (k_in + THREADS - 1) // THREADS) as it:
@@ -354,6 +354,7 @@ class MegakernelEmitter:
         g_end = tirx.min((slice_ + 1) * per_slice, granules)
         acc = self.local(F32, n_m * rows * nb)
         xv = self.local(F32, 8 * nb)
+        wv = self.local(F32, 8)
         with B.serial(0, steps) as s:
             r0 = lo + (s * groups + group) * rows
             for a in range(n_m * rows * nb):
@@ -370,11 +371,12 @@ class MegakernelEmitter:
                     for m_i, m in enumerate(unit.matmuls):
                         for r in range(rows):
                             row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
+                            for j in range(8):  # the granule dequantized once, into registers, for every sequence
+                                self.store(wv, j, self.dequant(op, m.weights["weight"], row, g * 8 + j))
                             for j in range(8):
-                                w = self.dequant(op, m.weights["weight"], row, g * 8 + j)
                                 for b in range(nb):
                                     a = (m_i * rows + r) * nb + b
-                                    self.store(acc, a, acc[a] + w * xv[b * 8 + j])
+                                    self.store(acc, a, acc[a] + wv[j] * xv[b * 8 + j])
             n_acc = n_m * rows * nb
             for a in range(n_acc):
                 self.store(acc, a, T.cuda.warp_sum(acc[a]))
@@ -397,7 +399,7 @@ class MegakernelEmitter:
             if split > 1:
                 self.sync()  # the next step's partials overwrite these
         self.sync()
-        self.epilogue(op, unit.epilogue, slots, env, lo, hi - lo, rows_max, rows=list(range(nb)))
+        self.epilogue(op, unit.epilogue, slots, env, lo, hi - lo, rows_max, nb, lambda i: i)
         # the values other stages read → the arena; keys and values → their pages; the LM head → argmax partials
         n = hi - lo
         for name, slot in slots.items():
@@ -457,37 +459,38 @@ class MegakernelEmitter:
 
     def lm_partial(self, slot: int, env, n, rows_max: int, lo) -> None:
         """Per sequence: the tile's best logit and its index (the lowest on ties)."""
-        for b in range(self.nb):
-            top, idx = self.block_argmax(rows_max, n, lambda r, b=b: self.smem[env(slot, b, r)], lambda r: lo + r)
+        with B.serial(0, self.nb) as b:
+            top, idx = self.block_argmax(rows_max, n, lambda r: self.smem[env(slot, b, r)], lambda r: lo + r)
             with self.when(self.tx == 0):
                 self.store(self.amax_val, [b, self.col(P.TILE)], top[0])
                 self.store(self.amax_idx, [b, self.col(P.TILE)], idx[0])
             self.sync()
 
     # ---- row-local ops on a tile in shared memory ---------------------------------------------------------------
-    def epilogue(self, op: P.Opcode, ops: tuple[Op, ...], slots, env, lo, n, rows_max: int, rows: list) -> None:
-        """`ops` on features [lo, lo+n) of the batch rows `rows` (env row i is batch row rows[i])."""
+    def epilogue(self, op: P.Opcode, ops: tuple[Op, ...], slots, env, lo, n, rows_max: int, n_rows: int,
+                 batch_row) -> None:
+        """`ops` on features [lo, lo+n) of `n_rows` tile rows; tile row i is batch row batch_row(i). Every op is one
+        loop over (row, feature): no copy of the code per sequence."""
         for e in ops:
             if e.kind == OpKind.RESHAPE:
                 continue
             out = slots[e.outputs[0]]
 
-            def load(name: str, i: int, r, name_slot=slots):
+            def load(name: str, i, r, name_slot=slots):
                 if name in name_slot:
                     return self.smem[env(name_slot[name], i, r)]
-                return self.arena_at(op, name, rows[i], lo + r)
+                return self.arena_at(op, name, batch_row(i), lo + r)
 
             if e.kind == OpKind.RMS_NORM:
-                self.head_norm(op, e, slots, env, out, n, len(rows), load)
+                self.head_norm(op, e, slots, env, out, n, n_rows, load)
             elif e.kind == OpKind.ROPE:
-                self.rope(op, e, env, out, n, rows, lo, load)
+                self.rope(op, e, env, out, n, n_rows, batch_row, lo, load)
             else:
-                for i in range(len(rows)):
-                    self._each(rows_max, lambda r, i=i, e=e, out=out: self._elementwise(
-                        op, e, env, out, i, r, n, load))
+                self._each(n_rows * rows_max, lambda idx, e=e, out=out: self._elementwise(
+                    op, e, env, out, idx // rows_max, idx % rows_max, n, load))
             self.sync()
 
-    def _elementwise(self, op, e: Op, env, out: int, i: int, r, n, load) -> None:
+    def _elementwise(self, op, e: Op, env, out: int, i, r, n, load) -> None:
         with self.when(r < n):
             x = load(e.inputs[0], i, r)
             match e.kind:
@@ -517,50 +520,49 @@ class MegakernelEmitter:
         with B.serial(0, (n_rows * max(1, self._cur_rows_max // d) + WARPS - 1) // WARPS) as it:
             pair = it * WARPS + self.warp
             i, h = pair // tirx.max(heads, 1), pair % tirx.max(heads, 1)
-            def each_feature(body) -> None:  # the warp's lanes over the head's features: body(row, feature, x)
+            def each_feature(body) -> None:  # the warp's lanes over the head's features: body(feature, x)
                 with B.serial(0, -(-d // 32)) as dd:
                     c = dd * 32 + self.lane
                     with self.when(c < d):
-                        for ii in range(n_rows):
-                            with self.when(i == ii):
-                                body(ii, c, load(e.inputs[0], ii, h * d + c))
+                        body(c, load(e.inputs[0], i, h * d + c))
 
             with self.when(pair < n_rows * heads):
                 part = self.local()
                 self.store(part, 0, f32(0))
-                each_feature(lambda ii, c, v: self.store(part, 0, part[0] + v * v))
+                each_feature(lambda c, v: self.store(part, 0, part[0] + v * v))
                 scale = self.local()
                 self.store(scale, 0, tirx.rsqrt(T.cuda.warp_sum(part[0]) / f32(d) + eps))
-                each_feature(lambda ii, c, v: self.store(self.smem, env(out, ii, h * d + c),
-                                                         v * scale[0] * self.vector(op, e.weights["weight"], c)))
+                each_feature(lambda c, v: self.store(self.smem, env(out, i, h * d + c),
+                                                     v * scale[0] * self.vector(op, e.weights["weight"], c)))
 
-    def rope(self, op, e: Op, env, out: int, n, rows: list, lo, load) -> None:
+    def rope(self, op, e: Op, env, out: int, n, n_rows: int, batch_row, lo, load) -> None:
         a = e.attrs
         d = int(self.values[e.inputs[0]].shape[-1])
         dim, half = a["dim"], a["dim"] // 2
-        for i, b in enumerate(rows):
-            pos = self.lengths[b].astype(F32)
+        rows_max = self._cur_rows_max
 
-            def body(r, i=i, pos=pos):
-                with self.when(r < n):
-                    c = (lo + r) % d  # the feature within its head (tiles start on a head)
-                    x = load(e.inputs[0], i, r)
-                    if a["layout"] == "norm":
-                        p_i, first = c // 2, c % 2 == 0
-                        partner = tirx.if_then_else(first, r + 1, r - 1)
-                    else:
-                        p_i, first = c % half, c < half
-                        partner = tirx.if_then_else(first, r + half, r - half)
-                    inv = f32(a["freq_scale"]) * tirx.pow(f32(a["base"]), f32(-2.0 / dim) * p_i.astype(F32))
-                    if "freq_factors" in e.weights:
-                        inv = inv / self.vector(op, e.weights["freq_factors"], p_i)
-                    theta = pos * inv
-                    y = load(e.inputs[0], i, tirx.if_then_else(c < dim, partner, r))
-                    rot = tirx.if_then_else(first, x * tirx.cos(theta) - y * tirx.sin(theta),
-                                            y * tirx.sin(theta) + x * tirx.cos(theta))
-                    self.store(self.smem, env(out, i, r), tirx.if_then_else(c < dim, rot, x))
+        def body(idx):
+            i, r = idx // rows_max, idx % rows_max
+            pos = self.lengths[batch_row(i)].astype(F32)
+            with self.when(r < n):
+                c = (lo + r) % d  # the feature within its head (tiles start on a head)
+                x = load(e.inputs[0], i, r)
+                if a["layout"] == "norm":
+                    p_i, first = c // 2, c % 2 == 0
+                    partner = tirx.if_then_else(first, r + 1, r - 1)
+                else:
+                    p_i, first = c % half, c < half
+                    partner = tirx.if_then_else(first, r + half, r - half)
+                inv = f32(a["freq_scale"]) * tirx.pow(f32(a["base"]), f32(-2.0 / dim) * p_i.astype(F32))
+                if "freq_factors" in e.weights:  # clamped: features past `dim` are not rotated
+                    inv = inv / self.vector(op, e.weights["freq_factors"], tirx.min(p_i, half - 1))
+                theta = pos * inv
+                y = load(e.inputs[0], i, tirx.if_then_else(c < dim, partner, r))
+                rot = tirx.if_then_else(first, x * tirx.cos(theta) - y * tirx.sin(theta),
+                                        y * tirx.sin(theta) + x * tirx.cos(theta))
+                self.store(self.smem, env(out, i, r), tirx.if_then_else(c < dim, rot, x))
 
-            self._each(self._cur_rows_max, body)
+        self._each(n_rows * rows_max, body)
 
     # ---- row stages ---------------------------------------------------------------------------------------------
     def row(self, op: P.Opcode, st) -> None:
@@ -592,7 +594,7 @@ class MegakernelEmitter:
             rest = st.ops[1:]
         else:
             rest = st.ops
-        self.epilogue(op, tuple(rest), slots, env, i32(0), i32(w), w, rows=[b])
+        self.epilogue(op, tuple(rest), slots, env, i32(0), i32(w), w, 1, lambda i: b)
         for name, slot in slots.items():
             if name in op.outputs:
                 self._each(w, lambda k, slot=slot, name=name: self.store(
