@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job's install: .venv with luce-compile and only what compiling, running and serving need (TVM, numpy,
-# gguf, jinja2, FastAPI + uvicorn; all pip wheels: no C++ build, no apt, no root). The test world (torch,
+# gguf, jinja2, FastAPI + uvicorn, llguidance; all pip wheels: no C++ build, no apt, no root). The test world (torch,
 # llama.cpp, onnxruntime, the GPU toolchain) is scripts/setup.sh. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 # What the extras (test, onnx, gpu) bring, by import name
 NOT_INSTALLED = ("onnx", "onnxruntime", "torch", "llama_cpp", "openai", "anthropic", "httpx", "matplotlib",
-                 "hypothesis", "pytest", "nvidia", "tqdm")
+                 "hypothesis", "pytest", "nvidia", "tqdm", "jsonschema")
 EXTRA_ONLY_MODULES = {"luce_compile.graph.onnx_export"}  # asked for by name: needs the onnx extra
 
 IMPORT_ALL = f"""
@@ -54,6 +54,6 @@ def test_every_module_imports_with_only_the_runtime_dependencies():
 def test_the_runtime_dependencies_hold_no_test_or_export_package():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = {dep.split("=")[0].split(">")[0].split("[")[0].strip().lower() for dep in project["dependencies"]}
-    assert names == {"apache-tvm", "apache-tvm-ffi", "numpy", "gguf", "jinja2", "fastapi", "uvicorn"}
+    assert names == {"apache-tvm", "apache-tvm-ffi", "numpy", "gguf", "jinja2", "fastapi", "uvicorn", "llguidance"}
     assert {"onnx", "gpu", "test"} <= set(project["optional-dependencies"])
 

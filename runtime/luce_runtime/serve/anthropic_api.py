@@ -1,7 +1,9 @@
-"""Anthropic routes: /v1/messages (JSON, or the SSE events message_start … message_stop) and count_tokens."""
+"""Anthropic routes: /v1/messages (JSON, or the SSE events message_start … message_stop) and count_tokens, with
+tools: `tool_use` / `tool_result` content blocks, and `input_json_delta` events while a call's input streams."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -9,74 +11,175 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from luce_runtime.serve.app import Service, events, new_id, parse_body, sampling, sse
-from luce_runtime.serve.protocol import MAX_STOP_ANTHROPIC, ApiError, CountTokensRequest, MessagesRequest
+from luce_runtime.serve.protocol import (
+    MAX_STOP_ANTHROPIC,
+    AnthropicText,
+    AnthropicToolResult,
+    AnthropicToolUse,
+    ApiError,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from luce_runtime.serve.scheduler import Event
+from luce_runtime.serve.structured import Op, OutputPlan, StreamSplitter, output_plan, split_output
+from luce_runtime.tools import Tool, prepare_chat
 
 router = APIRouter()
 
 
 def _text(content: str | list[Any]) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+    return content if isinstance(content, str) else "".join(b.text for b in content if isinstance(b, AnthropicText))
 
 
-async def _prompt(svc: Service, body: CountTokensRequest) -> list[int]:
+def _openai_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    """Anthropic turns as the OpenAI-shaped messages the chat templates and prepare_chat take: tool_use blocks
+    become an assistant turn's tool_calls, each tool_result block a `tool` message (before the turn's text)."""
+    out = [{"role": "system", "content": _text(body.system)}] if body.system else []
+    for m in body.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        for b in m.content:
+            if isinstance(b, AnthropicToolResult):
+                result = b.content if isinstance(b.content, str) else _text(b.content or [])
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                            "content": ("Error: " if b.is_error else "") + result})
+        text = _text(m.content)
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                 for b in m.content if isinstance(b, AnthropicToolUse)]
+        if calls:
+            out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+        elif text or not any(isinstance(b, AnthropicToolResult) for b in m.content):
+            out.append({"role": m.role, "content": text})
+    return out
+
+
+def _plan(svc: Service, body: CountTokensRequest) -> OutputPlan:
+    tools = [Tool(t.name, t.description or "", t.input_schema) for t in body.tools or []]
+    tc = body.tool_choice
+    choice: Any = None
+    parallel = not (tc and tc.disable_parallel_tool_use)
+    if tc is not None:
+        if tc.type == "tool":
+            if not tc.name:
+                raise ApiError(400, "tool_choice of type 'tool' needs the tool's name.", param="tool_choice.name")
+            choice = ("tool", tc.name)
+        else:
+            choice = {"any": "required"}.get(tc.type, tc.type)
+    return output_plan(svc, tools, choice, parallel, None)
+
+
+async def _prompt(svc: Service, body: CountTokensRequest, plan: OutputPlan) -> list[int]:
     svc.check_model(body.model)
-    messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
-    messages += [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-    return await svc.encode_chat(messages)
+    return await svc.encode_chat(*prepare_chat(svc.tool_format, _openai_messages(body), plan.offered))
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict[str, int]:
     body = await parse_body(request, CountTokensRequest)
-    return {"input_tokens": len(await _prompt(request.app.state.service, body))}
+    svc = request.app.state.service
+    return {"input_tokens": len(await _prompt(svc, body, _plan(svc, body)))}
 
 
-def _stop_reason(ev: Event) -> str:
+def _stop_reason(ev: Event, called: bool) -> str:
     if ev.stop_string is not None:
         return "stop_sequence"
-    return "max_tokens" if ev.finish_reason == "length" else "end_turn"
+    if ev.finish_reason == "length":
+        return "max_tokens"
+    return "tool_use" if called else "end_turn"
 
 
 @router.post("/v1/messages")
 async def messages(request: Request):
     svc: Service = request.app.state.service
     body = await parse_body(request, MessagesRequest)
-    prompt = await _prompt(svc, body)
+    plan = _plan(svc, body)
+    prompt = await _prompt(svc, body, plan)
     limit = svc.check_budget(len(prompt), body.max_tokens, "max_tokens")
     params = sampling(svc, max_tokens=limit, stop=body.stop_sequences, max_stop=MAX_STOP_ANTHROPIC,
                       stop_param="stop_sequences", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    queue, reqs = svc.submit(prompt, params)
+    queue, reqs = svc.submit(prompt, params, constraints=await plan.constraints(svc, 1))
     message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": svc.model_id}
     if body.stream:
-        return StreamingResponse(_stream(events(queue, reqs), message, len(prompt)), media_type="text/event-stream")
+        return StreamingResponse(_stream(events(queue, reqs), message, len(prompt), plan),
+                                 media_type="text/event-stream")
     text, last = "", None
     async for ev in events(queue, reqs, request):
         if ev.kind == "delta":
             text += ev.text
         else:
             last = ev
-    return {**message, "content": [{"type": "text", "text": text}], "stop_reason": _stop_reason(last),
+    out = split_output(plan, text)
+    content: list[dict[str, Any]] = [{"type": "text", "text": out.content}] if out.content or not out.calls else []
+    content += [{"type": "tool_use", "id": c.id.replace("call_", "toolu_"), "name": c.name,
+                 "input": json.loads(c.arguments)} for c in out.calls]
+    return {**message, "content": content, "stop_reason": _stop_reason(last, bool(out.calls)),
             "stop_sequence": last.stop_string,
             "usage": {"input_tokens": len(prompt), "output_tokens": last.completion_tokens}}
 
 
-async def _stream(evs: AsyncIterator[Event], message: dict[str, Any], prompt_len: int) -> AsyncIterator[str]:
+class _Blocks:
+    """Anthropic's content blocks over a stream of Ops: a text block opens on the first text, a tool_use block on
+    a call's start (closing whatever block was open), with increasing indices."""
+
+    def __init__(self) -> None:
+        self.index, self.open = -1, None  # the open block: "text" | "tool_use" | None
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+
+    def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
+        out = self._close()
+        self.index, self.open = self.index + 1, kind
+        return out + [sse({"type": "content_block_start", "index": self.index, "content_block": block},
+                          "content_block_start")]
+
+    def ops(self, ops: list[Op]) -> list[str]:
+        out: list[str] = []
+        for op in ops:
+            if op.kind == "content" and op.text:
+                if self.open != "text":
+                    out += self._start("text", {"type": "text", "text": ""})
+                out.append(sse({"type": "content_block_delta", "index": self.index,
+                                "delta": {"type": "text_delta", "text": op.text}}, "content_block_delta"))
+            elif op.kind == "call":
+                out += self._start("tool_use", {"type": "tool_use", "id": op.call.id.replace("call_", "toolu_"),
+                                                "name": op.call.name, "input": {}})
+            elif op.kind == "args":
+                out.append(sse({"type": "content_block_delta", "index": self.index,
+                                "delta": {"type": "input_json_delta", "partial_json": op.text}},
+                               "content_block_delta"))
+            elif op.kind in ("done", "broken"):
+                out += self._close()
+        return out
+
+    def end(self) -> list[str]:
+        # every message has at least one block: an empty reply is one empty text block
+        out = self._start("text", {"type": "text", "text": ""}) if self.index < 0 else []
+        return out + self._close()
+
+
+async def _stream(evs: AsyncIterator[Event], message: dict[str, Any], prompt_len: int,
+                  plan: OutputPlan) -> AsyncIterator[str]:
     start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {"input_tokens": prompt_len, "output_tokens": 0}}
     yield sse({"type": "message_start", "message": start}, "message_start")
-    yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-              "content_block_start")
     yield sse({"type": "ping"}, "ping")
+    splitter, blocks = StreamSplitter(plan), _Blocks()
     try:
         async for ev in evs:
             if ev.kind == "delta":
-                if ev.text:
-                    yield sse({"type": "content_block_delta", "index": 0,
-                               "delta": {"type": "text_delta", "text": ev.text}}, "content_block_delta")
+                for part in blocks.ops(splitter.feed(ev.text)):
+                    yield part
                 continue
-            yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
-            yield sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(ev),
+            for part in blocks.ops(splitter.finish()):
+                yield part
+            for part in blocks.end():
+                yield part
+            yield sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(ev, bool(splitter.calls)),
                                                           "stop_sequence": ev.stop_string},
                        "usage": {"output_tokens": ev.completion_tokens}}, "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")

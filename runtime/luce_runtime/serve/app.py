@@ -34,10 +34,12 @@ from luce_runtime.artifact import load_artifact
 from luce_runtime.chat import render_prompt
 from luce_runtime.engine import Engine, EngineOptions, kv_bytes_per_token, max_batch_for_memory
 from luce_runtime.errors import LuceError
+from luce_runtime.grammar import Constraint, GrammarBackend
 from luce_runtime.sampler import SamplingParams, SamplingParamsError
 from luce_runtime.serve.metrics import render_metrics
 from luce_runtime.serve.protocol import MAX_STOP_CHARS, UNSUPPORTED, ApiError, anthropic_error, openai_error
 from luce_runtime.serve.scheduler import Event, GenRequest, Scheduler
+from luce_runtime.tools import tool_format
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -83,6 +85,11 @@ class Service:
         source = self.engine.artifact.manifest["source"]["file_name"]
         self.model_id = options.model_name or source.removesuffix(".gguf")
         self.scheduler = Scheduler(self.engine, options.max_batch, prefix_cache=options.prefix_cache)
+        self.tool_format = tool_format(self.tokenizer.chat_template)
+        # the grammar backend's token trie (0.15 s for SmolLM2's 49k tokens, 0.5 s for Qwen's 152k) is built now,
+        # not by the first request that asks for structured output
+        GrammarBackend.of(self.tokenizer)
+        log.info("serve: tool calls in the %s format", self.tool_format.name)
         # 4 × the batch: a queued request then waits at most ~4 requests' time for a slot, and a burst of clients
         # arriving together is still absorbed without 429s
         self.max_waiting = options.max_waiting or 4 * options.max_batch
@@ -113,14 +120,15 @@ class Service:
         async with self._tokenize_slots:
             return await asyncio.to_thread(fn, *args)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], param: str = "messages") -> list[int]:
-        """The chat prompt's tokens (as chat.encode_chat), bounded by characters before rendering and again before
-        tokenizing, both off the event loop."""
+    async def encode_chat(self, messages: list[dict[str, Any]], extra: dict[str, Any] | None = None,
+                          param: str = "messages") -> list[int]:
+        """The chat prompt's tokens (as chat.encode_chat; `extra` goes to the template, e.g. tools), bounded by
+        characters before rendering and again before tokenizing, both off the event loop."""
         self.check_chars(sum(_chars(m.get("content")) for m in messages), param)
-        return await self.tokenize(self._encode_chat, messages, param)
+        return await self.tokenize(self._encode_chat, messages, extra or {}, param)
 
-    def _encode_chat(self, messages: list[dict[str, Any]], param: str) -> list[int]:
-        text = render_prompt(self.tokenizer, messages)
+    def _encode_chat(self, messages: list[dict[str, Any]], extra: dict[str, Any], param: str) -> list[int]:
+        text = render_prompt(self.tokenizer, messages, **extra)
         self.check_chars(len(text), param)
         return self.tokenizer.encode(text, add_special=True, parse_special=True)
 
@@ -143,15 +151,17 @@ class Service:
                            param=param, code="context_length_exceeded")
         return max_tokens
 
-    def submit(self, prompt: list[int], params: SamplingParams, n: int = 1,
-               top_logprobs: int | None = None) -> tuple[asyncio.Queue, list[GenRequest]]:
-        """Queue n sequences of one prompt (choice i seeded seed + i); their events share one queue."""
+    def submit(self, prompt: list[int], params: SamplingParams, n: int = 1, top_logprobs: int | None = None,
+               constraints: Sequence[Constraint] = ()) -> tuple[asyncio.Queue, list[GenRequest]]:
+        """Queue n sequences of one prompt (choice i seeded seed + i, held to constraints[i] when given); their
+        events share one queue."""
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         reqs = []
         for i in range(n):
             p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-            reqs.append(GenRequest(list(prompt), p, queue, loop, index=i, top_logprobs=top_logprobs))
+            reqs.append(GenRequest(list(prompt), p, queue, loop, index=i, top_logprobs=top_logprobs,
+                                   constraint=constraints[i] if constraints else None))
         if not self.scheduler.submit(*reqs, max_waiting=self.max_waiting):
             self.rejected += 1
             # Retry-After 1 s: a batch slot frees every few hundred ms while requests stream (SmolLM2 on 2 cores)
@@ -346,7 +356,7 @@ class _ApiKey:
 
 def create_app(options: ServeOptions, service: Service | None = None) -> FastAPI:
     """The app; the engine loads now, the scheduler thread runs while the app is up (its lifespan)."""
-    from luce_runtime.serve import anthropic_api, openai_api
+    from luce_runtime.serve import anthropic_api, openai_api, responses_api
 
     service = service or Service(options)
 
@@ -363,6 +373,7 @@ def create_app(options: ServeOptions, service: Service | None = None) -> FastAPI
         app.add_middleware(_ApiKey, api_key=options.api_key)
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

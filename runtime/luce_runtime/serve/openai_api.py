@@ -1,4 +1,5 @@
-"""OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions (JSON, or SSE chunks ending `data: [DONE]`)."""
+"""OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions (JSON, or SSE chunks ending `data: [DONE]`),
+with tools (`tool_calls` in messages and streamed deltas) and response_format (grammar-constrained)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from luce_runtime.grammar import Constraint
 from luce_runtime.sampler import TokenLogprobs
 from luce_runtime.serve.app import Service, events, new_id, parse_body, sampling, sse
-from luce_runtime.serve.protocol import MAX_STOP_OPENAI, ApiError, ChatCompletionRequest, CompletionRequest
+from luce_runtime.serve.protocol import (
+    MAX_STOP_OPENAI,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+)
 from luce_runtime.serve.scheduler import Event
+from luce_runtime.serve.structured import ANY_JSON, Op, OutputPlan, StreamSplitter, output_plan, split_output
+from luce_runtime.tools import Tool, ToolCall, prepare_chat
 
 router = APIRouter()
 
@@ -45,12 +55,37 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 def _prepare(svc: Service, body: ChatCompletionRequest | CompletionRequest, prompt: list[int],
-             max_param: str, max_tokens: int | None, top_logprobs: int | None):
+             max_param: str, max_tokens: int | None, top_logprobs: int | None,
+             constraints: list[Constraint] | None = None):
     limit = svc.check_budget(len(prompt), max_tokens, max_param)
     params = sampling(svc, max_tokens=limit, stop=body.stop, max_stop=MAX_STOP_OPENAI, stop_param="stop",
                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
-    return svc.submit(prompt, params, body.n, top_logprobs)
+    return svc.submit(prompt, params, body.n, top_logprobs, constraints or ())
+
+
+def _response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | object | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ANY_JSON
+    if fmt.json_schema is None:
+        raise ApiError(400, "response_format of type json_schema needs a json_schema object with a name and a "
+                            "schema.", param="response_format.json_schema")
+    return fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
+
+
+def _chat_plan(svc: Service, body: ChatCompletionRequest) -> OutputPlan:
+    tools = [Tool(t.function.name, t.function.description or "",
+                  t.function.parameters or {"type": "object", "properties": {}}) for t in body.tools or []]
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = ("tool", choice.function.name)
+    return output_plan(svc, tools, choice, body.parallel_tool_calls, _response_schema(body.response_format))
+
+
+def _openai_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
 @router.post("/v1/chat/completions")
@@ -60,19 +95,22 @@ async def chat_completions(request: Request):
     svc.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    plan = _chat_plan(svc, body)
+    messages = [m.model_dump(exclude_none=True, by_alias=True) for m in body.messages]
     for m in messages:  # the templates know "system"; OpenAI's newer name for it is "developer"
         m["role"] = "system" if m["role"] == "developer" else m["role"]
-    prompt = await svc.encode_chat(messages)
+    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, messages, plan.offered))
+    constraints = await plan.constraints(svc, body.n)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     k = (body.top_logprobs or 0) if body.logprobs else None
-    queue, reqs = _prepare(svc, body, prompt, param, max_tokens, k)
+    queue, reqs = _prepare(svc, body, prompt, param, max_tokens, k, constraints)
     meta = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": svc.model_id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _chat_stream(svc, events(queue, reqs), meta, body.n, include_usage, k is not None)
+        stream = _chat_stream(svc, events(queue, reqs), meta, body.n, include_usage, k is not None, plan)
         return StreamingResponse(_guard(stream), media_type="text/event-stream")
+    texts = [""] * body.n
     choices: list[dict[str, Any]] = [{"index": i, "message": {"role": "assistant", "content": ""},
                                       "logprobs": {"content": []} if k is not None else None,
                                       "finish_reason": None} for i in range(body.n)]
@@ -80,34 +118,67 @@ async def chat_completions(request: Request):
     async for ev in events(queue, reqs, request):
         c = choices[ev.index]
         if ev.kind == "delta":
-            c["message"]["content"] += ev.text
+            texts[ev.index] += ev.text
             if ev.logprob is not None:
                 c["logprobs"]["content"].append(_chat_logprob(svc, ev.logprob))
         else:
             c["finish_reason"] = ev.finish_reason
             completion += ev.completion_tokens
+    for c, text in zip(choices, texts, strict=True):
+        out = split_output(plan, text)
+        c["message"]["content"] = out.content if out.content or not out.calls else None
+        if out.calls:
+            c["message"]["tool_calls"] = _openai_calls(out.calls)
+            c["finish_reason"] = "tool_calls" if c["finish_reason"] == "stop" else c["finish_reason"]
     return {**meta, "object": "chat.completion", "choices": choices, "usage": _usage(len(prompt), completion)}
 
 
+def _tool_delta(op: Op) -> dict[str, Any] | None:
+    """An OpenAI tool_calls delta for a streamed Op (None: the Op adds nothing to the calls)."""
+    if op.kind == "call":
+        return {"index": op.call.index, "id": op.call.id, "type": "function",
+                "function": {"name": op.call.name, "arguments": ""}}
+    if op.kind == "args":
+        return {"index": op.call.index, "function": {"arguments": op.text}}
+    return None
+
+
 async def _chat_stream(svc: Service, evs: AsyncIterator[Event], meta: dict[str, Any], n: int,
-                       include_usage: bool, with_logprobs: bool) -> AsyncIterator[str]:
+                       include_usage: bool, with_logprobs: bool, plan: OutputPlan) -> AsyncIterator[str]:
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         out = {**meta, "object": "chat.completion.chunk", "choices": choices}
         if include_usage:
             out["usage"] = usage
         return sse(out)
 
+    def deltas(i: int, ops: list[Op], lp: dict[str, Any] | None) -> list[str]:
+        out = []
+        for op in ops:
+            if op.kind == "content":
+                out.append(chunk([{"index": i, "delta": {"content": op.text}, "logprobs": lp, "finish_reason": None}]))
+                lp = None
+            elif (tool := _tool_delta(op)) is not None:
+                out.append(chunk([{"index": i, "delta": {"tool_calls": [tool]}, "logprobs": None,
+                                   "finish_reason": None}]))
+        return out
+
+    splitters = [StreamSplitter(plan) for _ in range(n)]
     for i in range(n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
     prompt = completion = 0
     async for ev in evs:
+        s = splitters[ev.index]
         if ev.kind == "delta":
             lp = {"content": [_chat_logprob(svc, ev.logprob)]} if with_logprobs and ev.logprob else None
-            yield chunk([{"index": ev.index, "delta": {"content": ev.text}, "logprobs": lp, "finish_reason": None}])
+            for part in deltas(ev.index, s.feed(ev.text), lp):
+                yield part
         else:
+            for part in deltas(ev.index, s.finish(), None):
+                yield part
             prompt, completion = ev.prompt_tokens, completion + ev.completion_tokens
-            yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason}])
+            finish = "tool_calls" if s.calls and ev.finish_reason == "stop" else ev.finish_reason
+            yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": finish}])
     if include_usage:
         yield chunk([], _usage(prompt, completion))
     yield "data: [DONE]\n\n"

@@ -2,12 +2,14 @@
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent conversion) and refuse
 unknown fields, so a client never believes a parameter took effect when it did not. Parameters that are part of the
-APIs but not served (tools, response_format, logit_bias, ...) are named in UNSUPPORTED and refused with their name.
+APIs but not served (logit_bias, the legacy functions, ...) are named in UNSUPPORTED and refused with their name.
+The Responses API's input items are checked in responses_api (their shapes vary by type; the SDK sends back the
+output items it received, with fields a request model would have to list one by one).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,9 +23,11 @@ MAX_STOP_CHARS = 256
 MAX_N = 8  # choices per request: each one is a live sequence
 
 # API parameters we know but do not implement: refused with 400 and the parameter's name rather than ignored
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix",
-               "echo", "best_of", "parallel_tool_calls", "audio", "modalities", "prediction", "thinking",
-               "container", "output_config")
+UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix", "echo", "best_of", "audio", "modalities",
+               "prediction", "thinking", "container", "output_config", "previous_response_id", "conversation",
+               "background", "reasoning")
+# a tool's name as both APIs restrict it (it is also written into the prompt and the grammar)
+TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
 
 
 class ApiError(Exception):
@@ -60,10 +64,61 @@ class TextPart(_Strict):
     text: str
 
 
+class CallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    # what the SDK sends back when a client appends the response's message object as it came
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Strict):
@@ -84,13 +139,9 @@ class _OpenAISampling(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None
     # accepted so that the refusal names them (see UNSUPPORTED)
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     logit_bias: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -98,6 +149,10 @@ class _OpenAISampling(_Strict):
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -120,17 +175,50 @@ class AnthropicText(_Strict):
     citations: Any = None
 
 
+class AnthropicToolUse(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+    caller: Any = None  # the SDK sends back what the response's block held
+    toolset_name: Any = None
+
+
+class AnthropicToolResult(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[AnthropicText] | None = None
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+
 class AnthropicMessage(_Strict):
     role: Literal["user", "assistant"]
-    content: str | list[AnthropicText]
+    content: str | list[Annotated[AnthropicText | AnthropicToolUse | AnthropicToolResult, Field(discriminator="type")]]
+
+
+class AnthropicTool(_Strict):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class AnthropicToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class CountTokensRequest(_Strict):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[AnthropicText] | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
     thinking: Any = None
     container: Any = None
     output_config: Any = None
@@ -153,3 +241,60 @@ class MessagesRequest(CountTokensRequest):
     diagnostics: Any = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+
+
+# ---- OpenAI Responses --------------------------------------------------------------------------------------------
+class ResponsesTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Strict):
+    format: ResponsesFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: str | list[dict[str, Any]]  # items: checked in responses_api
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stream: bool = False
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedChoice | None = None
+    parallel_tool_calls: bool = True
+    text: ResponsesText | None = None
+    # nothing is stored: a response cannot be fetched or continued later (store=true is accepted, as clients
+    # send it by default, and previous_response_id is refused)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    include: list[str] | None = None
+    stream_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # refused by name (UNSUPPORTED)
+    previous_response_id: Any = None
+    conversation: Any = None
+    background: Any = None
+    reasoning: Any = None

@@ -33,6 +33,7 @@ from typing import TypeVar
 import numpy as np
 
 from luce_runtime.engine import Engine
+from luce_runtime.grammar import Constraint
 from luce_runtime.sampler import Sampler, SamplingParams, TokenLogprobs, find_stop, logprobs
 from luce_runtime.serve.metrics import Histogram
 from luce_runtime.tokenizer import StreamDecoder
@@ -66,6 +67,7 @@ class GenRequest:
     loop: asyncio.AbstractEventLoop
     index: int = 0
     top_logprobs: int | None = None  # None: no logprobs; k ≥ 0: the chosen token's and the k best
+    constraint: Constraint | None = None  # a grammar the tokens must follow (structured output, tool calls)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     # scheduler state
@@ -310,7 +312,12 @@ class Scheduler:
         """Sample r's next token from its logits row and stream it; finish r on an end token, a stop or the limit."""
         if r.cancelled.is_set():
             return
-        token = r.sampler.sample(row, r.generated)  # penalties over generated tokens only, as OpenAI defines them
+        # the grammar's mask goes first: the sampler's chain (penalties, top-k/p, temperature) then only ever sees
+        # allowed tokens. logprobs below stay those of the model's own distribution, as OpenAI reports them.
+        masked = r.constraint.mask(row) if r.constraint is not None else row
+        token = r.sampler.sample(masked, r.generated)  # penalties over generated tokens only, as OpenAI's
+        if r.constraint is not None:
+            r.constraint.consume(token)
         if self.engine.tokenizer.is_eog(token) or token in r.params.stop_token_ids:
             r.text += r.decoder.flush()
             self._flush_text(r, final=True)
@@ -326,6 +333,10 @@ class Scheduler:
         stop = self._flush_text(r, final=at_limit, token=token, lp=lp)
         if stop is not None:
             self._finish(r, reason="stop", stop_string=stop)
+        elif r.constraint is not None and r.constraint.stopped:  # the grammar is complete: only an end token fits
+            r.text += r.decoder.flush()
+            self._flush_text(r, final=True)
+            self._finish(r, reason="stop")
         elif at_limit:
             self._finish(r, reason="length")
         else:

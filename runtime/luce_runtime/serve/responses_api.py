@@ -1,0 +1,240 @@
+"""OpenAI Responses API: POST /v1/responses (JSON, or its typed stream events), as the `openai` SDK's
+`client.responses` sends and reads it: input items (messages, function_call, function_call_output), instructions,
+function tools, tool_choice, text.format (json_object / json_schema, grammar-constrained), streaming events.
+
+Nothing is stored: a response cannot be retrieved or continued by id (previous_response_id is refused); a client
+sends the whole conversation as input items, as the SDK's tool loop does with `input += response.output`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from luce_runtime.serve.app import Service, events, new_id, parse_body, sampling, sse
+from luce_runtime.serve.protocol import ApiError, ResponsesFormat, ResponsesRequest
+from luce_runtime.serve.scheduler import Event
+from luce_runtime.serve.structured import ANY_JSON, Op, OutputPlan, StreamSplitter, output_plan, split_output
+from luce_runtime.tools import Tool, ToolCall, prepare_chat
+
+router = APIRouter()
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _part_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}.content must be a string or a list of content parts.", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}.content[{j}] of type {kind!r} is not supported: this server takes text "
+                                f"parts ({', '.join(_TEXT_PARTS)}).", param=f"{where}.content")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _item_message(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -> None:
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise ApiError(400, f"{where}.role must be user, assistant, system or developer, got {role!r}.",
+                           param=f"{where}.role")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _part_text(item.get("content", ""), where)})
+    elif kind == "function_call":
+        if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+            raise ApiError(400, f"{where}: a function_call item needs call_id, name and arguments (strings).",
+                           param=where)
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:  # parallel calls: one turn
+            out[-1]["tool_calls"].append(call)
+        elif out and out[-1]["role"] == "assistant":  # the text the model wrote before its calls
+            out[-1]["tool_calls"] = [call]
+        else:
+            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            raise ApiError(400, f"{where}: a function_call_output item needs its call_id.", param=where)
+        out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _part_text(item.get("output", ""),
+                                                                                            where)})
+    else:
+        raise ApiError(400, f"{where}: input items of type {kind!r} are not supported (message, function_call and "
+                            "function_call_output are).", param=where)
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    out = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    if isinstance(body.input, str):
+        return out + [{"role": "user", "content": body.input}]
+    for i, item in enumerate(body.input):
+        _item_message(item, f"input[{i}]", out)
+    if len(out) == (1 if body.instructions else 0):
+        raise ApiError(400, "input is empty; give a string or at least one item.", param="input")
+    return out
+
+
+def _schema(fmt: ResponsesFormat | None) -> dict[str, Any] | object | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ANY_JSON
+    return fmt.schema_ if fmt.schema_ is not None else {}
+
+
+def _plan(svc: Service, body: ResponsesRequest) -> OutputPlan:
+    tools = [Tool(t.name, t.description or "", t.parameters or {"type": "object", "properties": {}})
+             for t in body.tools or []]
+    choice: Any = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = ("tool", choice.name)
+    fmt = body.text.format if body.text else None
+    return output_plan(svc, tools, choice, body.parallel_tool_calls, _schema(fmt), format_param="text.format")
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text or
+            status == "completed" else []}
+
+
+def _call_item(call: ToolCall, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": call.id.replace("call_", "fc_"), "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": status}
+
+
+def _finished(base: dict[str, Any], output: list[dict[str, Any]], last: Event, prompt_len: int) -> dict[str, Any]:
+    incomplete = last.finish_reason == "length"
+    usage = {"input_tokens": prompt_len, "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": last.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": prompt_len + last.completion_tokens}
+    return {**base, "status": "incomplete" if incomplete else "completed", "output": output, "usage": usage,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}
+
+
+@router.post("/v1/responses")
+async def responses(request: Request):
+    svc: Service = request.app.state.service
+    body = await parse_body(request, ResponsesRequest)
+    svc.check_model(body.model)
+    plan = _plan(svc, body)
+    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, _messages(body), plan.offered), param="input")
+    limit = svc.check_budget(len(prompt), body.max_output_tokens, "max_output_tokens")
+    params = sampling(svc, max_tokens=limit, stop=None, max_stop=0, stop_param="stop",
+                      temperature=body.temperature, top_p=body.top_p)
+    queue, reqs = svc.submit(prompt, params, constraints=await plan.constraints(svc, 1))
+    base = {"id": new_id("resp_"), "object": "response", "created_at": int(time.time()), "model": svc.model_id,
+            "instructions": body.instructions, "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
+                            else body.tool_choice.model_dump()) or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls, "temperature": body.temperature, "top_p": body.top_p,
+            "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {}, "store": False,
+            "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
+                                if body.text and body.text.format else {"type": "text"})},
+            "status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None}
+    if body.stream:
+        return StreamingResponse(_stream(events(queue, reqs), base, len(prompt), plan), media_type="text/event-stream")
+    text, last = "", None
+    async for ev in events(queue, reqs, request):
+        if ev.kind == "delta":
+            text += ev.text
+        else:
+            last = ev
+    out = split_output(plan, text)
+    output = [_message_item(new_id("msg_"), out.content, "completed")] if out.content or not out.calls else []
+    output += [_call_item(c, "completed") for c in out.calls]
+    return _finished(base, output, last, len(prompt))
+
+
+class _Items:
+    """The Responses stream's events over Ops: an output item (a message or a function call) opens, its content
+    streams, it closes with its final form; every event carries the next sequence number."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []  # finished items
+        self.msg_id: str | None = None  # the open message item
+        self.text = ""
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self.seq += 1
+        return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
+
+    def _close_message(self) -> list[str]:
+        if self.msg_id is None:
+            return []
+        i, mid, part = len(self.output), self.msg_id, {"type": "output_text", "text": self.text, "annotations": [],
+                                                       "logprobs": []}
+        item = _message_item(mid, self.text, "completed")
+        self.output.append(item)
+        self.msg_id, self.text = None, ""
+        return [self.event("response.output_text.done", item_id=mid, output_index=i, content_index=0,
+                           text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", item_id=mid, output_index=i, content_index=0, part=part),
+                self.event("response.output_item.done", output_index=i, item=item)]
+
+    def _open_message(self) -> list[str]:
+        self.msg_id, i = new_id("msg_"), len(self.output)
+        return [self.event("response.output_item.added", output_index=i,
+                           item=_message_item(self.msg_id, "", "in_progress")),
+                self.event("response.content_part.added", item_id=self.msg_id, output_index=i, content_index=0,
+                           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
+    def ops(self, ops: list[Op]) -> list[str]:
+        out: list[str] = []
+        for op in ops:
+            i = len(self.output)
+            if op.kind == "content" and op.text:
+                if self.msg_id is None:
+                    out += self._open_message()
+                self.text += op.text
+                out.append(self.event("response.output_text.delta", item_id=self.msg_id, output_index=i,
+                                      content_index=0, delta=op.text, logprobs=[]))
+            elif op.kind == "call":
+                out += self._close_message()
+                i = len(self.output)
+                out.append(self.event("response.output_item.added", output_index=i,
+                                      item=_call_item(op.call, "in_progress")))
+            elif op.kind == "args":
+                out.append(self.event("response.function_call_arguments.delta", output_index=i,
+                                      item_id=op.call.id.replace("call_", "fc_"), delta=op.text))
+            elif op.kind in ("done", "broken"):
+                item = _call_item(op.call, "completed" if op.kind == "done" else "incomplete")
+                self.output.append(item)
+                out += [self.event("response.function_call_arguments.done", output_index=i, item_id=item["id"],
+                                   name=op.call.name, arguments=op.call.arguments),
+                        self.event("response.output_item.done", output_index=i, item=item)]
+        return out
+
+    def end(self) -> list[str]:
+        if not self.output and self.msg_id is None:  # an empty reply is one empty message
+            return self._open_message() + self._close_message()
+        return self._close_message()
+
+
+async def _stream(evs: AsyncIterator[Event], base: dict[str, Any], prompt_len: int,
+                  plan: OutputPlan) -> AsyncIterator[str]:
+    items, splitter = _Items(), StreamSplitter(plan)
+    yield items.event("response.created", response=base)
+    yield items.event("response.in_progress", response=base)
+    try:
+        async for ev in evs:
+            if ev.kind == "delta":
+                for part in items.ops(splitter.feed(ev.text)):
+                    yield part
+                continue
+            for part in items.ops(splitter.finish()) + items.end():
+                yield part
+            final = _finished(base, items.output, ev, prompt_len)
+            kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+            yield items.event(kind, response=final)
+    except ApiError as e:  # after the headers went out an error can only be an event
+        yield items.event("error", code=e.code, message=e.message, param=e.param)
