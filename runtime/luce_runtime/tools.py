@@ -140,6 +140,10 @@ def call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 
+# any text whose first non-blank character is not "{" (blank text included)
+_NO_BRACE = r"(\s*[^{\s](.|\n)*)?\s*"
+
+
 def tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], *, required: bool, parallel: bool,
                  is_special: Callable[[str], bool], answer_schema: Mapping[str, Any] | None = None) -> str:
     """The grammar of a reply that calls `tools` in fmt: with `required`, one call (or several with `parallel`)
@@ -154,14 +158,19 @@ def tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], *, required: bool, para
     if answer_schema is not None:  # a JSON answer starts with "{" or "[", a call with the opener: no ambiguity
         return lark_grammar("\n".join([f"start: answer | call{more}", f"answer: {lark_json(dict(answer_schema))}",
                                         *rules]))
+    # Small models offered tools often answer with the call's JSON alone, without the opener (Qwen2.5-Coder-0.5B
+    # does): a reply that starts with "{" must be one valid call (llguidance's Llama 3.1 recipe), and text
+    # otherwise may not start with "{".
     if is_special(fmt.open):  # byte-level text never contains the special token: text, then the token
-        return lark_grammar("\n".join([f"start: TEXT | TEXT call{more}", "TEXT: /(.|\\n)*/", *rules]))
+        return lark_grammar("\n".join([f"start: TEXT | TEXT call{more} | body", f"TEXT: /{_NO_BRACE}/",
+                                        *rules]))
     # The opener is text: the reply is text without it, or text up to it (a lazy lexeme: it ends at the first
     # opener, where the text alternative dies) and then the calls. A greedy text lexeme would have to be ended
     # before the opener's first byte, which the lexer cannot know then.
     opener_re = re.escape(fmt.open).replace("/", "\\/")
-    return lark_grammar("\n".join([f"start: TEXT | head rest{more}", f"head[lazy]: /(.|\\n)*{opener_re}/",
-                                    f"TEXT: /(.|\\n)*/ & ~/(?s:.*){opener_re}(?s:.*)/", *rules]))
+    return lark_grammar("\n".join([f"start: TEXT | head rest{more} | body",
+                                    f"head[lazy]: /{_NO_BRACE}{opener_re}/",
+                                    f"TEXT: /{_NO_BRACE}/ & ~/(?s:.*){opener_re}(?s:.*)/", *rules]))
 
 
 # --- parsing ------------------------------------------------------------------------------------------------------
@@ -195,8 +204,10 @@ class ToolCallParser:
     the arguments value is scanned for its end (bracket depth outside strings), so what streams is exactly the
     value's text. The call is checked as JSON when its closing tag arrives."""
 
-    def __init__(self, fmt: ToolFormat, names: Sequence[str] = ()):
-        self.fmt, self.names = fmt, set(names)
+    def __init__(self, fmt: ToolFormat, names: Sequence[str] = (), *, bare: bool = False):
+        """bare: a reply whose first non-blank character is "{" is one call without the opener (tool_grammar's
+        auto mode allows exactly that)."""
+        self.fmt, self.names, self._bare = fmt, set(names), bare
         self.calls: list[ToolCall] = []
         self._buf = ""  # text not yet classified
         self._in_call = False
@@ -204,11 +215,20 @@ class ToolCallParser:
         self._sent = 0  # characters of this call's arguments streamed
         self._n = 0  # calls begun (valid or not): the index of the next
         self._after_call = False  # whitespace between calls (and after the last) is not content
+        self._implicit = False  # in a bare call: it ends with the text
 
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
         out: list[ParseEvent] = []
         while True:
+            if self._bare and not self._in_call:  # undecided until the first non-blank character
+                lead = self._buf.lstrip()
+                if not lead:
+                    return out
+                self._bare = False
+                if lead[0] == "{":
+                    self._buf, self._in_call, self._implicit = lead, True, True
+                    self._started, self._sent = False, 0
             if not self._in_call:
                 at = self._buf.find(self.fmt.open)
                 if self._after_call:
@@ -226,7 +246,7 @@ class ToolCallParser:
                 self._buf, self._in_call = self._buf[at + len(self.fmt.open):], True
                 self._started, self._sent = False, 0
                 continue
-            end = self._buf.find(self.fmt.close)
+            end = -1 if self._implicit else self._buf.find(self.fmt.close)
             body = self._buf if end < 0 else self._buf[:end]
             out += self._stream_args(body)
             if end < 0:
@@ -242,8 +262,7 @@ class ToolCallParser:
         if self._in_call:
             body = self._buf
             out += self._stream_args(body)
-            event = self._end_call(body, self.fmt.open + body)
-            out.append(event)
+            out.append(self._end_call(body, body if self._implicit else self.fmt.open + body))
         elif self._buf:
             out.append(ParseEvent("text", self._buf))
         self._buf, self._in_call = "", False

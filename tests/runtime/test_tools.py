@@ -140,3 +140,13 @@ def test_schema_grammar_masks_logits(smol_tokenizer):
     assert np.isneginf(masked[smol_tokenizer.vocab_size:]).all()
     with pytest.raises(GrammarError):
         backend.constraint(json_schema_grammar({"type": "object", "required": 5}))
+
+
+@pytest.mark.unit
+def test_a_bare_call_is_a_call_when_allowed():
+    text = ' {"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    for bare, calls in ((True, [("get_weather", '{"city": "Oslo"}')]), (False, [])):
+        p = ToolCallParser(GENERIC, ["get_weather"], bare=bare)
+        events = [e for i in range(len(text)) for e in p.feed(text[i])] + p.finish()
+        assert [(e.call.name, e.call.arguments) for e in events if e.kind == "end"] == calls
+        assert "".join(e.text for e in events if e.kind == "text") == ("" if bare else text)

@@ -33,6 +33,7 @@ class OutputPlan:
     grammar: str | None
     offered: list[Tool] = field(default_factory=list)
     fmt: ToolFormat | None = None
+    bare: bool = False  # a reply that is a call's JSON alone counts as that call (auto mode without a schema)
 
     async def constraints(self, svc: Service, n: int) -> list[Constraint]:
         """n fresh grammar states (off the event loop: a large schema compiles for milliseconds)."""
@@ -46,7 +47,9 @@ class OutputPlan:
                            param="response_format") from None
 
     def parser(self) -> ToolCallParser | None:
-        return ToolCallParser(self.fmt, [t.name for t in self.offered]) if self.fmt is not None else None
+        if self.fmt is None:
+            return None
+        return ToolCallParser(self.fmt, [t.name for t in self.offered], bare=self.bare)
 
 
 def output_plan(svc: Service, tools: list[Tool], choice: Choice | None, parallel: bool,
@@ -77,7 +80,7 @@ def output_plan(svc: Service, tools: list[Tool], choice: Choice | None, parallel
     grammar = tool_grammar(svc.tool_format, tools_held, required=required, parallel=parallel,
                            is_special=backend.is_special, answer_schema=None if schema is None else
                            ({"type": "object"} if schema is ANY_JSON else schema))
-    return OutputPlan(grammar, tools, svc.tool_format)
+    return OutputPlan(grammar, tools, svc.tool_format, bare=not required and schema is None)
 
 
 def _schema_grammar(schema: dict[str, Any] | object, param: str) -> str:
