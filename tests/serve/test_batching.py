@@ -93,3 +93,17 @@ def _try(fn, i):
         return fn(i)
     except Exception as e:  # counted as a failure by the test
         return e
+
+
+def test_n_choices_fork_the_prompt_instead_of_prefilling_it_again(server, oai):
+    kw = dict(model=server.model, messages=[{"role": "user", "content": "Name three rivers in Europe."}],
+              max_tokens=12, temperature=0)
+    alone = oai.chat.completions.create(**kw).choices[0].message.content
+    before = server.wait_idle()
+    r = oai.chat.completions.create(n=4, **kw)
+    after = server.wait_idle()
+    assert [c.message.content for c in r.choices] == [alone] * 4  # greedy: every fork continues like the original
+    assert after["choice_forks"] - before["choice_forks"] == 3
+    assert after["prompt_tokens"] - before["prompt_tokens"] == r.usage.prompt_tokens  # prefilled once
+    assert after["kv_pages_used"] <= after["kv_prefix_pages"] and after["failed"] == before["failed"]
+    assert "luce_choice_forks_total" in server.get("/metrics")

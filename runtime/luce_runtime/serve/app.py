@@ -161,7 +161,8 @@ class Service:
         for i in range(n):
             p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
             reqs.append(GenRequest(list(prompt), p, queue, loop, index=i, top_logprobs=top_logprobs,
-                                   constraint=constraints[i] if constraints else None))
+                                   constraint=constraints[i] if constraints else None,
+                                   leader=reqs[0] if reqs else None))
         if not self.scheduler.submit(*reqs, max_waiting=self.max_waiting):
             self.rejected += 1
             # Retry-After 1 s: a batch slot frees every few hundred ms while requests stream (SmolLM2 on 2 cores)

@@ -72,6 +72,7 @@ _SERIES = (
     ("prefill_calls", "luce_prefill_calls_total", "counter", "Prefill chunks run"),
     ("prefix_hits", "luce_prefix_cache_hits_total", "counter", "Requests forked from a cached prompt prefix"),
     ("prefix_tokens_reused", "luce_prefix_tokens_reused_total", "counter", "Prompt tokens not recomputed"),
+    ("choice_forks", "luce_choice_forks_total", "counter", "Choices of n > 1 requests forked from choice 0's prompt"),
     ("max_batch_seen", "luce_max_batch_seen", "gauge", "Largest decode batch so far"),
     ("running", "luce_running_sequences", "gauge", "Sequences being prefilled or decoded"),
     ("waiting", "luce_waiting_sequences", "gauge", "Requests waiting for a batch slot"),

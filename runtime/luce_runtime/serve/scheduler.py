@@ -12,6 +12,9 @@ Error boundary: a step that fails is retried one request at a time (the engine r
 appended), so only the request that fails alone gets an error event; the others go on, and the KV pool stays
 consistent. The scheduler reaches the engine only through its public API (luce_runtime/engine.py).
 
+n > 1: choices 1.. of a request wait for choice 0's prefill and then fork its pages (Engine.fork_sequence), so
+the prompt is computed once and every choice samples its first token from the same last logits row.
+
 Prefix reuse: after a prompt is prefilled its sequence is forked (Engine.fork_sequence shares the pages,
 copy-on-write for the partial last page) into a small LRU of cached prompts. A later request whose prompt shares
 ≥ page_size tokens with one of them forks from it at the common length and prefills only the rest: the rendered
@@ -68,6 +71,7 @@ class GenRequest:
     index: int = 0
     top_logprobs: int | None = None  # None: no logprobs; k ≥ 0: the chosen token's and the k best
     constraint: Constraint | None = None  # a grammar the tokens must follow (structured output, tool calls)
+    leader: GenRequest | None = None  # choice 0 of the same request (n > 1): its prompt's KV is forked, not redone
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     # scheduler state
@@ -79,6 +83,7 @@ class GenRequest:
     emitted: int = 0  # characters of `text` already streamed
     sampler: Sampler | None = None
     decoder: StreamDecoder | None = None
+    forking: bool = False  # waits for its leader's prefill, then forks the leader's pages
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -98,6 +103,7 @@ class Counters:
     failed: int = 0
     prefix_hits: int = 0
     prefix_tokens_reused: int = 0
+    choice_forks: int = 0  # choices 1.. of an n > 1 request that forked choice 0's prompt instead of prefilling it
     # seconds, submit → first token; cumulative (Prometheus histograms never go down), constant memory
     ttft: Histogram = field(default_factory=Histogram)
 
@@ -152,6 +158,7 @@ class Scheduler:
                 "prefill_calls": c.prefill_calls, "tokens": c.tokens, "prompt_tokens": c.prompt_tokens,
                 "requests": c.requests, "finished": c.finished, "cancelled": c.cancelled, "failed": c.failed,
                 "prefix_hits": c.prefix_hits, "prefix_tokens_reused": c.prefix_tokens_reused,
+                "choice_forks": c.choice_forks,
                 "running": len(self._active), "waiting": len(self._waiting),
                 # from the pool itself (free pages after the last step), not from the running set: a leaked page
                 # shows here even when nothing runs
@@ -204,7 +211,12 @@ class Scheduler:
             try:  # r is off the queue: whatever fails now must still answer its client
                 r.sampler = Sampler(r.params)
                 r.decoder = StreamDecoder(self.engine.tokenizer, strip_leading_space=False)
-                self._start_sequence(r)
+                lead = r.leader
+                if lead is not None and lead in self._active and lead.seq is not None and \
+                        lead.pos < len(lead.prompt):
+                    r.forking = True  # n > 1: the leader prefills the prompt once; _prefill_step forks it
+                else:
+                    self._start_sequence(r)
             except Exception as e:
                 log.exception("scheduler: starting a request failed")
                 self._finish(r, error=f"could not start generation: {e}")
@@ -250,7 +262,7 @@ class Scheduler:
         budget = self.engine.prefill_chunk
         batch: list[tuple[GenRequest, list[int]]] = []
         for r in self._active:
-            if r.pos < len(r.prompt) and budget > 0:
+            if r.pos < len(r.prompt) and budget > 0 and not r.forking:
                 take = r.prompt[r.pos:r.pos + budget]
                 batch.append((r, take))
                 budget -= len(take)
@@ -263,8 +275,35 @@ class Scheduler:
             if r.pos == len(r.prompt):
                 self.counters.prompt_tokens += len(r.prompt)
                 self._remember_prefix(r)
-                self.counters.ttft.observe(time.perf_counter() - r.submitted)
-                self._deliver(r, row)
+                followers = self._fork_followers(r)  # before r's first token: r may end at once and free its pages
+                for f in (r, *followers):
+                    self.counters.ttft.observe(time.perf_counter() - f.submitted)
+                    self._deliver(f, row)  # the prompt's last logits row is every choice's first distribution
+
+    def _fork_followers(self, r: GenRequest) -> list[GenRequest]:
+        """The choices waiting on r's prefill, each now a fork of r's prompt pages (shared, copy-on-write)."""
+        out = []
+        for f in [a for a in self._active if a.forking and a.leader is r]:
+            f.forking = False
+            try:
+                f.seq = self.engine.fork_sequence(r.seq, len(r.prompt))
+            except Exception as e:
+                self._fail(f, e)
+                continue
+            f.pos = len(f.prompt)
+            self.counters.choice_forks += 1
+            self.counters.prefix_tokens_reused += len(f.prompt)
+            out.append(f)
+        return out
+
+    def _release_followers(self, r: GenRequest) -> None:
+        """r ended before its prompt was prefilled: its waiting choices start their own sequences."""
+        for f in [a for a in self._active if a.forking and a.leader is r]:
+            f.forking = False
+            try:
+                self._start_sequence(f)
+            except Exception as e:
+                self._finish(f, error=f"could not start generation: {e}")
 
     def _decode_step(self) -> None:
         ready = [r for r in self._active if r.pending is not None]
@@ -367,6 +406,8 @@ class Scheduler:
         with self._cond:
             if r in self._active:
                 self._active.remove(r)
+        if not self._stop:
+            self._release_followers(r)
         if error is not None:
             self.counters.failed += 1
             self._emit(r, Event("error", r.index, text=error))
