@@ -34,6 +34,7 @@ class OutputPlan:
     offered: list[Tool] = field(default_factory=list)
     fmt: ToolFormat | None = None
     bare: bool = False  # a reply that is a call's JSON alone counts as that call (auto mode without a schema)
+    param: str = "response_format"  # what a grammar that does not compile is blamed on
 
     async def constraints(self, svc: Service, n: int) -> list[Constraint]:
         """n fresh grammar states (off the event loop: a large schema compiles for milliseconds)."""
@@ -44,7 +45,7 @@ class OutputPlan:
             return [await asyncio.to_thread(backend.constraint, self.grammar) for _ in range(n)]
         except GrammarError as e:
             raise ApiError(400, f"{e}. Simplify the schema (see the JSON Schema keywords llguidance supports).",
-                           param="response_format") from None
+                           param=self.param) from None
 
     def parser(self) -> ToolCallParser | None:
         if self.fmt is None:
@@ -75,12 +76,12 @@ def output_plan(svc: Service, tools: list[Tool], choice: Choice | None, parallel
         tools_held, required = (tools if choice == "auto" else []), False
     text_grammar = None if schema is None else _schema_grammar(schema, format_param)
     if not tools_held:
-        return OutputPlan(text_grammar)
+        return OutputPlan(text_grammar, param=format_param)
     backend = GrammarBackend.of(svc.tokenizer)
     grammar = tool_grammar(svc.tool_format, tools_held, required=required, parallel=parallel,
                            is_special=backend.is_special, answer_schema=None if schema is None else
                            ({"type": "object"} if schema is ANY_JSON else schema))
-    return OutputPlan(grammar, tools, svc.tool_format, bare=not required and schema is None)
+    return OutputPlan(grammar, tools, svc.tool_format, bare=not required and schema is None, param=tools_param)
 
 
 def _schema_grammar(schema: dict[str, Any] | object, param: str) -> str:
