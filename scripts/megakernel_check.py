@@ -52,10 +52,10 @@ def tiny_specs() -> dict:
     return specs
 
 
-def options(max_context: int, batches: tuple[int, ...]):
+def options(max_context: int, batches: tuple[int, ...], variant: dict | None = None):
     from luce_compile.fuse.build import MegakernelOptions
 
-    return MegakernelOptions(batches=batches, max_context=max_context)
+    return MegakernelOptions(batches=batches, max_context=max_context, **(variant or {}))
 
 
 # ---- prepare (build machine) --------------------------------------------------------------------------------------
@@ -71,6 +71,7 @@ def prepare(args: argparse.Namespace) -> int:
     tiny = tiny_specs()
     models = args.models or [*tiny, *WORKLOADS]
     batches = tuple(args.batches)
+    variant = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     summary = {}
     for name in models:
         folder = out / name
@@ -78,6 +79,8 @@ def prepare(args: argparse.Namespace) -> int:
         if name in tiny:  # the GGUF is regenerated there from the spec (with the shared tokenizer keys)
             gguf = cached_synthetic(tiny[name])
             (folder / "synthetic.json").write_text(json.dumps(dataclasses.asdict(tiny[name])))
+        elif args.data_from:  # a variant: its spec, tokenizer and reference stay in the default build's folder
+            gguf = cached_synthetic(name)
         else:
             src = ROOT / ".gpucheck" / "h200" / name
             for f in ("spec.json", "reference.npz"):
@@ -87,7 +90,8 @@ def prepare(args: argparse.Namespace) -> int:
         graph, _ = open_graph(gguf)
         start = time.perf_counter()
         try:
-            programs = compile_megakernels(graph, "sm_90", folder / "megakernel.so", options(args.ctx, batches))
+            programs = compile_megakernels(graph, "sm_90", folder / "megakernel.so",
+                                           options(args.ctx, batches, variant))
         except Exception as e:  # noqa: BLE001  (recorded: the run reports which models could not build)
             (folder / "build.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
             summary[name] = f"error: {e}"
@@ -95,6 +99,8 @@ def prepare(args: argparse.Namespace) -> int:
             continue
         seconds = round(time.perf_counter() - start, 1)
         info = {"batches": list(batches), "max_context": args.ctx, "compile_seconds": seconds,
+                "options": dataclasses.asdict(options(args.ctx, batches, variant)),
+                "data_from": args.data_from,
                 "fingerprints": {str(b): program_fingerprint(p) for b, p in programs.items()},
                 "tasks": {str(b): len(p.tg.tasks) for b, p in programs.items()},
                 "params": {str(b): p.param_names for b, p in programs.items()}}
@@ -318,8 +324,11 @@ def say(msg: str) -> None:
 
 
 def profile_step(runner, context: int = 512) -> dict:
-    """One step with the clocks on: per opcode, tasks, mean wait and body time (µs at the SM clock), and the step's
-    span; the SM clocks are per SM, so only durations are compared."""
+    """One step with the clocks on (the GPU's global timer, ns): per opcode, tasks, mean wait and body time, and the
+    step's span; per stage (by opcode, means over the layers): the handoff, from the previous stage's last task's end
+    to this stage's first body, and the stage's span, from that first body to its last task's end."""
+    from luce_compile.fuse.program import STAGE_COUNTER
+
     torch = runner.torch
     runner.len[runner.cur].fill_(context)
     runner.profiling = 1
@@ -327,16 +336,15 @@ def profile_step(runner, context: int = 512) -> dict:
     torch.cuda.synchronize()
     runner.profiling = 0
     prof = runner.profile.cpu().numpy()
-    ghz = torch.cuda.get_device_properties(0).clock_rate / 1e6 if hasattr(torch.cuda.get_device_properties(0),
-                                                                           "clock_rate") else 1.98
     p = runner.p
     per: dict = {}
+    stage_times: dict[int, tuple[float, float]] = {}  # stage → (first body start, last end)
     busy = []
     for sm in range(len(p.queue_len)):
         n = int(p.queue_len[sm])
         if not n:
             continue
-        t = prof[sm, :n].astype(np.float64) / (ghz * 1e3)  # cycles → µs
+        t = (prof[sm, :n] - prof[prof > 0].min()).astype(np.float64) / 1e3  # ns → µs
         busy.append((t[-1, 2] - t[0, 0], float((t[:, 2] - t[:, 1]).sum()), float((t[:, 1] - t[:, 0]).sum())))
         for i in range(n):
             op = p.opcodes[int(p.tasks[sm, i, 0])]
@@ -345,12 +353,29 @@ def profile_step(runner, context: int = 512) -> dict:
             d[0] += 1
             d[1] += t[i, 1] - t[i, 0]
             d[2] += t[i, 2] - t[i, 1]
+            s = int(p.tasks[sm, i, STAGE_COUNTER])
+            first, last = stage_times.get(s, (np.inf, -np.inf))
+            stage_times[s] = (min(first, t[i, 1]), max(last, t[i, 2]))
+    stages: dict = {}
+    prev_end = 0.0
+    for s in sorted(stage_times):
+        first, last = stage_times[s]
+        ops = {int(p.tasks[sm, i, 0]) for sm in range(len(p.queue_len)) for i in range(int(p.queue_len[sm]))
+               if int(p.tasks[sm, i, STAGE_COUNTER]) == s}
+        key = "+".join(f"op{o} {p.opcodes[o].kind}" for o in sorted(ops))
+        d = stages.setdefault(key, [0, 0.0, 0.0])
+        d[0] += 1
+        d[1] += first - prev_end
+        d[2] += last - first
+        prev_end = last
     span, body, wait = (float(np.max([b[0] for b in busy])), float(np.mean([b[1] for b in busy])),
                         float(np.mean([b[2] for b in busy])))
-    return {"clock_ghz": round(ghz, 3), "span_us": round(span, 1), "mean_sm_body_us": round(body, 1),
+    return {"clock": "globaltimer", "span_us": round(span, 1), "mean_sm_body_us": round(body, 1),
             "mean_sm_wait_us": round(wait, 1),
             "opcodes": {k: {"tasks": v[0], "wait_us": round(v[1] / v[0], 2), "body_us": round(v[2] / v[0], 2)}
-                        for k, v in per.items()}}
+                        for k, v in per.items()},
+            "stages": {k: {"stages": v[0], "handoff_us": round(v[1] / v[0], 2), "span_us": round(v[2] / v[0], 2)}
+                       for k, v in stages.items()}}
 
 
 def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
@@ -362,6 +387,9 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
     build = json.loads((folder / "build.json").read_text())
     if "error" in build:
         return {"build_error": build["error"], "ok": False}
+
+    def data(name: str) -> Path:  # a variant's data files are its default build's
+        return ROOT / build["data_from"] / folder.name / name if build.get("data_from") else folder / name
     gguf_path = Path(args.work) / f"{folder.name}.gguf"
     if (folder / "synthetic.json").is_file() and not gguf_path.is_file():
         import luce_compile.synthetic as synthetic
@@ -375,12 +403,14 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
 
         staging = Path(args.work) / f"{folder.name}-spec"
         (staging / "artifact").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(folder / "spec.json", staging / "spec.json")
-        shutil.copyfile(folder / "tokenizer.json", staging / "artifact" / "tokenizer.json")
+        shutil.copyfile(data("spec.json"), staging / "spec.json")
+        shutil.copyfile(data("tokenizer.json"), staging / "artifact" / "tokenizer.json")
         generate_gguf(staging, gguf_path)
     say(f"{folder.name}: GGUF ready")
     graph, _ = open_graph(gguf_path)
-    programs = plan_programs(graph, get_target("sm_90").facts, options(build["max_context"], tuple(build["batches"])))
+    variant = {k: v for k, v in build.get("options", {}).items() if k not in ("batches", "max_context")}
+    programs = plan_programs(graph, get_target("sm_90").facts,
+                             options(build["max_context"], tuple(build["batches"]), variant))
     result: dict = {"tasks": build["tasks"]}
     for b, p in programs.items():
         if program_fingerprint(p) != build["fingerprints"][str(b)]:
@@ -392,7 +422,7 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
     say(f"{folder.name}: weights stacked")
     runners = {b: Runner(mod[f"megakernel_b{b}"], p, weights, torch, build["params"][str(b)])
                for b, p in programs.items()}
-    ref_path = folder / "reference.npz"
+    ref_path = data("reference.npz")
     ref = dict(np.load(ref_path)) if ref_path.is_file() else tiny_reference(gguf_path, runners[1].vocab)
     t0 = time.perf_counter()
     runners[1].step([1], [0])
@@ -482,13 +512,23 @@ def report(args: argparse.Namespace) -> int:
                      f"{'yes' if r.get('ok') else 'no'} |")
     prof = {n: r["profile_b1"] for n, r in res.items() if isinstance(r, dict) and "profile_b1" in r}
     if prof:
-        lines += ["", "Per-task profile of one b=1 step (clock64 per task; wait = from the task's start to its "
+        clock = next(iter(prof.values())).get("clock", "clock64")
+        lines += ["", f"Per-task profile of one b=1 step ({clock} per task; wait = from the task's start to its "
                   "dependencies met, body = the task itself; means per task):", ""]
         for name, p in prof.items():
             ops = "; ".join(f"{k}: {v['tasks']} × (wait {v['wait_us']} + body {v['body_us']} µs)"
                             for k, v in p["opcodes"].items())
             lines.append(f"- **{name}**: step span {p['span_us']} µs, per SM {p['mean_sm_body_us']} µs in bodies "
                          f"and {p['mean_sm_wait_us']} µs waiting. {ops}")
+        staged = {n: p["stages"] for n, p in prof.items() if "stages" in p}
+        if staged:
+            lines += ["", "The step's critical path by stage (means over the layers; handoff = from the previous "
+                      "stage's last task's end to this stage's first body; span = from there to its last task's end):",
+                      ""]
+            for name, st in staged.items():
+                parts = "; ".join(f"{k}: {v['stages']} × (handoff {v['handoff_us']} + span {v['span_us']} µs)"
+                                  for k, v in st.items())
+                lines.append(f"- **{name}**: {parts}")
     print("\n".join(lines))
     return 0
 
@@ -501,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="*")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 5, 8])
     p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--data-from", help="a variant: read the workloads' spec, tokenizer and reference from this "
+                   "folder's build (relative to the repository) instead of carrying copies")
+    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=INT",
+                   help="MegakernelOptions fields for a variant to time against the default (prefetch_bytes=0, "
+                   "kv_chunk=128, poll_sleep_ns=0, ...)")
     p.set_defaults(func=prepare)
     r = sub.add_parser("run")
     r.add_argument("--dir", default=str(ROOT / ".gpucheck" / "mk"))

@@ -30,7 +30,13 @@ class MegakernelOptions:
     # keys per attention task; longer contexts split into chunks merged by a second task. One 1024-key chunk (no
     # merge stage) measured slower on the H200: the chunk's keys run serially in one task (28 µs vs 6 + 9 µs)
     kv_chunk: int = 256
+    kv_splits: int = 0  # > 0: that many key chunks per (sequence, KV head), sized each step (TaskGraph.kv_splits)
+    fold_merge: bool = False  # the O projection merges split attention partials (no merge tasks: build_program)
     kv_dtype: str = "float16"
+    # bytes of each weight plane's tile (and of each attention chunk's keys/values) asked into L2 before a task's
+    # wait, so the fetch overlaps the wait instead of following it; 0 turns it off
+    prefetch_bytes: int = 64 * 1024
+    poll_sleep_ns: int = 32  # back-off between two polls of a counter
 
 
 def kernel_name(batch: int) -> str:
@@ -42,7 +48,8 @@ def plan_programs(graph: Graph, facts: dict, options: MegakernelOptions) -> dict
     n_sms = int(facts["sm_count"])
     cost = CostModel(bandwidth=facts["mem_bandwidth_gb_s"] * 1e9, n_sms=n_sms)
     return {b: build_program(graph, batch=b, n_sms=n_sms, max_context=options.max_context,
-                             kv_chunk=options.kv_chunk, page_size=options.page_size, cost=cost)
+                             kv_chunk=options.kv_chunk, kv_splits=options.kv_splits, fold_merge=options.fold_merge,
+                             page_size=options.page_size, cost=cost)
             for b in options.batches}
 
 
@@ -70,7 +77,7 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
         raise UnsupportedError(f"fuse: the megakernel is generated for CUDA targets so far, not {info.name}; "
                                "build with --no-megakernel.")
     programs = plan_programs(graph, info.facts, options)
-    funcs = {kernel_name(b): emit_megakernel(p, name=kernel_name(b), kv_dtype=options.kv_dtype)
+    funcs = {kernel_name(b): emit_megakernel(p, name=kernel_name(b), options=options)
              for b, p in programs.items()}
     for b, p in programs.items():  # the argument order callers must follow (the runtime passes them by position)
         p.param_names = [str(v.name) for v in funcs[kernel_name(b)].params]

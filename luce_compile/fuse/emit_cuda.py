@@ -26,13 +26,14 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 
-from tvm import tirx
+from tvm import DataType, tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script.builder import ir as B
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse import program as P
+from luce_compile.fuse.build import MegakernelOptions
 from luce_compile.fuse.taskgraph import TaskKind
 from luce_compile.graph.ir import Op, OpKind
 from luce_compile.lower.quant_layout import plane_specs
@@ -42,7 +43,8 @@ THREADS, WARPS = 256, 8
 # float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences); 32 measured slower on the H200
 # (results/megakernel/h200-2026-11-30-run2.md: register pressure)
 ACCUMULATORS = 16
-SHARED_FLOATS = 11 * 1024  # 44 KiB of the 48 KiB static shared memory
+SHARED_FLOATS = P.SHARED_FLOATS
+LINE = 128  # bytes per L2 prefetch
 SPIN_LIMIT = 1 << 21  # polls (~1 µs each with the back-off) before a wait gives up: seconds
 F32 = "float32"
 
@@ -71,8 +73,9 @@ class _Stacked:
 
 
 class MegakernelEmitter:
-    def __init__(self, prog: P.Program, *, name: str = "megakernel", kv_dtype: str = "float16"):
-        self.p, self.name, self.kv_dtype = prog, name, kv_dtype
+    def __init__(self, prog: P.Program, *, name: str, options: MegakernelOptions):
+        self.p, self.name, self.kv_dtype = prog, name, options.kv_dtype
+        self.prefetch_bytes, self.poll_sleep_ns = options.prefetch_bytes, options.poll_sleep_ns
         self.values = prog.values
         self.nb = prog.batch
 
@@ -139,7 +142,7 @@ class MegakernelEmitter:
         self.counters = B.arg("counters", B.buffer((p.n_counters,), "int32"))
         # per block: (queue position + 1, counter, target, value seen) of a wait that gave up (see `wait`)
         self.status = B.arg("status", B.buffer((len(p.queue_len), 4), "int32"))
-        # per task (block, queue position): clock64 when its wait began, when its body began, when it finished;
+        # per task (block, queue position): ns when its wait began, when its body began, when it finished;
         # written only when `profiling` is nonzero
         self.profile = B.arg("profile", B.buffer((len(p.queue_len), int(p.tasks.shape[1]), 3), "int64"))
         self.profiling = B.arg("profiling", tirx.Var("profiling", "int32"))
@@ -186,6 +189,11 @@ class MegakernelEmitter:
                     for c in range(p.tasks.shape[2]):
                         self.store(self.trow, c, self.tasks[bx, i, c])
                     self.stamp(bx, i, 0)
+                    if self.prefetch_bytes:
+                        for op in p.opcodes:
+                            if op.kind in (TaskKind.MATVEC, TaskKind.ATTN_PARTIAL):
+                                with self.when(self.col(P.OPCODE) == op.index):
+                                    self.prefetch(op)
                     with self.when(tx == 0):
                         start = self.col(P.DEP_START)
                         with B.serial(0, self.col(P.DEP_COUNT)) as d:
@@ -197,28 +205,34 @@ class MegakernelEmitter:
                             self.opcode(op)
                     self.sync()
                     self.stamp(bx, i, 2)
-                    with self.when(tx == 0):
-                        B.evaluate(T.cuda.thread_fence())
-                        B.evaluate(T.cuda.atomic_add(T.address_of(self.counters[self.col(P.COUNTER)]), 1))
-                        B.evaluate(T.cuda.atomic_add(T.address_of(self.counters[self.col(P.STAGE_COUNTER)]), 1))
+                    with self.when(tx == 0):  # CUTLASS's barrier: the block's writes (bar.sync), a release
+                        # fence, then relaxed reductions (no round trip); fence.sc (__threadfence) costs more
+                        B.evaluate(T.ptx.fence.acq_rel.gpu())
+                        for c in (P.COUNTER, P.STAGE_COUNTER):
+                            B.evaluate(T.ptx.red.relaxed.gpu.global_.add.s32(
+                                T.address_of(self.counters[self.col(c)]), i32(1)))
         return ib.get()
 
     def stamp(self, bx, position, which: int) -> None:
         with self.when((self.tx == 0) & (self.profiling != 0)):
-            self.store(self.profile, [bx, position, which], T.cuda.clock64())
+            # the global timer (ns, one clock for every SM): stages line up across SMs, handoffs can be measured
+            self.store(self.profile, [bx, position, which], T.cuda.mov_sreg(64, "globaltimer"))
 
     def wait(self, counter, target, bx, position, spins) -> None:
-        """Spin (thread 0) until counters[counter] >= target. Reads are atomic (L2, always coherent); the fence after
-        orders the task's reads after the producers' writes. A wait that exceeds the block's budget records itself
+        """Spin (thread 0) until counters[counter] >= target. Acquire loads (served by L2, coherent) order the
+        task's reads after the producers' writes; the block's barrier after the wait passes that on to every
+        thread (CUTLASS's generic barrier does the same). A wait that exceeds the block's budget records itself
         in `status` and gives up, and the block's later waits give up at once: a planning bug or a block that is not
         resident becomes an error the host reports, not a hung GPU."""
         seen, n = self.local("int32"), self.local("int32")
         addr = T.address_of(self.counters[counter])
         self.store(n, 0, i32(0))
-        self.store(seen, 0, T.cuda.atomic_add(addr, i32(0)))
+        # loads, not atomic read-modify-writes: up to 132 pollers of one counter would queue their atomics at L2
+        # ahead of the producers' increments
+        B.evaluate(T.ptx.ld.acquire.gpu.global_.b32(seen[0], addr))
         with B.While((seen[0] < target) & (n[0] < spins[0])):
-            B.evaluate(T.cuda.nano_sleep(i32(32)))  # back-off: 132 pollers of one counter contend at L2 without it
-            self.store(seen, 0, T.cuda.atomic_add(addr, i32(0)))
+            B.evaluate(T.cuda.nano_sleep(i32(self.poll_sleep_ns)))  # back-off: less L2 contention
+            B.evaluate(T.ptx.ld.acquire.gpu.global_.b32(seen[0], addr))
             self.store(n, 0, n[0] + 1)
         with self.when(seen[0] < target):
             self.store(self.status, [bx, 0], position + 1)
@@ -226,7 +240,56 @@ class MegakernelEmitter:
             self.store(self.status, [bx, 2], target)
             self.store(self.status, [bx, 3], seen[0])
             self.store(spins, 0, i32(0))
-        B.evaluate(T.cuda.thread_fence())
+
+    def prefetch(self, op: P.Opcode) -> None:
+        """Ask L2 for what the task will read that no task of this step writes (its weight rows; the keys and
+        values of its chunk but the newest), before its wait: the fetch runs while the producers finish."""
+        st = self.p.tg.stages[op.stage]
+        if op.kind == TaskKind.MATVEC:
+            lo, hi = self.col(P.LO), self.col(P.HI)
+            for u, unit in enumerate(st.units):
+                with self.when(self.col(P.UNIT) == u):
+                    for m in unit.matmuls:
+                        for buf in self.weight(op, m.weights["weight"]).values():
+                            cols = int(buf.shape[2])
+                            self._prefetch_range(lambda e, buf=buf, cols=cols: buf[self.col(P.LAYER), lo, e],
+                                                 (hi - lo) * cols, op.max_rows[u] * cols, buf.dtype)
+        elif op.kind == TaskKind.ATTN_PARTIAL:
+            att = st.attention
+            window = int(att.attrs.get("sliding_window") or 0)
+            chunk = self._chunk_max(st, window)
+            ps, d = self.p.page_size, self.p.kv["head_dim"]
+            b, g, split = self.col(P.ROW), self.col(P.LO), self.col(P.SPLIT)
+            kv_lo, kv_hi = self._chunk(st, window, b, split)
+            kv_hi = tirx.min(kv_hi, self.lengths[b])  # the newest key is this step's: written after the wait
+            per_page = ps * d
+            with self.when((split >= 0) & (kv_hi > kv_lo)):
+                p_lo = kv_lo // ps
+                n_pages = (kv_hi - 1) // ps - p_lo + 1
+
+                def at(e):  # e: element offset in the chunk's (page, K|V) blocks, each ps x d contiguous
+                    blk = e // per_page
+                    page = self.page_table[b, p_lo + blk // 2]
+                    r = e % per_page
+                    return self.pages[self.col(P.KV_LAYER), page, blk % 2, g, r // d, r % d]
+                self._prefetch_range(at, n_pages * 2 * per_page, (chunk // ps + 1) * 2 * per_page, self.kv_dtype,
+                                     contiguous=False)
+
+    def _prefetch_range(self, at, n, n_max: int, dtype: str, contiguous: bool = True) -> None:
+        """L2 prefetches over elements [0, n) of `at(e)` (n <= n_max), one per 128-byte line, capped at
+        prefetch_bytes (a stage's whole prefetch, 132 tasks x planes, must stay well inside the 50 MB L2);
+        threads stride over lines. `contiguous`: the elements are one range in memory (otherwise
+        each line of `at` is still contiguous: the blocks are whole lines)."""
+        size = DataType(str(dtype)).bits // 8
+        per_line = LINE // size
+        cap = self.prefetch_bytes // size
+        lines = -(-min(n_max, cap) // per_line) + (1 if contiguous else 0)  # +1: a range need not start on a line
+        n = tirx.min(n, i32(cap))
+        with B.serial(0, -(-lines // THREADS)) as it:
+            t = it * THREADS + self.tx
+            with self.when(t * per_line < n + (per_line if contiguous else 0)):
+                e = tirx.min(t * per_line, n - 1)
+                B.evaluate(T.ptx.prefetch.global_.L2(T.address_of(at(e))))
 
     def opcode(self, op: P.Opcode) -> None:
         if op.kind == TaskKind.ARGMAX:
@@ -275,9 +338,61 @@ class MegakernelEmitter:
                                    "memory; build with --no-megakernel")
         rstd_at = SHARED_FLOATS - nb  # per-sequence 1/rms of the prologue norm
         x_name = st.input
-        # 1. the prologue norm's scale, per sequence
-        if st.prologue is not None:
+        norm_w = st.prologue.weights["weight"] if st.prologue is not None else None
+
+        def rstd_of(b, total) -> None:  # thread 0 keeps sequence b's 1/rms
+            with self.when(self.tx == 0):
+                eps = f32(st.prologue.attrs["eps"])
+                self.store(self.smem, rstd_at + b, tirx.rsqrt(total / f32(k_in) + eps))
+
+        def xval(b: int, k) -> tirx.Expr:
+            v = self.arena_at(op, x_name, b, k)
+            if st.prologue is not None:
+                v = v * self.smem[rstd_at + b] * self.vector(op, norm_w, k)
+            return v
+
+        def x_at(b, k) -> tirx.Expr:  # transposed by granule: xs[(b*8 + j) * G + g] = x[b, 8g + j]
+            return (b * 8 + k % 8) * granules + k // 8
+
+        if st.merged >= 0:  # the attention's split partials merged here, into shared memory (no merge tasks)
+            if not staged:
+                raise UnsupportedError(f"fuse: stage {op.stage} merges attention partials but its input does not "
+                                       "fit shared memory; plan it without fold_merge")
+            att = self.p.tg.stages[st.merged]
+            h, n_splits = att.attention.attrs["n_head"], att.n_splits
+            dv = k_in // h
+            partials = self.p.partials[self.p.opcodes[self.p.stage_opcode[st.merged]].stage]
+            with B.serial(0, (nb * k_in + THREADS - 1) // THREADS) as it:
+                idx = it * THREADS + self.tx
+                with self.when(idx < nb * k_in):
+                    b, k = idx // k_in, idx % k_in
+                    self.store(self.smem, x_at(b, k), self.merged_value(partials, b, k // dv, k % dv, n_splits, h, dv))
+            self.sync()
+        elif staged:
+            # the input read from the arena once: raw into shared memory, then the norm's scale in place
             with B.serial(0, nb) as b:  # a loop, not a copy per sequence: the kernel's size is nvcc's time
+                part = self.local()
+                self.store(part, 0, f32(0))
+                with B.serial(0, (k_in + THREADS - 1) // THREADS) as it:
+                    k = it * THREADS + self.tx
+                    with self.when(k < k_in):
+                        self.store(self.smem, x_at(b, k), self.arena_at(op, x_name, b, k))
+                        if st.prologue is not None:
+                            v = self.smem[x_at(b, k)]  # the stored value: the arena is not read twice
+                            self.store(part, 0, part[0] + v * v)
+                if st.prologue is not None:
+                    rstd_of(b, self.cta(part[0], "sum"))
+            self.sync()
+            if st.prologue is not None:
+                with B.serial(0, (nb * k_in + THREADS - 1) // THREADS) as it:
+                    idx = it * THREADS + self.tx
+                    with self.when(idx < nb * k_in):
+                        b, k = idx // k_in, idx % k_in
+                        self.store(self.smem, x_at(b, k),
+                                   self.smem[x_at(b, k)] * self.smem[rstd_at + b] * self.vector(op, norm_w, k))
+                self.sync()
+        elif st.prologue is not None:  # the norm's scale per sequence; the body reads the arena (xval)
+            with B.serial(0, nb) as b:
                 part = self.local()
                 self.store(part, 0, f32(0))
                 with B.serial(0, (k_in + THREADS - 1) // THREADS) as it:
@@ -285,28 +400,8 @@ class MegakernelEmitter:
                     with self.when(k < k_in):
                         v = self.arena_at(op, x_name, b, k)
                         self.store(part, 0, part[0] + v * v)
-                total = self.cta(part[0], "sum")
-                with self.when(self.tx == 0):
-                    eps = f32(st.prologue.attrs["eps"])
-                    self.store(self.smem, rstd_at + b, tirx.rsqrt(total / f32(k_in) + eps))
+                rstd_of(b, self.cta(part[0], "sum"))
                 self.sync()
-
-        def xval(b: int, k) -> tirx.Expr:
-            v = self.arena_at(op, x_name, b, k)
-            if st.prologue is not None:
-                v = v * self.smem[rstd_at + b] * self.vector(op, st.prologue.weights["weight"], k)
-            return v
-
-        # 2. the input, normalized, in shared memory, transposed by granule: xs[(b*8 + j) * G + g] = x[b, 8g + j]
-        if staged:
-            with B.serial(0, (nb * k_in + THREADS - 1) // THREADS) as it:
-                idx = it * THREADS + self.tx
-                with self.when(idx < nb * k_in):
-                    for b in range(nb):
-                        with self.when(idx // k_in == b):
-                            k = idx % k_in
-                            self.store(self.smem, (b * 8 + k % 8) * granules + k // 8, xval(b, k))
-            self.sync()
         env_base = nb * k_in if staged else 0
         for u, unit in enumerate(st.units):
             with self.when(self.col(P.UNIT) == u):
@@ -609,8 +704,8 @@ class MegakernelEmitter:
         group, d = h // hkv, self.p.kv["head_dim"]
         per_lane = -(-d // 32)  # dimensions per lane in p·v (the last may be partial for heads under 32)
         n_splits = st.n_splits
-        chunk = self.p.tg.kv_chunk if n_splits > 1 else self.p.tg.max_context
         window = int(a.get("sliding_window") or 0)
+        chunk = self._chunk_max(st, window)
         # shared: q (group, d) | p (warps, group, 32) | o (warps, group, d) | m, l (warps, group)
         q_at, p_at = 0, group * d
         o_at = p_at + WARPS * group * 32
@@ -626,14 +721,26 @@ class MegakernelEmitter:
             with self.when(split < 0):
                 self._attn_merge(op, att, b, g, group, d, n_splits, partials)
 
+    def _chunk_max(self, st, window: int) -> int:
+        """The most keys one attention task of the stage reads (a static bound for its loops)."""
+        span = min(window, self.p.tg.max_context) if window else self.p.tg.max_context
+        return self.p.tg.chunk_keys(span) if st.n_splits > 1 else self.p.tg.max_context
+
+    def _chunk(self, st, window: int, b, split) -> tuple[tirx.Expr, tirx.Expr]:
+        """The keys [lo, hi) of sequence b's chunk `split` this step (TaskGraph.chunk_keys, as the simulator)."""
+        pos = self.lengths[b]
+        first = tirx.max(pos - (window - 1), 0) if window else i32(0)
+        if st.n_splits == 1:
+            return first, pos + 1
+        chunk = self.p.tg.chunk_keys(pos + 1 - first, tirx.max)
+        kv_lo = first + split * chunk
+        return kv_lo, tirx.min(pos + 1, kv_lo + chunk)
+
     def _attn_partial(self, op, att, q_name, b, g, split, group, d, per_lane, chunk, window, n_splits,
                       q_at, p_at, o_at, ml_at, partials) -> None:
         a = att.attrs
         ps, layer = self.p.page_size, self.col(P.KV_LAYER)
-        pos = self.lengths[b]
-        first = tirx.max(pos - (window - 1), 0) if window else i32(0)
-        kv_lo = first + split * chunk
-        kv_hi = tirx.min(pos + 1, kv_lo + chunk)
+        kv_lo, kv_hi = self._chunk(self.p.tg.stages[op.stage], window, b, split)
         hd = a["n_head"] * d
         self._each(group * d, lambda idx: self.store(
             self.smem, q_at + idx, self.arena[self.col(op.slot(q_name)) + b * hd + g * group * d + idx]))
@@ -729,6 +836,22 @@ class MegakernelEmitter:
 
         self._each(group * d, combine)
 
+    def merged_value(self, partials: P.AttentionPartials, b, head, c, n_splits: int, h: int, d: int) -> tirx.Expr:
+        """Feature c of `head`'s attention output for sequence b, from its split partials (o unnormalized, running
+        max and sum): the merge task's value, and the O projection's input when its tiles merge (Stage.merged)."""
+        mx, den, num = self.local(), self.local(), self.local()
+        self.store(mx, 0, tirx.min_value(F32))
+        for j in range(n_splits):
+            self.store(mx, 0, tirx.max(mx[0], self.arena[partials.ml + ((b * n_splits + j) * h + head) * 2]))
+        self.store(den, 0, f32(0))
+        self.store(num, 0, f32(0))
+        for j in range(n_splits):
+            at = (b * n_splits + j) * h + head
+            sc = tirx.exp(self.arena[partials.ml + at * 2] - mx[0])  # 0 for an empty chunk (its max is the lowest)
+            self.store(den, 0, den[0] + sc * self.arena[partials.ml + at * 2 + 1])
+            self.store(num, 0, num[0] + sc * self.arena[partials.o + at * d + c])
+        return num[0] / den[0]
+
     def _attn_merge(self, op, att, b, g, group, d, n_splits, partials) -> None:
         h = att.attrs["n_head"]
         out = att.outputs[0]
@@ -736,18 +859,8 @@ class MegakernelEmitter:
         def merge(idx) -> None:
             hh, c = idx // d, idx % d
             head = g * group + hh
-            mx, den, num = self.local(), self.local(), self.local()
-            self.store(mx, 0, tirx.min_value(F32))
-            for j in range(n_splits):
-                self.store(mx, 0, tirx.max(mx[0], self.arena[partials.ml + ((b * n_splits + j) * h + head) * 2]))
-            self.store(den, 0, f32(0))
-            self.store(num, 0, f32(0))
-            for j in range(n_splits):
-                at = (b * n_splits + j) * h + head
-                sc = tirx.exp(self.arena[partials.ml + at * 2] - mx[0])
-                self.store(den, 0, den[0] + sc * self.arena[partials.ml + at * 2 + 1])
-                self.store(num, 0, num[0] + sc * self.arena[partials.o + at * d + c])
-            self.store(self.arena, self.col(op.slot(out)) + b * (h * d) + head * d + c, num[0] / den[0])
+            self.store(self.arena, self.col(op.slot(out)) + b * (h * d) + head * d + c,
+                       self.merged_value(partials, b, head, c, n_splits, h, d))
 
         self._each(group * d, merge)
 
@@ -761,6 +874,7 @@ class MegakernelEmitter:
             self.store(self.lengths_out, b, self.lengths[b] + 1)
 
 
-def emit_megakernel(prog: P.Program, *, name: str = "megakernel", kv_dtype: str = "float16") -> tirx.PrimFunc:
-    em = MegakernelEmitter(prog, name=name, kv_dtype=kv_dtype)
+def emit_megakernel(prog: P.Program, *, name: str = "megakernel",
+                    options: MegakernelOptions | None = None) -> tirx.PrimFunc:
+    em = MegakernelEmitter(prog, name=name, options=options or MegakernelOptions())
     return em.build()

@@ -36,6 +36,7 @@ OPCODE, LAYER, KV_LAYER, LO, HI, ROW, SPLIT, UNIT, TILE, DEP_START, DEP_COUNT, C
 FIXED_COLUMNS = 13
 FEW_DEPS = 8  # at most this many tasks of a stage: wait on each one's counter; more: on the stage's counter
 ALIGN = 4  # arena offsets in float32 elements (16 bytes: vector loads)
+SHARED_FLOATS = 11 * 1024  # the kernel's static shared memory, float32 words (44 KiB of 48)
 
 
 @dataclass
@@ -104,9 +105,13 @@ class Program:
 
 
 def build_program(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_chunk: int = 256,
-                  page_size: int = 16, cost: CostModel | None = None, max_tile_bytes: int = 36 * 1024) -> Program:
-    """Plan the decode step of `graph` for `batch` sequences on `n_sms` persistent blocks."""
+                  kv_splits: int = 0, fold_merge: bool = False, page_size: int = 16, cost: CostModel | None = None,
+                  max_tile_bytes: int = 36 * 1024) -> Program:
+    """Plan the decode step of `graph` for `batch` sequences on `n_sms` persistent blocks; `fold_merge`: the O
+    projection's tiles merge split attention partials themselves when the batch's input fits half the kernel's
+    shared memory (where a matvec stages its input)."""
     tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=max_context, kv_chunk=kv_chunk,
+                          kv_splits=kv_splits, fold_merge_floats=SHARED_FLOATS // 2 if fold_merge else 0,
                           max_tile_rows=max_tile_bytes // (4 * batch * 4))
     plan = plan_queues(tg, cost or CostModel(n_sms=n_sms))
     values = graph.values()
@@ -172,7 +177,10 @@ def _signature(tg: TaskGraph, index: int, values) -> tuple:
                   for u in st.units)
     kv = tuple(sorted((canon(n), w) for n, (_, w) in tg.kv_slots.items() if n in names))
     tiles = tuple((t.kind, t.unit, t.lo, t.hi, t.row, t.split) for t in tg.tasks if t.stage == index)
-    return st.kind, sig_ops, units, kv, st.n_splits, tiles, st.prologue is not None
+    # a matvec that merges attention partials: the attention's geometry decides the merge (stages whose attentions
+    # differ, gemma's sliding and global layers, need their own opcodes)
+    merged = _signature(tg, st.merged, values) if st.merged >= 0 else None
+    return st.kind, sig_ops, units, kv, st.n_splits, tiles, st.prologue is not None, merged
 
 
 def _weights(st: Stage) -> tuple[str, ...]:

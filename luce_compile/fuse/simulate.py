@@ -141,7 +141,15 @@ class TaskSimulator:
         st = self.tg.stages[task.stage]
         unit = st.units[task.unit]
         lo, hi = task.lo, task.hi
-        x = self.read(st.input, 0, self.width(st.input))  # (B, K): the whole input row
+        if st.merged >= 0:  # the split attention's partials, merged in the tile
+            att = self.tg.stages[st.merged]
+            a = att.attention.attrs
+            for j in range(att.n_splits):  # every partial must be written (the dependency check)
+                self.read(split_value(st.input, j), 0, self.width(st.input))
+            x = np.stack([np.concatenate([self._merged(st.input, b, g, att.n_splits)
+                                          for g in range(a["n_head_kv"])]) for b in range(self.tg.batch)])
+        else:
+            x = self.read(st.input, 0, self.width(st.input))  # (B, K): the whole input row
         if st.prologue is not None:
             x = rms_norm(x, self.oracle.weight(st.prologue.weights["weight"]), st.prologue.attrs["eps"])
         env: dict[str, np.ndarray] = {}
@@ -212,8 +220,9 @@ class TaskSimulator:
         pos = int(self.pos[b])
         window = int(a.get("sliding_window") or 0)
         first = max(0, pos - window + 1) if window else 0  # the oldest visible key
-        lo = first + task.split * self.tg.kv_chunk
-        hi = min(pos + 1, lo + self.tg.kv_chunk) if st.n_splits > 1 else pos + 1
+        chunk = self.tg.chunk_keys(pos + 1 - first)
+        lo = first + task.split * chunk
+        hi = min(pos + 1, lo + chunk) if st.n_splits > 1 else pos + 1
         keys = self.cache[kv_cache_value(a["layer"], "k")][b, lo:hi, g * d:(g + 1) * d]
         vals = self.cache[kv_cache_value(a["layer"], "v")][b, lo:hi, g * dv:(g + 1) * dv]
         if hi <= lo:  # an empty chunk: nothing to add (the kernel's early exit)
@@ -233,16 +242,20 @@ class TaskSimulator:
         self.partials[(op.outputs[0], b, g, task.split)] = part
         self.write(split_value(op.outputs[0], task.split), o_lo, o_hi, np.zeros((1, o_hi - o_lo)), b)
 
-    def _attn_merge(self, task: Task) -> None:
-        st, b, g = self.tg.stages[task.stage], task.row, task.lo
-        out = st.attention.outputs[0]
-        parts = [self.partials[(out, b, g, j)] for j in range(st.n_splits)]
+    def _merged(self, out: str, b: int, g: int, n_splits: int) -> np.ndarray:
+        """KV head g's attention output for sequence b from its split partials, (group * dv,)."""
+        parts = [self.partials[(out, b, g, j)] for j in range(n_splits)]
         m = np.max([p.m for p in parts], axis=0)  # (group,)
         scale = [np.exp(p.m - m) for p in parts]  # exp(-inf) = 0 for the empty chunks
         num = sum(s[:, None] * p.o for s, p in zip(scale, parts, strict=True))
         den = sum(s * p.total for s, p in zip(scale, parts, strict=True))
+        return (num / den[:, None]).reshape(-1)
+
+    def _attn_merge(self, task: Task) -> None:
+        st, b, g = self.tg.stages[task.stage], task.row, task.lo
+        out = st.attention.outputs[0]
         o_lo, o_hi = task.writes[0].lo, task.writes[0].hi
-        self.write(out, o_lo, o_hi, (num / den[:, None]).reshape(1, -1), b)
+        self.write(out, o_lo, o_hi, self._merged(out, b, g, st.n_splits).reshape(1, -1), b)
 
     def _argmax(self, task: Task) -> None:
         b = task.row

@@ -20,6 +20,7 @@ of this task graph (fuse/simulate.py) is the reference for the generated kernel'
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -73,6 +74,9 @@ class Stage:
     units: tuple[Unit, ...] = ()
     attention: Op | None = None
     n_splits: int = 1  # attention: key chunks per (sequence, KV head)
+    # matvec: the attention stage whose split partials its tiles merge into their input (no merge tasks, one
+    # handoff fewer per layer); -1: the input is a value in the arena
+    merged: int = -1
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,9 @@ class Task:
     split: int = 0  # attention partial: the key chunk
 
 
+KV_MIN_KEYS = 64  # an even split never makes chunks shorter: a task's fixed cost outweighs its fewer keys
+
+
 @dataclass
 class TaskGraph:
     graph: Graph
@@ -100,6 +107,21 @@ class TaskGraph:
     stages: list[Stage]
     tasks: list[Task] = field(default_factory=list)
     kv_slots: dict[str, tuple[int, str]] = field(default_factory=dict)  # value → (layer, "k" | "v") it appends
+    # 0: attention splits its keys into chunks of kv_chunk (a stage has ceil(span / kv_chunk) of them, most empty
+    # at short contexts); n: every attention stage has n splits and each step divides its visible keys evenly
+    # (build_task_graph's -1: as many as fill the SMs once, n_sms // (batch x KV heads))
+    kv_splits: int = 0
+    kv_min_keys: int = KV_MIN_KEYS  # an even split's shortest chunk
+
+    def chunk_keys(self, span, maximum=max):
+        """Keys per attention task when `span` keys are visible (`span` may be a TIR expression: pass tirx.max):
+        with kv_splits, a multiple of a warp's 32 keys (of kv_min_keys when that is smaller), at least
+        kv_min_keys."""
+        if not self.kv_splits:
+            return self.kv_chunk
+        align = min(32, self.kv_min_keys)
+        even = ((span + self.kv_splits - 1) // self.kv_splits + align - 1) // align * align
+        return maximum(even, self.kv_min_keys)
 
     def describe(self) -> str:
         """One line per stage: kind, tasks, the ops it fuses (for reading and golden tests)."""
@@ -125,13 +147,23 @@ TOKEN_IDS = "token_ids"
 
 
 def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_chunk: int = 256,
+                     kv_splits: int = 0, kv_min_keys: int = KV_MIN_KEYS, fold_merge_floats: int = 0,
                      tiles_per_sm: int = 1, max_tile_rows: int | None = None) -> TaskGraph:
     """The decode step of `graph` for `batch` sequences as tasks for `n_sms` persistent blocks; `max_tile_rows`
-    caps a matvec tile (the kernel keeps a tile's outputs in shared memory)."""
+    caps a matvec tile (the kernel keeps a tile's outputs in shared memory). `fold_merge_floats` > 0: a matvec
+    whose input is a split attention's output (the O projection) merges the partials itself, when the batch's
+    inputs take at most that many floats (the kernel stages them in shared memory)."""
     if graph.outputs != (LOGITS,):
         raise UnsupportedError(f"fuse: the megakernel needs a graph whose one output is {LOGITS!r}.")
     values = graph.values()
-    tg = TaskGraph(graph, batch, max_context, kv_chunk, stages=_stages(graph, values, max_context, kv_chunk))
+    if kv_splits < 0:
+        heads = max((op.attrs["n_head_kv"] for op in graph.attention_ops()), default=1)
+        kv_splits = max(1, n_sms // (batch * heads))
+    stages = _stages(graph, values, max_context, kv_chunk, kv_splits)
+    if fold_merge_floats:
+        stages = _fold_merges(stages, values, batch, fold_merge_floats)
+    tg = TaskGraph(graph, batch, max_context, kv_chunk, kv_splits=kv_splits, kv_min_keys=kv_min_keys,
+                   stages=stages)
     for op in graph.attention_ops():
         tg.kv_slots[op.inputs[1]] = (op.attrs["layer"], "k")
         tg.kv_slots[op.inputs[2]] = (op.attrs["layer"], "v")
@@ -140,7 +172,7 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
 
 
 # ---- stages -----------------------------------------------------------------------------------------------------
-def _stages(graph: Graph, values: dict[str, Value], max_context: int, kv_chunk: int) -> list[Stage]:
+def _stages(graph: Graph, values: dict[str, Value], max_context: int, kv_chunk: int, kv_splits: int) -> list[Stage]:
     consumers: dict[str, list[Op]] = {}
     for op in graph.ops:
         for name in op.inputs:
@@ -161,7 +193,7 @@ def _stages(graph: Graph, values: dict[str, Value], max_context: int, kv_chunk: 
         elif op.kind in LINEAR:
             stage = _matvec_stage(graph, values, consumers, producer, op, done, is_prologue_norm)
         elif op.kind == OpKind.ATTENTION:
-            stage = _attention_stage(op, max_context, kv_chunk)
+            stage = _attention_stage(op, max_context, kv_chunk, kv_splits)
         elif is_prologue_norm(op):
             done.add(id(op))  # computed inside the tiles of the stage that reads it
             continue
@@ -171,6 +203,25 @@ def _stages(graph: Graph, values: dict[str, Value], max_context: int, kv_chunk: 
         done.update(id(o) for o in stage.ops)
         stages.append(stage)
     return stages
+
+
+def _fold_merges(stages: list[Stage], values: dict[str, Value], batch: int, max_floats: int) -> list[Stage]:
+    """Mark each matvec stage that can merge its split attention input itself (Stage.merged): no prologue norm,
+    the attention output read by that stage only, the batch's inputs within max_floats."""
+    by_output = {st.attention.outputs[0]: i for i, st in enumerate(stages) if st.kind == TaskKind.ATTN_PARTIAL}
+    readers: dict[str, set[int]] = {}
+    for i, st in enumerate(stages):
+        for op in st.ops:
+            for n in op.inputs:
+                readers.setdefault(n, set()).add(i)
+    out = list(stages)
+    for i, st in enumerate(stages):
+        a = by_output.get(st.input) if st.kind == TaskKind.MATVEC and st.prologue is None else None
+        if a is None or stages[a].n_splits < 2 or readers.get(st.input) != {i}:
+            continue
+        if batch * math.prod(int(d) for d in values[st.input].shape[2:]) <= max_floats:
+            out[i] = dataclasses.replace(st, merged=a)
+    return out
 
 
 def _matvec_stage(graph, values, consumers, producer, first: Op, done: set[int], is_prologue_norm) -> Stage:
@@ -237,10 +288,10 @@ def _units(matmuls: list[Op], epi: list[tuple[Op, str]], values: dict[str, Value
     return tuple(units)
 
 
-def _attention_stage(op: Op, max_context: int, kv_chunk: int) -> Stage:
+def _attention_stage(op: Op, max_context: int, kv_chunk: int, kv_splits: int) -> Stage:
     window = int(op.attrs.get("sliding_window") or 0)
     span = min(window, max_context) if window else max_context
-    return Stage(TaskKind.ATTN_PARTIAL, (op,), attention=op, n_splits=max(1, -(-span // kv_chunk)))
+    return Stage(TaskKind.ATTN_PARTIAL, (op,), attention=op, n_splits=kv_splits or max(1, -(-span // kv_chunk)))
 
 
 def _round_up(n: int, align: int) -> int:
@@ -289,7 +340,8 @@ class _Tiler:
         for u_index, unit in enumerate(st.units):
             row_bytes = sum(info[m.weights["weight"]].row_bytes for m in unit.matmuls)
             for lo, hi in self.tiles(unit.rows, unit.align, unit.rows * len(unit.matmuls) / total):
-                reads = [Region(st.input, 0, k)]
+                reads = ([Region(split_value(st.input, j), 0, k) for j in range(self.tg.stages[st.merged].n_splits)]
+                         if st.merged >= 0 else [Region(st.input, 0, k)])
                 reads += [Region(n, lo, hi) for op in unit.epilogue for n in op.inputs
                           if n not in self.local(unit) and n != POSITIONS]
                 writes = [Region(n, lo, hi) for n in self.local(unit)]
@@ -334,6 +386,8 @@ class _Tiler:
                 parts = [self.add(TaskKind.ATTN_PARTIAL, i, reads, [Region(split_value(out, j), o_lo, o_hi, b)],
                                   weight_bytes=kv_bytes, lo=g, hi=g + 1, row=b, split=j)
                          for j in range(st.n_splits)]
+                if any(s.merged == i for s in self.tg.stages):
+                    continue  # the consumer's tiles merge the partials
                 self.add(TaskKind.ATTN_MERGE, i, [w for t in parts for w in t.writes], [Region(out, o_lo, o_hi, b)],
                          lo=g, hi=g + 1, row=b)
 

@@ -63,9 +63,12 @@ def divergent_collectives(source: str) -> list[str]:
 
 @pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_collectives_are_reached_by_every_thread_that_takes_part(name, batch):
+@pytest.mark.parametrize("plan", ["chunks", "even-splits-merged-by-o-proj"])
+def test_collectives_are_reached_by_every_thread_that_takes_part(name, batch, plan):
     graph, _ = open_graph(cached_synthetic(preset(name)))
-    prog = build_program(graph, batch=batch, n_sms=8, max_context=64, kv_chunk=16)
+    extra = {"kv_splits": 3, "fold_merge": True} if plan != "chunks" else {}
+    prog = build_program(graph, batch=batch, n_sms=8, max_context=64, kv_chunk=16, **extra)
+    assert plan == "chunks" or any(st.merged >= 0 for st in prog.tg.stages)
     source = cuda_source(emit_megakernel(prog))
     assert "__syncthreads" in source and "warp_reduce_sum" in source
     assert divergent_collectives(source) == []

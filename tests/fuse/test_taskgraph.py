@@ -23,10 +23,12 @@ PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
 MAX_CONTEXT, CHUNK = 40, 8  # several key chunks per sequence, and gemma3's window of 8 slides within the steps
 
 
-def setup(name: str, batch: int, n_sms: int = 6):
+def setup(name: str, batch: int, n_sms: int = 6, kv_splits: int = 0, fold: bool = False):
     path = cached_synthetic(preset(name))
     graph, _ = open_graph(path)
-    tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=MAX_CONTEXT, kv_chunk=CHUNK)
+    tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=MAX_CONTEXT, kv_chunk=CHUNK,
+                          kv_splits=kv_splits, kv_min_keys=4, fold_merge_floats=10**6 if fold else 0)
+    assert not fold or any(st.merged >= 0 for st in tg.stages)
     plan = plan_queues(tg, CostModel(n_sms=n_sms))
     return path, graph, tg, plan
 
@@ -44,8 +46,10 @@ def prefill_kv(oracle: Oracle, graph, prompt: list[int]) -> tuple[dict[str, np.n
 
 @pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_task_graph_decodes_like_the_oracle(name, batch, rng):
-    path, graph, tg, plan = setup(name, batch)
+@pytest.mark.parametrize(("kv_splits", "fold"), [(0, False), (3, False), (3, True)],
+                         ids=["chunks-of-8", "3-even-splits", "3-splits-merged-by-o-proj"])
+def test_task_graph_decodes_like_the_oracle(name, batch, kv_splits, fold, rng):
+    path, graph, tg, plan = setup(name, batch, kv_splits=kv_splits, fold=fold)
     sim = TaskSimulator(tg, plan, Oracle(path))
     oracles, last = [], []
     for b in range(batch):  # sequences of different lengths: 3, 7, 11 prompt tokens
@@ -65,8 +69,9 @@ def test_task_graph_decodes_like_the_oracle(name, batch, rng):
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_dropping_any_dependency_is_caught(name, rng):
-    path, graph, tg, _ = setup(name, batch=2)
+@pytest.mark.parametrize("fold", [False, True], ids=["merge-tasks", "merged-by-o-proj"])
+def test_dropping_any_dependency_is_caught(name, fold, rng):
+    path, graph, tg, _ = setup(name, batch=2, fold=fold)
     # one task per SM and the highest ready id first: a task runs as soon as its declared deps allow
     plan = plan_queues(tg, CostModel(n_sms=len(tg.tasks)))
     for victim in rng.choice([t for t in tg.tasks if t.deps], size=4, replace=False):
