@@ -117,6 +117,8 @@ class Runner:
     """One compiled megakernel with its program's buffers; steps B sequences, page tables contiguous per sequence."""
 
     def __init__(self, fn, prog, weights: list, torch, params: list[str]):
+        from luce_compile.fuse.program import PROFILE_CLOCKS
+
         self.fn, self.p, self.torch, self.params = fn, prog, torch, params
         t, dev = torch, "cuda"
         b, kv = prog.batch, prog.kv
@@ -132,7 +134,8 @@ class Runner:
         self.deps = t.from_numpy(prog.deps).to(dev)
         self.counters = t.zeros(prog.n_counters, dtype=t.int32, device=dev)
         self.status = t.zeros((len(prog.queue_len), 4), dtype=t.int32, device=dev)
-        self.profile = t.zeros((len(prog.queue_len), prog.tasks.shape[1], 3), dtype=t.int64, device=dev)
+        self.profile = t.zeros((len(prog.queue_len), prog.tasks.shape[1], PROFILE_CLOCKS), dtype=t.int64,
+                               device=dev)
         self.profiling = 0
         self.tok = [t.zeros(b, dtype=t.int32, device=dev) for _ in range(2)]
         self.len = [t.zeros(b, dtype=t.int32, device=dev) for _ in range(2)]
@@ -349,10 +352,16 @@ def profile_step(runner, context: int = 512) -> dict:
         for i in range(n):
             op = p.opcodes[int(p.tasks[sm, i, 0])]
             key = f"op{op.index} {op.kind}"
-            d = per.setdefault(key, [0, 0.0, 0.0])
+            d = per.setdefault(key, [0, 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0.0])
             d[0] += 1
             d[1] += t[i, 1] - t[i, 0]
             d[2] += t[i, 2] - t[i, 1]
+            if t.shape[1] > 5 and prof[sm, i, 3] and prof[sm, i, 5]:  # the body's phases (emit_cuda `phase`)
+                d[3] += 1
+                d[4] += t[i, 3] - t[i, 1]  # input
+                d[5] += t[i, 4] - t[i, 3]  # main loop
+                d[6] += t[i, 5] - t[i, 4]  # epilogue
+                d[7] += t[i, 2] - t[i, 5]  # writes
             s = int(p.tasks[sm, i, STAGE_COUNTER])
             first, last = stage_times.get(s, (np.inf, -np.inf))
             stage_times[s] = (min(first, t[i, 1]), max(last, t[i, 2]))
@@ -373,6 +382,9 @@ def profile_step(runner, context: int = 512) -> dict:
     return {"clock": "globaltimer", "span_us": round(span, 1), "mean_sm_body_us": round(body, 1),
             "mean_sm_wait_us": round(wait, 1),
             "opcodes": {k: {"tasks": v[0], "wait_us": round(v[1] / v[0], 2), "body_us": round(v[2] / v[0], 2)}
+                        | ({"phases_us": {"input": round(v[4] / v[3], 2), "main": round(v[5] / v[3], 2),
+                                          "epilogue": round(v[6] / v[3], 2), "writes": round(v[7] / v[3], 2)}}
+                           if v[3] else {})
                         for k, v in per.items()},
             "stages": {k: {"stages": v[0], "handoff_us": round(v[1] / v[0], 2), "span_us": round(v[2] / v[0], 2)}
                        for k, v in stages.items()}}
@@ -439,6 +451,8 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
     if args.time:
         result["timing"] = [time_runner(runners[b]) for b in (1, 8) if b in runners]
         result["profile_b1"] = profile_step(runners[1])
+        if 8 in runners:
+            result["profile_b8"] = profile_step(runners[8])
     result["ok"] = result["oracle"]["ok"] and result["batched"]["ok"]
     return result
 
@@ -516,7 +530,11 @@ def report(args: argparse.Namespace) -> int:
         lines += ["", f"Per-task profile of one b=1 step ({clock} per task; wait = from the task's start to its "
                   "dependencies met, body = the task itself; means per task):", ""]
         for name, p in prof.items():
-            ops = "; ".join(f"{k}: {v['tasks']} × (wait {v['wait_us']} + body {v['body_us']} µs)"
+            def phases(v: dict) -> str:
+                ph = v.get("phases_us")
+                return f" [{', '.join(f'{k} {x}' for k, x in ph.items())}]" if ph else ""
+
+            ops = "; ".join(f"{k}: {v['tasks']} × (wait {v['wait_us']} + body {v['body_us']} µs{phases(v)})"
                             for k, v in p["opcodes"].items())
             lines.append(f"- **{name}**: step span {p['span_us']} µs, per SM {p['mean_sm_body_us']} µs in bodies "
                          f"and {p['mean_sm_wait_us']} µs waiting. {ops}")

@@ -37,6 +37,9 @@ class MegakernelOptions:
     # wait, so the fetch overlaps the wait instead of following it; 0 turns it off
     prefetch_bytes: int = 64 * 1024
     poll_sleep_ns: int = 32  # back-off between two polls of a counter
+    # float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences); 0: 16 below batch 4, 32 from
+    # it (the emitter's rule, measured on the H200)
+    accumulators: int = 0
 
 
 def kernel_name(batch: int) -> str:

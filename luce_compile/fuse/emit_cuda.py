@@ -37,12 +37,9 @@ from luce_compile.fuse.build import MegakernelOptions
 from luce_compile.fuse.taskgraph import TaskKind
 from luce_compile.graph.ir import Op, OpKind
 from luce_compile.lower.quant_layout import plane_specs
-from luce_compile.lower.quant_matmul import dequant_expr
+from luce_compile.lower.quant_matmul import dequant_expr, exact_int_to_float
 
 THREADS, WARPS = 256, 8
-# float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences); 32 measured slower on the H200
-# (results/megakernel/h200-2026-11-30-run2.md: register pressure)
-ACCUMULATORS = 16
 SHARED_FLOATS = P.SHARED_FLOATS
 LINE = 128  # bytes per L2 prefetch
 SPIN_LIMIT = 1 << 21  # polls (~1 µs each with the back-off) before a wait gives up: seconds
@@ -78,6 +75,8 @@ class MegakernelEmitter:
         self.prefetch_bytes, self.poll_sleep_ns = options.prefetch_bytes, options.poll_sleep_ns
         self.values = prog.values
         self.nb = prog.batch
+        # measured (benchmarks/README.md, run4's variants): 32 sums a lane are 10% faster at batch 8, 20% slower at 1
+        self.accumulators = options.accumulators or (32 if self.nb >= 4 else 16)
 
     # ---- small builders -----------------------------------------------------------------------------------------
     def local(self, dtype: str = F32, n: int = 1) -> tirx.Buffer:
@@ -144,7 +143,8 @@ class MegakernelEmitter:
         self.status = B.arg("status", B.buffer((len(p.queue_len), 4), "int32"))
         # per task (block, queue position): ns when its wait began, when its body began, when it finished;
         # written only when `profiling` is nonzero
-        self.profile = B.arg("profile", B.buffer((len(p.queue_len), int(p.tasks.shape[1]), 3), "int64"))
+        self.profile = B.arg("profile", B.buffer((len(p.queue_len), int(p.tasks.shape[1]), P.PROFILE_CLOCKS),
+                                                 "int64"))
         self.profiling = B.arg("profiling", tirx.Var("profiling", "int32"))
         self.epoch = B.arg("epoch", tirx.Var("epoch", "int32"))
         self.weights: dict[tuple[int, int], dict[str, tirx.Buffer] | tirx.Buffer] = {}
@@ -167,7 +167,7 @@ class MegakernelEmitter:
 
     def dequant(self, op: P.Opcode, tensor: str, n, k) -> tirx.Expr:
         planes = {pl: _Stacked(buf, self.col(P.LAYER)) for pl, buf in self.weight(op, tensor).items()}
-        return dequant_expr(self.p.graph.weights[tensor].ggml_type, planes, n, k)
+        return dequant_expr(self.p.graph.weights[tensor].ggml_type, planes, n, k, exact_int_to_float)
 
     # ---- the kernel ---------------------------------------------------------------------------------------------
     def build(self) -> tirx.PrimFunc:
@@ -181,11 +181,12 @@ class MegakernelEmitter:
                 self.smem = B.alloc_buffer((SHARED_FLOATS,), F32, scope="shared")
                 self.red = B.alloc_buffer((2 * WARPS,), F32, scope="shared")
                 self.redi = B.alloc_buffer((2 * WARPS,), "int32", scope="shared")
-                self.part = B.alloc_buffer((WARPS * ACCUMULATORS,), F32, scope="shared")  # K-slice sums
+                self.part = B.alloc_buffer((WARPS * self.accumulators,), F32, scope="shared")  # K-slice sums
                 self.trow = self.local("int32", p.tasks.shape[2])
                 spins = self.local("int32")  # thread 0's wait budget: SPIN_LIMIT, then 0 after one gives up
                 self.store(spins, 0, i32(SPIN_LIMIT))
                 with B.serial(0, self.queue_len[bx]) as i:
+                    self.bx, self.position = bx, i  # for the phase clocks (`phase`)
                     for c in range(p.tasks.shape[2]):
                         self.store(self.trow, c, self.tasks[bx, i, c])
                     self.stamp(bx, i, 0)
@@ -212,6 +213,11 @@ class MegakernelEmitter:
                             B.evaluate(T.ptx.red.relaxed.gpu.global_.add.s32(
                                 T.address_of(self.counters[self.col(c)]), i32(1)))
         return ib.get()
+
+    def phase(self, which: int) -> None:
+        """A clock inside a task body, after a barrier: 3 = its input is in place, 4 = its main loop is done,
+        5 = its epilogue is done (the rest, to clock 2, is its writes)."""
+        self.stamp(self.bx, self.position, which)
 
     def stamp(self, bx, position, which: int) -> None:
         with self.when((self.tx == 0) & (self.profiling != 0)):
@@ -359,14 +365,13 @@ class MegakernelEmitter:
                 raise UnsupportedError(f"fuse: stage {op.stage} merges attention partials but its input does not "
                                        "fit shared memory; plan it without fold_merge")
             att = self.p.tg.stages[st.merged]
-            h, n_splits = att.attention.attrs["n_head"], att.n_splits
-            dv = k_in // h
+            dv = k_in // att.attention.attrs["n_head"]
             partials = self.p.partials[self.p.opcodes[self.p.stage_opcode[st.merged]].stage]
             with B.serial(0, (nb * k_in + THREADS - 1) // THREADS) as it:
                 idx = it * THREADS + self.tx
                 with self.when(idx < nb * k_in):
                     b, k = idx // k_in, idx % k_in
-                    self.store(self.smem, x_at(b, k), self.merged_value(partials, b, k // dv, k % dv, n_splits, h, dv))
+                    self.store(self.smem, x_at(b, k), self.merged_value(att, partials, b, k // dv, k % dv))
             self.sync()
         elif staged:
             # the input read from the arena once: raw into shared memory, then the norm's scale in place
@@ -403,6 +408,7 @@ class MegakernelEmitter:
                 rstd_of(b, self.cta(part[0], "sum"))
                 self.sync()
         env_base = nb * k_in if staged else 0
+        self.phase(3)
         for u, unit in enumerate(st.units):
             with self.when(self.col(P.UNIT) == u):
                 self.matvec_unit(op, st, u, unit, k_in, staged, xval, env_base)
@@ -435,14 +441,14 @@ class MegakernelEmitter:
 
         n_m = len(unit.matmuls)
         # The block's warps split K into `split` slices (enough granules per slice to keep 32 lanes busy) and the
-        # rows into WARPS / split groups; a warp accumulates `rows` rows at once (ACCUMULATORS partial sums a lane):
+        # rows into WARPS / split groups; a warp accumulates `rows` rows at once (`accumulators` sums a lane):
         # every weight load of a pass is independent of the others, so all of them are in flight together
         split = 1
         while split < WARPS and granules // (2 * split) >= 32:
             split *= 2
         groups = WARPS // split
         per_slice = -(-granules // split)
-        rows = max(1, min(-(-rows_max // groups), ACCUMULATORS // (n_m * nb)))
+        rows = max(1, min(-(-rows_max // groups), self.accumulators // (n_m * nb)))
         steps = -(-rows_max // (groups * rows))
         passes = -(-per_slice // 32)
         slice_, group = self.warp % split, self.warp // split
@@ -494,7 +500,9 @@ class MegakernelEmitter:
             if split > 1:
                 self.sync()  # the next step's partials overwrite these
         self.sync()
-        self.epilogue(op, unit.epilogue, slots, env, lo, hi - lo, rows_max, nb, lambda i: i)
+        self.phase(4)
+        self.epilogue(op, unit.epilogue, slots, env, lo, hi - lo, rows_max, nb, lambda i: i)  # ends on a barrier
+        self.phase(5)
         # the values other stages read → the arena; keys and values → their pages; the LM head → argmax partials
         n = hi - lo
         for name, slot in slots.items():
@@ -726,15 +734,20 @@ class MegakernelEmitter:
         span = min(window, self.p.tg.max_context) if window else self.p.tg.max_context
         return self.p.tg.chunk_keys(span) if st.n_splits > 1 else self.p.tg.max_context
 
-    def _chunk(self, st, window: int, b, split) -> tuple[tirx.Expr, tirx.Expr]:
-        """The keys [lo, hi) of sequence b's chunk `split` this step (TaskGraph.chunk_keys, as the simulator)."""
+    def _visible(self, window: int, b) -> tuple[tirx.Expr, tirx.Expr]:
+        """Sequence b's first visible key this step and how many keys it sees (with this step's)."""
         pos = self.lengths[b]
         first = tirx.max(pos - (window - 1), 0) if window else i32(0)
+        return first, pos + 1 - first
+
+    def _chunk(self, st, window: int, b, split) -> tuple[tirx.Expr, tirx.Expr]:
+        """The keys [lo, hi) of sequence b's chunk `split` this step (TaskGraph.chunk_keys, as the simulator)."""
+        first, span = self._visible(window, b)
         if st.n_splits == 1:
-            return first, pos + 1
-        chunk = self.p.tg.chunk_keys(pos + 1 - first, tirx.max)
+            return first, first + span
+        chunk = self.p.tg.chunk_keys(span, tirx.max)
         kv_lo = first + split * chunk
-        return kv_lo, tirx.min(pos + 1, kv_lo + chunk)
+        return kv_lo, tirx.min(first + span, kv_lo + chunk)
 
     def _attn_partial(self, op, att, q_name, b, g, split, group, d, per_lane, chunk, window, n_splits,
                       q_at, p_at, o_at, ml_at, partials) -> None:
@@ -745,6 +758,7 @@ class MegakernelEmitter:
         self._each(group * d, lambda idx: self.store(
             self.smem, q_at + idx, self.arena[self.col(op.slot(q_name)) + b * hd + g * group * d + idx]))
         self.sync()
+        self.phase(3)
         m, lsum = self.local(F32, group), self.local(F32, group)
         o = self.local(F32, group * per_lane)
         s = self.local(F32, group)
@@ -798,6 +812,7 @@ class MegakernelEmitter:
                                 i = hh * per_lane + c
                                 self.store(o, i, o[i] + self.smem[p_at + (self.warp * group + hh) * 32 + kk] * v)
                 B.evaluate(T.cuda.warp_sync())
+        self.phase(4)  # thread 0's warp (the others may still run)
         # the warps' partials → shared, then one (max, sum, o) per head
         for hh in range(group):
             with self.when(self.lane == 0):
@@ -836,20 +851,27 @@ class MegakernelEmitter:
 
         self._each(group * d, combine)
 
-    def merged_value(self, partials: P.AttentionPartials, b, head, c, n_splits: int, h: int, d: int) -> tirx.Expr:
+    def merged_value(self, att_stage, partials: P.AttentionPartials, b, head, c) -> tirx.Expr:
         """Feature c of `head`'s attention output for sequence b, from its split partials (o unnormalized, running
-        max and sum): the merge task's value, and the O projection's input when its tiles merge (Stage.merged)."""
+        max and sum): the merge task's value, and the O projection's input when its tiles merge (Stage.merged).
+        Only the splits that hold keys this step are read (the others' partials are empty)."""
+        att, n_splits = att_stage.attention, att_stage.n_splits
+        h, d = att.attrs["n_head"], int(self.values[att.inputs[2]].shape[-1])
+        _, span = self._visible(int(att.attrs.get("sliding_window") or 0), b)
+        chunk = self.p.tg.chunk_keys(span, tirx.max)
+        active = tirx.min(i32(n_splits), (span + chunk - 1) // chunk)
         mx, den, num = self.local(), self.local(), self.local()
         self.store(mx, 0, tirx.min_value(F32))
-        for j in range(n_splits):
+        with B.serial(0, active) as j:
             self.store(mx, 0, tirx.max(mx[0], self.arena[partials.ml + ((b * n_splits + j) * h + head) * 2]))
         self.store(den, 0, f32(0))
         self.store(num, 0, f32(0))
-        for j in range(n_splits):
+        with B.serial(0, active) as j:
             at = (b * n_splits + j) * h + head
-            sc = tirx.exp(self.arena[partials.ml + at * 2] - mx[0])  # 0 for an empty chunk (its max is the lowest)
-            self.store(den, 0, den[0] + sc * self.arena[partials.ml + at * 2 + 1])
-            self.store(num, 0, num[0] + sc * self.arena[partials.o + at * d + c])
+            sc = self.local()
+            self.store(sc, 0, tirx.exp(self.arena[partials.ml + at * 2] - mx[0]))
+            self.store(den, 0, den[0] + sc[0] * self.arena[partials.ml + at * 2 + 1])
+            self.store(num, 0, num[0] + sc[0] * self.arena[partials.o + at * d + c])
         return num[0] / den[0]
 
     def _attn_merge(self, op, att, b, g, group, d, n_splits, partials) -> None:
@@ -860,7 +882,7 @@ class MegakernelEmitter:
             hh, c = idx // d, idx % d
             head = g * group + hh
             self.store(self.arena, self.col(op.slot(out)) + b * (h * d) + head * d + c,
-                       self.merged_value(partials, b, head, c, n_splits, h, d))
+                       self.merged_value(self.p.tg.stages[op.stage], partials, b, head, c))
 
         self._each(group * d, merge)
 

@@ -36,6 +36,7 @@ OPCODE, LAYER, KV_LAYER, LO, HI, ROW, SPLIT, UNIT, TILE, DEP_START, DEP_COUNT, C
 FIXED_COLUMNS = 13
 FEW_DEPS = 8  # at most this many tasks of a stage: wait on each one's counter; more: on the stage's counter
 ALIGN = 4  # arena offsets in float32 elements (16 bytes: vector loads)
+PROFILE_CLOCKS = 6  # per task: wait begins, body begins, task ends, then the body's phases (emit_cuda `phase`)
 SHARED_FLOATS = 11 * 1024  # the kernel's static shared memory, float32 words (44 KiB of 48)
 
 

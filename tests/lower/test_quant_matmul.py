@@ -15,7 +15,13 @@ from gguf import quants as gguf_quants
 
 from luce_compile.errors import GGUFError, UnsupportedError
 from luce_compile.lower.quant_layout import SUPPORTED_TYPES, plane_specs, repack
-from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul
+from luce_compile.lower.quant_matmul import (
+    dequant_expr,
+    exact_int_to_float,
+    quant_embedding,
+    quant_matmul,
+    weight_planes,
+)
 
 TYPES = [t.name for t in SUPPORTED_TYPES]
 # Byte offsets of the fp16 scale fields in each block (ggml-common.h): random bytes there could be inf/NaN.
@@ -152,6 +158,23 @@ def test_dequantize_expression_is_bit_exact(name: str, rng: np.random.Generator)
         quant_embedding(name, n_vocab, n_embd), ids, *planes.values(), out_shape=(17, n_embd), out_dtype="float32"
     )
     assert np.array_equal(got, reference_dequant(raw, name)[ids])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_with_the_exact_int_to_float_is_the_same(name: str, rng: np.random.Generator):
+    """The GPU kernels' integer → float conversion (bits of 1.5·2**23, then a float subtraction) gives the same
+    values as the conversion instruction, for every quant and scale field of every type."""
+    from tvm import te
+
+    n_out, n_in = 12, 512
+    raw = random_raw(name, n_out, n_in, rng)
+    planes = repack(raw, name)
+    tensors = weight_planes(name, n_out, n_in)
+    w = te.compute((n_out, n_in), lambda n, k: dequant_expr(name, tensors, n, k, exact_int_to_float), name="w")
+    func = te.create_prim_func([*tensors.values(), w])
+    got = run_func(func, *planes.values(), out_shape=(n_out, n_in), out_dtype="float32")
+    assert np.array_equal(got, reference_dequant(raw, name))
 
 
 @pytest.mark.unit
