@@ -346,16 +346,25 @@ def bench_spec(path: Path, args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_path(model: str, target: str) -> Path:
+    """An artifact (directory or packed file) as is; a GGUF (or model name) compiled first, through the cache."""
+    path = Path(model)
+    if (path / "manifest.json").is_file() or (path.is_file() and path.suffix != ".gguf"):
+        return path
+    return compile_into_cache(model, target, "serve")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    path = Path(args.artifact)
-    if not ((path / "manifest.json").is_file() or (path.is_file() and path.suffix != ".gguf")):
-        path = compile_into_cache(args.artifact, args.target, "serve")  # a GGUF (or model name)
+    path = serve_path(args.artifact, args.target)
+    if args.draft:
+        args.draft = serve_path(args.draft, args.target)
     from luce_runtime.serve import ServeOptions, serve  # after compiling: the runtime loads TVM's runtime library only
 
     print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     serve(ServeOptions(artifact=path, host=args.host, port=args.port, api_key=args.api_key,
                        max_batch=args.max_batch, max_context=args.ctx, prefix_cache=args.prefix_cache,
-                       max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * 2**20)))
+                       max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * 2**20),
+                       spec=args.spec, draft=args.draft, draft_max=args.draft_max))
     return 0
 
 
@@ -458,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=0,
                    help="requests queued for a batch slot before the server answers 429 (default: 4 x max-batch)")
     s.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (default 4): 413 above")
+    add_spec_args(s)
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("plan", help="the megakernel's decode-step task graph and per-SM plan, with the cost "

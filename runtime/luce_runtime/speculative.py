@@ -121,9 +121,10 @@ class DraftModel:
 
     name = "draft"
 
-    def __init__(self, engine: Engine, target: Engine):
-        check_same_vocabulary(target, engine)
-        refuse_sliding_window(engine, "draft model")
+    def __init__(self, engine: Engine, target: Engine, *, checked: bool = False):
+        if not checked:  # the server checks its one draft engine once, not per request (152k token strings)
+            check_same_vocabulary(target, engine)
+            refuse_sliding_window(engine, "draft model")
         self.engine = engine
         self._seq: int | None = None
         self._tokens: list[int] = []  # what the draft sequence's cache holds
@@ -175,27 +176,35 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), probs.shape[0] - 1)
 
 
+def judge(row: np.ndarray, d: int, q: np.ndarray | None, sampler: Sampler, history: Sequence[int]) -> tuple[bool, int]:
+    """One drafted token d against the target's logits row for its position: (accepted, the token committed there:
+    d, or the target's replacement). q is the distribution d was drawn from (None: a point mass on d).
+    Temperature 0: accepted when d is the target's choice. Otherwise rejection sampling (module docstring)."""
+    if sampler.params.greedy:
+        token = sampler.sample(row, history)
+        return token == d, token
+    p = sampler.distribution(row, history)
+    q_d = 1.0 if q is None else float(q[d])
+    if sampler.rng.random() * q_d < p[d]:  # accepted: u < p/q, written without dividing
+        return True, d
+    if q is None:
+        residual = p.copy()
+        residual[d] = 0.0
+    else:
+        residual = np.maximum(p - q, 0.0)
+    # a rejection implies p(d) < q(d), so mass is left elsewhere; rounding could still empty it
+    return False, draw(residual if residual.sum() > 0 else p, sampler.rng)
+
+
 def accept(rows: np.ndarray, draft: Draft, sampler: Sampler, history: Sequence[int]) -> tuple[int, int]:
     """(how many drafts are accepted, the token after them) for the target's logits rows (k + 1, V) of one verify.
-    Temperature 0: the longest greedy match. Otherwise rejection sampling (module docstring), which makes the
-    result distributed as the target's own sampling."""
+    Each position is judged in turn (judge); after the last accepted draft the target's own token follows, so the
+    result is distributed as the target's own sampling."""
     hist = list(history)
     for i, d in enumerate(draft.tokens):
-        if sampler.params.greedy:
-            token = sampler.sample(rows[i], hist)
-            if token != d:
-                return i, token
-        else:
-            p = sampler.distribution(rows[i], hist)
-            q_d = 1.0 if draft.probs is None else float(draft.probs[i][d])
-            if sampler.rng.random() * q_d >= p[d]:  # rejected: u >= p/q, written without dividing
-                residual = p.copy()
-                if draft.probs is None:
-                    residual[d] = 0.0
-                else:
-                    residual = np.maximum(p - draft.probs[i], 0.0)
-                # a rejection implies p(d) < q(d), so mass is left elsewhere; rounding could still empty it
-                return i, draw(residual if residual.sum() > 0 else p, sampler.rng)
+        ok, token = judge(rows[i], d, None if draft.probs is None else draft.probs[i], sampler, hist)
+        if not ok:
+            return i, token
         hist.append(d)
     return len(draft.tokens), sampler.sample(rows[len(draft.tokens)], hist)
 

@@ -98,7 +98,8 @@ async def messages(request: Request):
     limit = svc.check_budget(len(prompt), body.max_tokens, "max_tokens")
     params = sampling(svc, max_tokens=limit, stop=body.stop_sequences, max_stop=MAX_STOP_ANTHROPIC,
                       stop_param="stop_sequences", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    queue, reqs = svc.submit(prompt, params, constraints=await plan.constraints(svc, 1))
+    queue, reqs = svc.submit(prompt, params, constraints=await plan.constraints(svc, 1),
+                             speculative=body.speculative)
     message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": svc.model_id}
     if body.stream:
         return StreamingResponse(_stream(events(queue, reqs), message, len(prompt), plan),

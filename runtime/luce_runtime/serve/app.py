@@ -39,6 +39,7 @@ from luce_runtime.sampler import SamplingParams, SamplingParamsError
 from luce_runtime.serve.metrics import render_metrics
 from luce_runtime.serve.protocol import MAX_STOP_CHARS, UNSUPPORTED, ApiError, anthropic_error, openai_error
 from luce_runtime.serve.scheduler import Event, GenRequest, Scheduler
+from luce_runtime.serve.speculation import Speculation
 from luce_runtime.tools import tool_format
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class ServeOptions:
     # a whole 4096-token context is ~20 KB of text; 4 MiB leaves room for token-id lists and long chat histories
     max_body_bytes: int = 4 * 2**20
     max_waiting: int = 0  # requests queued for a batch slot before 429; 0: 4 × max_batch
+    spec: str | None = None  # "ngram": speculative decoding by prompt lookup
+    draft: str | Path | None = None  # a draft artifact (same vocabulary): speculative decoding with it
+    draft_max: int = 8  # most tokens drafted per step
 
 
 def _max_batch_from_memory(options: ServeOptions) -> int:
@@ -84,7 +88,8 @@ class Service:
         self.max_context = self.engine.max_context
         source = self.engine.artifact.manifest["source"]["file_name"]
         self.model_id = options.model_name or source.removesuffix(".gguf")
-        self.scheduler = Scheduler(self.engine, options.max_batch, prefix_cache=options.prefix_cache)
+        self.scheduler = Scheduler(self.engine, options.max_batch, prefix_cache=options.prefix_cache,
+                                   speculation=_speculation(options, self.engine))
         self.tool_format = tool_format(self.tokenizer.chat_template)
         # the grammar backend's token trie (0.15 s for SmolLM2's 49k tokens, 0.5 s for Qwen's 152k) is built now,
         # not by the first request that asks for structured output
@@ -152,9 +157,10 @@ class Service:
         return max_tokens
 
     def submit(self, prompt: list[int], params: SamplingParams, n: int = 1, top_logprobs: int | None = None,
-               constraints: Sequence[Constraint] = ()) -> tuple[asyncio.Queue, list[GenRequest]]:
+               constraints: Sequence[Constraint] = (), speculative: bool = True
+               ) -> tuple[asyncio.Queue, list[GenRequest]]:
         """Queue n sequences of one prompt (choice i seeded seed + i, held to constraints[i] when given); their
-        events share one queue."""
+        events share one queue. speculative=False keeps them out of speculative decoding."""
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         reqs = []
@@ -162,7 +168,7 @@ class Service:
             p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
             reqs.append(GenRequest(list(prompt), p, queue, loop, index=i, top_logprobs=top_logprobs,
                                    constraint=constraints[i] if constraints else None,
-                                   leader=reqs[0] if reqs else None))
+                                   leader=reqs[0] if reqs else None, speculative=speculative))
         if not self.scheduler.submit(*reqs, max_waiting=self.max_waiting):
             self.rejected += 1
             # Retry-After 1 s: a batch slot frees every few hundred ms while requests stream (SmolLM2 on 2 cores)
@@ -170,6 +176,21 @@ class Service:
                                 "batch slot. Retry after the time in the Retry-After header.",
                            type_="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         return queue, reqs
+
+
+def _speculation(options: ServeOptions, engine: Engine) -> Speculation | None:
+    """--spec ngram or --draft DRAFT_ART: the draft engine gets a sequence per batch slot and the target's context."""
+    if options.draft:
+        draft = Engine(options.draft, EngineOptions(max_batch=options.max_batch, max_context=engine.max_context))
+        spec = Speculation.draft_model(draft, engine, options.draft_max)
+    elif options.spec == "ngram":
+        spec = Speculation.ngram(engine, options.draft_max)
+    elif options.spec is None:
+        return None
+    else:
+        raise LuceError(f"serve: unknown speculation {options.spec!r}; use --spec ngram or --draft DRAFT_ART.")
+    log.info("serve: speculative decoding with %s, at most %d drafts a step", spec.name, options.draft_max)
+    return spec
 
 
 def _chars(content: str | list[dict[str, Any]] | None) -> int:

@@ -61,7 +61,7 @@ def _prepare(svc: Service, body: ChatCompletionRequest | CompletionRequest, prom
     params = sampling(svc, max_tokens=limit, stop=body.stop, max_stop=MAX_STOP_OPENAI, stop_param="stop",
                       temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
-    return svc.submit(prompt, params, body.n, top_logprobs, constraints or ())
+    return svc.submit(prompt, params, body.n, top_logprobs, constraints or (), speculative=body.speculative)
 
 
 def _response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | object | None:

@@ -138,6 +138,7 @@ class _OpenAISampling(_Strict):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None
+    speculative: bool = True  # luce extension: false keeps this request out of speculative decoding
     # accepted so that the refusal names them (see UNSUPPORTED)
     functions: Any = None
     function_call: Any = None
@@ -231,6 +232,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     stream: bool = False
+    speculative: bool = True  # luce extension: false keeps this request out of speculative decoding
     # the current Anthropic API has no temperature/top_p/top_k (older clients send them; they are served); these
     # request options change nothing about the text, so they are accepted and ignored
     metadata: dict[str, Any] | None = None
@@ -293,6 +295,7 @@ class ResponsesRequest(_Strict):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    speculative: bool = True  # luce extension: false keeps this request out of speculative decoding
     # refused by name (UNSUPPORTED)
     previous_response_id: Any = None
     conversation: Any = None

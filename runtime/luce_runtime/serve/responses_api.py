@@ -130,7 +130,8 @@ async def responses(request: Request):
     limit = svc.check_budget(len(prompt), body.max_output_tokens, "max_output_tokens")
     params = sampling(svc, max_tokens=limit, stop=None, max_stop=0, stop_param="stop",
                       temperature=body.temperature, top_p=body.top_p)
-    queue, reqs = svc.submit(prompt, params, constraints=await plan.constraints(svc, 1))
+    queue, reqs = svc.submit(prompt, params, constraints=await plan.constraints(svc, 1),
+                             speculative=body.speculative)
     base = {"id": new_id("resp_"), "object": "response", "created_at": int(time.time()), "model": svc.model_id,
             "instructions": body.instructions, "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None

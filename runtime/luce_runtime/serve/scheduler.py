@@ -6,7 +6,9 @@ Each step (continuous batching, as vLLM/llama.cpp's server do it):
   3. prefill at most `prefill_chunk` prompt tokens in total, over the requests still reading their prompt, so a long
      prompt costs running streams one chunk per step instead of a stall
   4. decode ALL requests that have a pending token in one batched Engine.decode call, then sample each row with that
-     request's own Sampler and stream the text to its asyncio queue
+     request's own Sampler and stream the text to its asyncio queue; with speculation (serve/speculation.py) the
+     requests whose drafter proposed tokens are verified together in one Engine.verify call instead, and commit
+     1 to k + 1 tokens each
 
 Error boundary: a step that fails is retried one request at a time (the engine rolls back what the failed call
 appended), so only the request that fails alone gets an error event; the others go on, and the KV pool stays
@@ -38,7 +40,10 @@ import numpy as np
 from luce_runtime.engine import Engine
 from luce_runtime.grammar import Constraint
 from luce_runtime.sampler import Sampler, SamplingParams, TokenLogprobs, find_stop, logprobs
+from luce_runtime.serve import speculation
 from luce_runtime.serve.metrics import Histogram
+from luce_runtime.serve.speculation import RequestSpec, Speculation
+from luce_runtime.speculative import Draft, judge
 from luce_runtime.tokenizer import StreamDecoder
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,7 @@ class GenRequest:
     top_logprobs: int | None = None  # None: no logprobs; k ≥ 0: the chosen token's and the k best
     constraint: Constraint | None = None  # a grammar the tokens must follow (structured output, tool calls)
     leader: GenRequest | None = None  # choice 0 of the same request (n > 1): its prompt's KV is forked, not redone
+    speculative: bool = True  # False: the client opted out ("speculative": false); no effect without --spec/--draft
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     # scheduler state
@@ -84,6 +90,7 @@ class GenRequest:
     sampler: Sampler | None = None
     decoder: StreamDecoder | None = None
     forking: bool = False  # waits for its leader's prefill, then forks the leader's pages
+    spec: RequestSpec | None = None  # its drafter while it speculates
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -104,6 +111,9 @@ class Counters:
     prefix_hits: int = 0
     prefix_tokens_reused: int = 0
     choice_forks: int = 0  # choices 1.. of an n > 1 request that forked choice 0's prompt instead of prefilling it
+    spec_drafted: int = 0  # draft tokens proposed to the target (speculating requests)
+    spec_accepted: int = 0  # of them, accepted
+    spec_steps: int = 0  # target forwards of speculating requests (a verify or a plain decode, per sequence)
     # seconds, submit → first token; cumulative (Prometheus histograms never go down), constant memory
     ttft: Histogram = field(default_factory=Histogram)
 
@@ -111,8 +121,10 @@ class Counters:
 class Scheduler:
     """Owns `engine` from its own thread; `submit` and `stats` are safe to call from any thread."""
 
-    def __init__(self, engine: Engine, max_batch: int, *, prefix_cache: int = 4):
+    def __init__(self, engine: Engine, max_batch: int, *, prefix_cache: int = 4,
+                 speculation: Speculation | None = None):
         self.engine, self.max_batch = engine, max_batch
+        self.speculation = speculation
         self.page_size = engine.page_size
         # sliding-window models prefill one token per call after the first chunk (Engine.chunk_limit): no forks
         self.prefix_slots = 0 if engine.sliding_window else max(0, min(prefix_cache, engine.max_sequences - max_batch))
@@ -158,7 +170,8 @@ class Scheduler:
                 "prefill_calls": c.prefill_calls, "tokens": c.tokens, "prompt_tokens": c.prompt_tokens,
                 "requests": c.requests, "finished": c.finished, "cancelled": c.cancelled, "failed": c.failed,
                 "prefix_hits": c.prefix_hits, "prefix_tokens_reused": c.prefix_tokens_reused,
-                "choice_forks": c.choice_forks,
+                "choice_forks": c.choice_forks, "spec_drafted": c.spec_drafted, "spec_accepted": c.spec_accepted,
+                "spec_steps": c.spec_steps,
                 "running": len(self._active), "waiting": len(self._waiting),
                 # from the pool itself (free pages after the last step), not from the running set: a leaked page
                 # shows here even when nothing runs
@@ -211,6 +224,8 @@ class Scheduler:
             try:  # r is off the queue: whatever fails now must still answer its client
                 r.sampler = Sampler(r.params)
                 r.decoder = StreamDecoder(self.engine.tokenizer, strip_leading_space=False)
+                if self.speculation is not None and r.speculative:
+                    r.spec = self.speculation.start()
                 lead = r.leader
                 if lead is not None and lead in self._active and lead.seq is not None and \
                         lead.pos < len(lead.prompt):
@@ -310,12 +325,56 @@ class Scheduler:
         if not ready:
             return
         c = self.counters
-        c.steps += 1
-        c.batched_steps += len(ready) >= 2
-        c.max_batch_seen = max(c.max_batch_seen, len(ready))
-        for r, row in self._isolated(ready, lambda b: self.engine.decode([r.seq for r in b], [r.pending for r in b])):
+        c.spec_steps += sum(r.spec is not None for r in ready)
+        drafts = speculation.drafts(ready, self.engine.prefill_chunk) if self.speculation is not None else {}
+        plain = [r for r in ready if r not in drafts]
+        if plain:
+            c.steps += 1
+            c.batched_steps += len(plain) >= 2
+            c.max_batch_seen = max(c.max_batch_seen, len(plain))
+            for r, row in self._isolated(plain, lambda b: self.engine.decode([r.seq for r in b],
+                                                                             [r.pending for r in b])):
+                r.pending = None
+                self._deliver(r, row)
+        if drafts:
+            self._verify_step(drafts)
+
+    def _verify_step(self, drafts: dict[GenRequest, Draft]) -> None:
+        """One forward over every speculating request's pending token and drafts; each commits what it accepts."""
+        def call(batch: list[tuple[GenRequest, Draft]]) -> list[np.ndarray]:
+            return self.engine.verify([r.seq for r, _ in batch], [[r.pending, *d.tokens] for r, d in batch])
+
+        for (r, draft), rows in self._isolated(list(drafts.items()), call):
             r.pending = None
-            self._deliver(r, row)
+            try:  # as _deliver: a sampler, grammar or decoder failure is this request's alone
+                self._commit_verified(r, draft, rows)
+            except Exception as e:
+                log.exception("scheduler: accepting drafts failed")
+                self._fail(r, e)
+
+    def _commit_verified(self, r: GenRequest, draft: Draft, rows: np.ndarray) -> None:
+        """Judge r's drafts position by position against the target's rows (k + 1, V) and stream what is committed;
+        the cache then keeps the accepted drafts, the token after them is r's next pending one."""
+        if r.cancelled.is_set():
+            return
+        accepted, going = 0, True
+        for i, row in enumerate(rows):
+            masked = r.constraint.mask(row) if r.constraint is not None else row  # the grammar at this position
+            if i < len(draft.tokens):
+                q = None if draft.probs is None else draft.probs[i]
+                ok, token = judge(masked, draft.tokens[i], q, r.sampler, r.generated)
+            else:  # every draft accepted: the target's own token after them
+                ok, token = False, r.sampler.sample(masked, r.generated)
+            accepted += ok
+            going = self._commit(r, token, row)
+            if not (ok and going):
+                break
+        self.counters.spec_drafted += len(draft.tokens)
+        self.counters.spec_accepted += accepted
+        if r.spec is not None:
+            r.spec.length.update(len(draft.tokens), accepted)
+        if going:  # drop the rejected drafts' KV entries (a finished request's sequence is gone already)
+            self.engine.rollback(r.seq, len(draft.tokens) - accepted)
 
     def _isolated(self, items: list[T], call: Callable[[list[T]], np.ndarray]) -> list[tuple[T, np.ndarray]]:
         """call(items) → one logits row per item; when the batched call fails, each item is tried alone and only the
@@ -355,13 +414,18 @@ class Scheduler:
         # allowed tokens. logprobs below stay those of the model's own distribution, as OpenAI reports them.
         masked = r.constraint.mask(row) if r.constraint is not None else row
         token = r.sampler.sample(masked, r.generated)  # penalties over generated tokens only, as OpenAI's
+        self._commit(r, token, row)
+
+    def _commit(self, r: GenRequest, token: int, row: np.ndarray) -> bool:
+        """Stream the sampled token (row: the model's logits it came from, for logprobs); finish r on an end token,
+        a stop or the limit. True when r goes on with token pending."""
         if r.constraint is not None:
             r.constraint.consume(token)
         if self.engine.tokenizer.is_eog(token) or token in r.params.stop_token_ids:
             r.text += r.decoder.flush()
             self._flush_text(r, final=True)
             self._finish(r, reason="stop")
-            return
+            return False
         r.generated.append(token)
         self.counters.tokens += 1
         lp = logprobs(row, token, r.top_logprobs) if r.top_logprobs is not None else None
@@ -380,6 +444,8 @@ class Scheduler:
             self._finish(r, reason="length")
         else:
             r.pending = token
+            return True
+        return False
 
     def _flush_text(self, r: GenRequest, *, final: bool, token: int = -1,
                     lp: TokenLogprobs | None = None) -> str | None:
@@ -396,6 +462,7 @@ class Scheduler:
 
     def _finish(self, r: GenRequest, *, reason: str | None = None, stop_string: str | None = None,
                 error: str | None = None) -> None:
+        speculation.stop(r)  # the draft engine's sequence goes back too
         if r.seq is not None and r.seq in self.engine.sequences():  # a failed step may have dropped it already
             try:
                 self.engine.remove_sequence(r.seq)
