@@ -29,7 +29,7 @@ from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
 from luce_compile.lower.cpu_int8 import resolve_precision
 from luce_compile.lower.quant_layout import weight_planes
-from luce_compile.lower.relax_model import PLANE_SEP, LowerOptions, lower_graph
+from luce_compile.lower.relax_model import PLANE_SEP, LowerOptions, exported_functions, lower_graph
 from luce_compile.models import cache_dir
 from luce_compile.targets import TargetInfo, get_target
 
@@ -110,7 +110,8 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     library = work / "model.so"
     binaries = export_checked(executable, info, library)  # refuses a GPU library without real device binaries
     say("writing the artifact (weights repacked into kernel planes)")
-    contract = RuntimeContract(kv_dtype=options.dtype)
+    contract = RuntimeContract(kv_dtype=options.dtype,
+                               functions=tuple(str(f) for f in exported_functions(options.precision)))
     manifest = {
         "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},
         "config": graph.config.to_dict(),

@@ -343,11 +343,17 @@ class _Module(Protocol):
 
 
 def _int8_rows(x: nn.Tensor, cache: dict) -> Rows | None:
-    """The rows an input has if it is decode's, else None (prefill keeps its float32 GEMMs): a static 1 (decode1),
-    or decode's batch B. decode's hidden states are (B, 1, K) with B a Var (its tokens are (batch, 1)); prefill's
-    are (1, T, K). The LM head's input is flattened to (rows, K) in both; it is decode's when rows is the very Var
-    seen in decode's (B, 1, K) inputs, which every layer's matmuls show before the LM head (kept in `cache`)."""
+    """The rows an input has if it is decode's or verify's, else None (prefill keeps its float32 GEMMs): a static 1
+    (decode1), decode's batch B, or verify's token count S. decode's hidden states are (B, 1, K) with B a Var (its
+    tokens are (batch, 1)); prefill's and verify's are (1, T, K), verify's T being the Var that relax_model's verify
+    puts in `cache` while it is traced. The LM head's input is flattened to (rows, K); it is decode's when rows is
+    the very Var seen in decode's (B, 1, K) inputs, which every layer's matmuls show before the LM head."""
     lead = x.shape[:-1]
+    verify = cache.get("verify_rows")
+    if verify is not None:  # (1, S, K) or (S, K): verify's rows; nothing else is traced meanwhile
+        last = lead[-1]
+        ones = all(isinstance(d, int) and d == 1 for d in lead[:-1])
+        return verify if ones and not isinstance(last, int) and last.same_as(verify) else None
     if all(isinstance(d, int) and d == 1 for d in lead):
         return 1
     if len(lead) == 2 and isinstance(lead[0], tirx.Var) and isinstance(lead[1], int) and lead[1] == 1:

@@ -8,6 +8,10 @@ version; the manifest's "runtime" section records it):
       the rows asked (the last token of each sequence in a prefill; every token in a verify).
   decode(tokens (B, 1) int32, kv, params) → (logits (B, V) f32, kv): one token for each of B sequences.
   decode1(tokens (1, 1) int32, kv, params): the same for one sequence, with GEMV kernels (batch-1 latency).
+  verify(tokens (1, S) int32, kv, params) → (logits (S, V) f32, kv): only where decode takes 8-bit activations
+      (precision int8): prefill's graph with every row's logits, its matmuls decode's integer ones, so speculative
+      drafts are judged with decode's arithmetic and at its per-row cost (the float32 GEMMs dequantize every weight
+      for a handful of rows: 1 row cost 4x a decode step on Qwen2.5-Coder-1.5B).
 Weights are parameters in the planes layout of `lower/quant_layout.py` (never dequantized in memory); each matmul
 and the embedding are our fused dequantizing TIR kernels; attention and RoPE'd keys live in TIRPagedKVCache.
 """
@@ -18,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import tvm
-from luce_runtime.contract import Fn, KVCacheArgs
+from luce_runtime.contract import REQUIRED_FUNCTIONS, Fn, KVCacheArgs
 from tvm import relax, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op, spec
@@ -106,6 +110,15 @@ class GraphModule(nn.Module):
     def decode1(self, tokens: nn.Tensor, kv: PagedKVCache):
         """decode for exactly one sequence: static shapes, so every matmul is a GEMV."""
         return self._forward(tokens, kv, None), kv
+
+    def verify(self, tokens: nn.Tensor, kv: PagedKVCache):
+        """prefill with every row's logits through the int8 matmuls (cpu_int8._int8_rows: the tokens' Var marks the
+        rows while this function is traced)."""
+        self._quantized["verify_rows"] = tokens.shape[1]
+        try:
+            return self._forward(tokens, kv, None), kv
+        finally:
+            del self._quantized["verify_rows"]
 
     # ---- the interpreter ----------------------------------------------------------------------------------------
     def _forward(self, tokens: nn.Tensor, kv: PagedKVCache, logit_rows: nn.Tensor | None) -> nn.Tensor:
@@ -253,25 +266,33 @@ _LOWER: dict[OpKind, Callable[..., nn.Tensor]] = {
 }
 
 
-def export_spec(graph: Graph) -> dict:
-    """The signatures nn.Module.export_tvm builds."""
+def exported_functions(precision: str) -> tuple[Fn, ...]:
+    """The functions a build exports: the required ones, and verify where decode's matmuls are int8 (under f32 it
+    would be prefill itself, which the engine then calls)."""
+    return REQUIRED_FUNCTIONS + ((Fn.VERIFY,) if precision == "int8" else ())
+
+
+def export_spec(graph: Graph, precision: str = "f32") -> dict:
+    """The signatures nn.Module.export_tvm builds (precision resolved: "int8" or "f32")."""
     none = {"param_mode": "none", "effect_mode": "none"}
     packed = {"param_mode": "packed", "effect_mode": "none"}
     kv = spec.Object(object_type=PagedKVCache)
-    return {
+    specs = {
         Fn.CREATE_KV_CACHE.value: {**dict.fromkeys(KVCacheArgs.names(), int), "$": none},
         Fn.PREFILL.value: {"tokens": spec.Tensor([1, "seq_len"], "int32"),
                            "logit_rows": spec.Tensor(["n_rows"], "int32"), "kv": kv, "$": packed},
         Fn.DECODE.value: {"tokens": spec.Tensor(["batch", 1], "int32"), "kv": kv, "$": packed},
         Fn.DECODE1.value: {"tokens": spec.Tensor([1, 1], "int32"), "kv": kv, "$": packed},
+        Fn.VERIFY.value: {"tokens": spec.Tensor([1, "seq_len"], "int32"), "kv": kv, "$": packed},
     }
+    return {str(f): specs[str(f)] for f in exported_functions(precision)}
 
 
 def lower_graph(graph: Graph, target: tvm.target.Target, options: LowerOptions = LowerOptions()):
     """Graph → (Relax IRModule, [(param name, shape, dtype)] in the packed order the functions take)."""
     module = GraphModule(graph, target, options)
     with target:
-        mod, named_params = module.export_tvm(spec=export_spec(graph))
+        mod, named_params = module.export_tvm(spec=export_spec(graph, module.precision))
     # export_tvm names them after the ParameterDict attribute: "params.<tensor>::<plane>"
     params = [(name.removeprefix("params."), tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in named_params]
     return mod, params

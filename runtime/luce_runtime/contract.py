@@ -28,9 +28,14 @@ class Fn(StrEnum):
     PREFILL = "prefill"  # (tokens (1, S) int32, logit_rows (N,) int32, kv, params) → (logits (N, V) f32, kv)
     DECODE = "decode"  # (tokens (B, 1) int32, kv, params) → (logits (B, V) f32, kv)
     DECODE1 = "decode1"  # decode for B = 1 with static shapes (every matmul a GEMV)
+    # optional: (tokens (1, S) int32, kv, params) → (logits (S, V) f32, kv): prefill's graph with logits for every
+    # row and decode's 8-bit matmuls (int8 artifacts only; without it the engine verifies through prefill)
+    VERIFY = "verify"
 
 
 REQUIRED_FUNCTIONS: tuple[Fn, ...] = (Fn.CREATE_KV_CACHE, Fn.PREFILL, Fn.DECODE, Fn.DECODE1)
+# exported where they apply; a runtime that does not know one ignores it, so adding one needs no version bump
+OPTIONAL_FUNCTIONS: tuple[Fn, ...] = (Fn.VERIFY,)
 
 
 @dataclass(frozen=True)

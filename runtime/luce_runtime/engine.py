@@ -32,7 +32,7 @@ import tvm_ffi  # noqa: E402
 from tvm.runtime import vm as tvm_vm  # noqa: E402
 
 from luce_runtime.artifact import Artifact, load_artifact  # noqa: E402
-from luce_runtime.contract import REQUIRED_FUNCTIONS, Fn, KVCacheArgs, RuntimeContract  # noqa: E402
+from luce_runtime.contract import OPTIONAL_FUNCTIONS, REQUIRED_FUNCTIONS, Fn, KVCacheArgs, RuntimeContract  # noqa: E402
 from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
 from luce_runtime.sampler import Sampler, SamplingParams, find_stop  # noqa: E402
 from luce_runtime.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
@@ -189,6 +189,7 @@ class Engine:
         self.vocab_size = int(self.config["n_vocab"])
         self.vm = tvm_vm.VirtualMachine(tvm.runtime.load_module(str(self.artifact.module_path)), self.device)
         self._fns = {str(f): self.vm[str(f)] for f in REQUIRED_FUNCTIONS}
+        self._fns.update({str(f): self.vm[str(f)] for f in OPTIONAL_FUNCTIONS if str(f) in self.contract.functions})
         weights = self.artifact.weights()
         self.params = [tvm.runtime.tensor(np.ascontiguousarray(weights[p["name"]]), self.device)
                        for p in manifest["weights"]["params"]]
@@ -370,8 +371,10 @@ class Engine:
         the drafts); the logits after every appended token, one (len(tokens[i]), V) float32 array per sequence.
         Row j of a sequence scores the token after its j-th fed token. Roll back the rejected tail with rollback().
 
-        It runs the prefill function with every row selected, so its numbers are prefill's (float32 GEMMs), which
-        differ from an artifact's int8 decode path (--precision auto) in their rounding."""
+        An artifact whose decode takes 8-bit activations (--precision auto on AVX512-VNNI, int8) exports `verify`:
+        prefill's attention with decode's integer matmuls, each row quantized on its own as decode quantizes it, so
+        the rows are decode's numbers (up to the two attention kernels' float rounding) at decode's per-row cost.
+        Otherwise it runs the prefill function with every row selected (float32 GEMMs, as decode's there)."""
         self._check_step(seq_ids, tokens)
         total = sum(len(t) for t in tokens)
         if total > self.prefill_chunk:
@@ -382,7 +385,8 @@ class Engine:
                 raise EngineError(f"engine: sequence {sid} can take {self.chunk_limit(sid)} tokens per call, not "
                                   f"{len(toks)} (TVM's CPU prefill on sliding-window layers, see chunk_limit); "
                                   "speculative decoding needs a model without sliding windows.")
-        logits = self._forward(list(seq_ids), [list(t) for t in tokens], Fn.PREFILL, every_row=True)
+        fn = Fn.VERIFY if str(Fn.VERIFY) in self._fns else Fn.PREFILL
+        logits = self._forward(list(seq_ids), [list(t) for t in tokens], fn, every_row=True)
         return np.split(logits, np.cumsum([len(t) for t in tokens])[:-1])
 
     def _forward(self, seq_ids: list[int], tokens: list[list[int]], fn: Fn, every_row: bool = False) -> np.ndarray:
@@ -392,11 +396,12 @@ class Engine:
         lens = [len(t) for t in tokens]
         self._kv.begin(seq_ids, lens)
         try:
-            if fn == Fn.PREFILL:
-                flat = np.array([[t for toks in tokens for t in toks]], dtype=np.int32)
+            if fn in (Fn.PREFILL, Fn.VERIFY):
+                flat = tvm.runtime.tensor(np.array([[t for toks in tokens for t in toks]], dtype=np.int32),
+                                          self.device)
                 rows = np.arange(sum(lens), dtype=np.int32) if every_row else (np.cumsum(lens) - 1).astype(np.int32)
-                out = self._fns[fn](tvm.runtime.tensor(flat, self.device), tvm.runtime.tensor(rows, self.device),
-                                    self._kv.cache, self.params)
+                out = (self._fns[fn](flat, self._kv.cache, self.params) if fn == Fn.VERIFY else
+                       self._fns[fn](flat, tvm.runtime.tensor(rows, self.device), self._kv.cache, self.params))
             else:
                 x = tvm.runtime.tensor(np.asarray(tokens, dtype=np.int32).reshape(-1, 1), self.device)
                 out = self._fns[fn](x, self._kv.cache, self.params)

@@ -1,0 +1,91 @@
+"""Speculative verify on an int8 artifact (--precision int8, what `auto` picks on AVX512-VNNI): the artifact exports
+`verify` (prefill's attention, decode's 8-bit matmuls), whose rows are decode's numbers, so greedy speculation gives
+plain decoding's ids under the precision in use, not only under f32.
+
+Tolerance: the matmuls of a verify row and of a decode step are the same integer kernels on the same 8-bit rows;
+the attention is prefill's kernel in one and decode's in the other, which round differently (~1e-7 of the
+logits). An activation within that noise of an 8-bit rounding boundary then quantizes to the neighbouring value and
+moves later logits by ~1e-3-1e-2 (tests/schedules/test_cpu_int8_model.py), so rows must agree to 1e-5 in the
+median and 5e-2 at worst (measured: 0 to 5e-7). The ids of random-weight models seldom meet such a near tie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import luce_compile.codegen.compile as compile_module
+from luce_compile.synthetic import SyntheticSpec, cached_synthetic
+from tests.codegen._reference import rel_err
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+# Q4_K_M-like: K-quant, Q5_0 and Q6_K kernels (tests/schedules/test_cpu_int8_model.py's MIXED)
+SPEC = SyntheticSpec(quant="Q4_K", quant_overrides={"attn_v": "Q6_K", "ffn_down": "Q5_0", "output": "Q6_K"},
+                     n_embd=256, n_ff=512, tied_output=False)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """An int8 target and, as its draft, the same spec with other weights compiled int8 too."""
+    from luce_runtime.engine import Engine, EngineOptions
+
+    folder = tmp_path_factory.mktemp("int8-spec")
+    made = []
+    for name, spec in (("target", SPEC), ("draft", replace(SPEC, seed=7))):
+        art = compile_module.compile_model(cached_synthetic(spec), "cpu", folder / name, precision="int8")
+        made.append(Engine(art, EngineOptions(max_batch=2, max_context=256, prefill_chunk=64)))
+    return made
+
+
+def test_int8_artifact_exports_verify_with_decodes_numbers(engines, rng):
+    target = engines[0]
+    assert "verify" in target.contract.functions
+    with target.sequence() as seq:
+        target.prefill([seq], [rng.integers(0, target.vocab_size, 19).tolist()])
+        fed = rng.integers(0, target.vocab_size, 8).tolist()
+        want = np.stack([target.decode([seq], [t])[0] for t in fed])
+        target.rollback(seq, len(fed))
+        (got,) = target.verify([seq], [fed])
+    errors = [rel_err(g, w) for g, w in zip(got, want, strict=True)]
+    print(f"verify vs decode rows, rel errors: {np.array(errors)}")
+    assert float(np.median(errors)) <= 1e-5 and max(errors) <= 5e-2
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_greedy_speculation_on_int8_gives_plain_decodings_ids(engines, drafter, rng):
+    from luce_runtime.sampler import SamplingParams
+    from luce_runtime.speculative import DraftModel, NgramDrafter, SpeculativeDecoder
+
+    target, draft = engines
+    decoder = SpeculativeDecoder(target, NgramDrafter() if drafter == "ngram" else DraftModel(draft, target),
+                                 draft_max=6)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    for i in range(6):
+        words = rng.integers(0, target.vocab_size, int(rng.integers(3, 9))).tolist()
+        prompt = words * 3 if i % 2 else words  # repeated phrases: where prompt lookup drafts
+        assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params))
+    assert decoder.stats.drafted > 0
+
+
+def test_int8_verify_of_two_sequences_equals_each_alone(engines, rng):
+    """The server verifies every speculating request in one call: rows laid end to end, each quantized on its own."""
+    from luce_compile.lower.relax_model import exported_functions
+
+    assert "verify" not in exported_functions("f32")  # f32 artifacts verify through prefill (its GEMMs are decode's)
+    target = engines[0]
+    prompts = [rng.integers(0, target.vocab_size, n).tolist() for n in (11, 6)]
+    fed = [rng.integers(0, target.vocab_size, n).tolist() for n in (4, 3)]
+    seqs = [target.add_sequence() for _ in prompts]
+    try:
+        target.prefill(seqs, prompts)
+        alone = [target.verify([s], [f])[0] for s, f in zip(seqs, fed, strict=True)]
+        for s, f in zip(seqs, fed, strict=True):
+            target.rollback(s, len(f))
+        together = target.verify(seqs, fed)
+    finally:
+        for s in seqs:
+            target.remove_sequence(s)
+    assert max(rel_err(t, a) for t, a in zip(together, alone, strict=True)) <= 1e-6
