@@ -40,6 +40,7 @@ class MegakernelOptions:
     # float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences); 0: 16 below batch 4, 32 from
     # it (the emitter's rule, measured on the H200)
     accumulators: int = 0
+    threads: int = 256  # per block (one block per SM): 8 warps, 2 per scheduler
 
 
 def kernel_name(batch: int) -> str:

@@ -39,7 +39,6 @@ from luce_compile.graph.ir import Op, OpKind
 from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import dequant_expr, exact_int_to_float
 
-THREADS, WARPS = 256, 8
 SHARED_FLOATS = P.SHARED_FLOATS
 LINE = 128  # bytes per L2 prefetch
 SPIN_LIMIT = 1 << 21  # polls (~1 µs each with the back-off) before a wait gives up: seconds
@@ -75,6 +74,7 @@ class MegakernelEmitter:
         self.prefetch_bytes, self.poll_sleep_ns = options.prefetch_bytes, options.poll_sleep_ns
         self.values = prog.values
         self.nb = prog.batch
+        self.threads, self.warps = options.threads, options.threads // 32
         # measured (benchmarks/README.md, run4's variants): 32 sums a lane are 10% faster at batch 8, 20% slower at 1
         self.accumulators = options.accumulators or (32 if self.nb >= 4 else 16)
 
@@ -107,7 +107,7 @@ class MegakernelEmitter:
         self.sync()
         out = self.local(dtype)
         self.store(out, 0, scratch[0])
-        for w in range(1, WARPS):
+        for w in range(1, self.warps):
             x = scratch[w]
             self.store(out, 0, out[0] + x if how == "sum" else (tirx.max(out[0], x) if how == "max"
                                                                  else tirx.min(out[0], x)))
@@ -176,12 +176,12 @@ class MegakernelEmitter:
             B.func_name(self.name)
             self.args()
             bx, tx = B.env_thread("blockIdx.x"), B.env_thread("threadIdx.x")
-            with B.launch_thread(bx, len(p.queue_len)), B.launch_thread(tx, THREADS):
+            with B.launch_thread(bx, len(p.queue_len)), B.launch_thread(tx, self.threads):
                 self.tx, self.warp, self.lane = tx, tx // 32, tx % 32
                 self.smem = B.alloc_buffer((SHARED_FLOATS,), F32, scope="shared")
-                self.red = B.alloc_buffer((2 * WARPS,), F32, scope="shared")
-                self.redi = B.alloc_buffer((2 * WARPS,), "int32", scope="shared")
-                self.part = B.alloc_buffer((WARPS * self.accumulators,), F32, scope="shared")  # K-slice sums
+                self.red = B.alloc_buffer((2 * self.warps,), F32, scope="shared")
+                self.redi = B.alloc_buffer((2 * self.warps,), "int32", scope="shared")
+                self.part = B.alloc_buffer((self.warps * self.accumulators,), F32, scope="shared")  # K-slice sums
                 self.trow = self.local("int32", p.tasks.shape[2])
                 spins = self.local("int32")  # thread 0's wait budget: SPIN_LIMIT, then 0 after one gives up
                 self.store(spins, 0, i32(SPIN_LIMIT))
@@ -212,6 +212,10 @@ class MegakernelEmitter:
                         for c in (P.COUNTER, P.STAGE_COUNTER):
                             B.evaluate(T.ptx.red.relaxed.gpu.global_.add.s32(
                                 T.address_of(self.counters[self.col(c)]), i32(1)))
+                        if self.p.has_groups:
+                            with self.when(self.col(P.GROUP_COUNTER) >= 0):
+                                B.evaluate(T.ptx.red.relaxed.gpu.global_.add.s32(
+                                    T.address_of(self.counters[self.col(P.GROUP_COUNTER)]), i32(1)))
         return ib.get()
 
     def phase(self, which: int) -> None:
@@ -291,8 +295,8 @@ class MegakernelEmitter:
         cap = self.prefetch_bytes // size
         lines = -(-min(n_max, cap) // per_line) + (1 if contiguous else 0)  # +1: a range need not start on a line
         n = tirx.min(n, i32(cap))
-        with B.serial(0, -(-lines // THREADS)) as it:
-            t = it * THREADS + self.tx
+        with B.serial(0, -(-lines // self.threads)) as it:
+            t = it * self.threads + self.tx
             with self.when(t * per_line < n + (per_line if contiguous else 0)):
                 e = tirx.min(t * per_line, n - 1)
                 B.evaluate(T.ptx.prefetch.global_.L2(T.address_of(at(e))))
@@ -320,8 +324,8 @@ class MegakernelEmitter:
         out, table = emb.outputs[0], emb.weights["weight"]
         lo, hi = self.col(P.LO), self.col(P.HI)
         n = hi - lo
-        with B.serial(0, (self.nb * self._max_tile(op) + THREADS - 1) // THREADS) as it:
-            idx = it * THREADS + self.tx
+        with B.serial(0, (self.nb * self._max_tile(op) + self.threads - 1) // self.threads) as it:
+            idx = it * self.threads + self.tx
             b, r = idx // n, idx % n
             with self.when(idx < self.nb * n):
                 val = self.dequant(op, table, self.tokens[b], lo + r) * f32(emb.attrs["scale"])
@@ -367,41 +371,48 @@ class MegakernelEmitter:
             att = self.p.tg.stages[st.merged]
             dv = k_in // att.attention.attrs["n_head"]
             partials = self.p.partials[self.p.opcodes[self.p.stage_opcode[st.merged]].stage]
-            with B.serial(0, (nb * k_in + THREADS - 1) // THREADS) as it:
-                idx = it * THREADS + self.tx
-                with self.when(idx < nb * k_in):
-                    b, k = idx // k_in, idx % k_in
-                    self.store(self.smem, x_at(b, k), self.merged_value(att, partials, b, k // dv, k % dv))
+            with B.serial(0, -(-nb * granules // self.threads)) as it:
+                idx = it * self.threads + self.tx
+                with self.when(idx < nb * granules):
+                    b, g = idx // granules, idx % granules
+                    for j in range(8):
+                        k = g * 8 + j
+                        self.store(self.smem, x_at(b, k), self.merged_value(att, partials, b, k // dv, k % dv))
             self.sync()
         elif staged:
-            # the input read from the arena once: raw into shared memory, then the norm's scale in place
+            # the input read from the arena once, raw into shared memory, then the norm's scale in place. A thread
+            # takes a granule (8 features): the transposed stores of a warp's lanes land in consecutive words, where
+            # a feature a thread put 8 lanes on one bank (ncu: half the kernel's shared wavefronts were conflicts)
             with B.serial(0, nb) as b:  # a loop, not a copy per sequence: the kernel's size is nvcc's time
                 part = self.local()
                 self.store(part, 0, f32(0))
-                with B.serial(0, (k_in + THREADS - 1) // THREADS) as it:
-                    k = it * THREADS + self.tx
-                    with self.when(k < k_in):
-                        self.store(self.smem, x_at(b, k), self.arena_at(op, x_name, b, k))
-                        if st.prologue is not None:
-                            v = self.smem[x_at(b, k)]  # the stored value: the arena is not read twice
-                            self.store(part, 0, part[0] + v * v)
+                with B.serial(0, -(-granules // self.threads)) as it:
+                    g = it * self.threads + self.tx
+                    with self.when(g < granules):
+                        for j in range(8):
+                            self.store(self.smem, x_at(b, g * 8 + j), self.arena_at(op, x_name, b, g * 8 + j))
+                            if st.prologue is not None:
+                                v = self.smem[x_at(b, g * 8 + j)]  # the stored value: the arena is read once
+                                self.store(part, 0, part[0] + v * v)
                 if st.prologue is not None:
                     rstd_of(b, self.cta(part[0], "sum"))
             self.sync()
             if st.prologue is not None:
-                with B.serial(0, (nb * k_in + THREADS - 1) // THREADS) as it:
-                    idx = it * THREADS + self.tx
-                    with self.when(idx < nb * k_in):
-                        b, k = idx // k_in, idx % k_in
-                        self.store(self.smem, x_at(b, k),
-                                   self.smem[x_at(b, k)] * self.smem[rstd_at + b] * self.vector(op, norm_w, k))
+                with B.serial(0, -(-nb * granules // self.threads)) as it:
+                    idx = it * self.threads + self.tx
+                    with self.when(idx < nb * granules):
+                        b, g = idx // granules, idx % granules
+                        for j in range(8):
+                            at = x_at(b, g * 8 + j)
+                            self.store(self.smem, at, self.smem[at] * self.smem[rstd_at + b]
+                                       * self.vector(op, norm_w, g * 8 + j))
                 self.sync()
         elif st.prologue is not None:  # the norm's scale per sequence; the body reads the arena (xval)
             with B.serial(0, nb) as b:
                 part = self.local()
                 self.store(part, 0, f32(0))
-                with B.serial(0, (k_in + THREADS - 1) // THREADS) as it:
-                    k = it * THREADS + self.tx
+                with B.serial(0, (k_in + self.threads - 1) // self.threads) as it:
+                    k = it * self.threads + self.tx
                     with self.when(k < k_in):
                         v = self.arena_at(op, x_name, b, k)
                         self.store(part, 0, part[0] + v * v)
@@ -441,12 +452,12 @@ class MegakernelEmitter:
 
         n_m = len(unit.matmuls)
         # The block's warps split K into `split` slices (enough granules per slice to keep 32 lanes busy) and the
-        # rows into WARPS / split groups; a warp accumulates `rows` rows at once (`accumulators` sums a lane):
+        # rows into self.warps / split groups; a warp accumulates `rows` rows at once (`accumulators` sums a lane):
         # every weight load of a pass is independent of the others, so all of them are in flight together
         split = 1
-        while split < WARPS and granules // (2 * split) >= 32:
+        while split < self.warps and granules // (2 * split) >= 32:
             split *= 2
-        groups = WARPS // split
+        groups = self.warps // split
         per_slice = -(-granules // split)
         rows = max(1, min(-(-rows_max // groups), self.accumulators // (n_m * nb)))
         steps = -(-rows_max // (groups * rows))
@@ -519,8 +530,8 @@ class MegakernelEmitter:
             self.lm_partial(slots[last], env, n, rows_max, lo)
 
     def _each(self, total: int, body) -> None:
-        with B.serial(0, (total + THREADS - 1) // THREADS) as it:
-            idx = it * THREADS + self.tx
+        with B.serial(0, (total + self.threads - 1) // self.threads) as it:
+            idx = it * self.threads + self.tx
             with self.when(idx < total):
                 body(idx)
 
@@ -546,8 +557,8 @@ class MegakernelEmitter:
         best, arg = self.local(), self.local("int32")
         self.store(best, 0, tirx.min_value(F32))
         self.store(arg, 0, i32(2**31 - 1))
-        with B.serial(0, -(-extent // THREADS)) as it:
-            i = it * THREADS + self.tx
+        with B.serial(0, -(-extent // self.threads)) as it:
+            i = it * self.threads + self.tx
             with self.when(i < n):
                 v, k = value(i), index(i)
                 with self.when((v > best[0]) | ((v == best[0]) & (k < arg[0]))):
@@ -620,8 +631,8 @@ class MegakernelEmitter:
         d = int(self.p.graph.weights[e.weights["weight"]].shape[0])
         eps = f32(e.attrs["eps"])
         heads = n // d
-        with B.serial(0, (n_rows * max(1, self._cur_rows_max // d) + WARPS - 1) // WARPS) as it:
-            pair = it * WARPS + self.warp
+        with B.serial(0, (n_rows * max(1, self._cur_rows_max // d) + self.warps - 1) // self.warps) as it:
+            pair = it * self.warps + self.warp
             i, h = pair // tirx.max(heads, 1), pair % tirx.max(heads, 1)
             def each_feature(body) -> None:  # the warp's lanes over the head's features: body(feature, x)
                 with B.serial(0, -(-d // 32)) as dd:
@@ -716,9 +727,9 @@ class MegakernelEmitter:
         chunk = self._chunk_max(st, window)
         # shared: q (group, d) | p (warps, group, 32) | o (warps, group, d) | m, l (warps, group)
         q_at, p_at = 0, group * d
-        o_at = p_at + WARPS * group * 32
-        ml_at = o_at + WARPS * group * d
-        if ml_at + 2 * WARPS * group > SHARED_FLOATS:
+        o_at = p_at + self.warps * group * 32
+        ml_at = o_at + self.warps * group * d
+        if ml_at + 2 * self.warps * group > SHARED_FLOATS:
             raise UnsupportedError("fuse: attention's partials for this head group do not fit shared memory")
         b, g, split = self.col(P.ROW), self.col(P.LO), self.col(P.SPLIT)
         partials = self.p.partials.get(op.stage)
@@ -767,9 +778,9 @@ class MegakernelEmitter:
             self.store(lsum, hh, f32(0))
             for c in range(per_lane):
                 self.store(o, hh * per_lane + c, f32(0))
-        waves = -(-chunk // (WARPS * 32))
+        waves = -(-chunk // (self.warps * 32))
         with B.serial(0, waves) as wv:
-            base = kv_lo + (wv * WARPS + self.warp) * 32
+            base = kv_lo + (wv * self.warps + self.warp) * 32
             with self.when(base < kv_hi):
                 j = base + self.lane
                 valid = j < kv_hi
@@ -829,11 +840,11 @@ class MegakernelEmitter:
             hh, c = idx // d, idx % d
             mx, den, num = self.local(), self.local(), self.local()
             self.store(mx, 0, tirx.min_value(F32))
-            for w in range(WARPS):
+            for w in range(self.warps):
                 self.store(mx, 0, tirx.max(mx[0], self.smem[ml_at + (w * group + hh) * 2]))
             self.store(den, 0, f32(0))
             self.store(num, 0, f32(0))
-            for w in range(WARPS):
+            for w in range(self.warps):
                 sc = tirx.exp(self.smem[ml_at + (w * group + hh) * 2] - mx[0])
                 self.store(den, 0, den[0] + sc * self.smem[ml_at + (w * group + hh) * 2 + 1])
                 self.store(num, 0, num[0] + sc * self.smem[o_at + (w * group + hh) * d + c])

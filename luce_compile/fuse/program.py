@@ -11,12 +11,15 @@ Memory, all plain tensors the runtime owns:
              attention's split partials (o unnormalized, and the running max / sum per head) too
   pages      the KV pool, TVM's paged layout per layer (layers, pages, 2, kv_heads, page_size, head_dim) with a
              page table (batch, pages per sequence) and each sequence's length (= the new token's position)
-  counters   int32, one per stage and one per task; a task adds 1 to both when done. A consumer waits until a counter
-             reaches count x epoch (epoch = the step's 1-based launch number: monotonic, never reset; MPK's events)
+  counters   int32, one per stage, one per group and one per task; a task adds 1 to its own, its stage's and its
+             group's (if any) when done. A consumer waits until a counter reaches count x epoch (epoch = the step's
+             1-based launch number: monotonic, never reset; MPK's events)
   argmax     each LM-head tile's best logit and index per sequence; the last task per sequence reduces them
 
-A task depends on a whole stage (its counter reaches the stage's task count) or on a few tasks of it (their own
-counters): fuse/taskgraph.py derives the exact set from the regions, this module picks the cheaper wait.
+A task depends on a whole stage (its counter reaches the stage's task count), on a few tasks of it (their own
+counters), or on many tasks of its own stage (attention's merge on its key chunks: a **group** counter those tasks
+also add to; the stage's counter would count the waiting task itself and never arrive): fuse/taskgraph.py derives
+the exact set from the regions, this module picks the cheaper wait.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from luce_compile.fuse.taskgraph import ARGMAX_PARTIAL, Stage, TaskGraph, TaskKi
 from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph
 
 # task table columns (then one arena offset per operand slot of the task's opcode: inputs, then outputs)
-OPCODE, LAYER, KV_LAYER, LO, HI, ROW, SPLIT, UNIT, TILE, DEP_START, DEP_COUNT, COUNTER, STAGE_COUNTER = range(13)
-FIXED_COLUMNS = 13
+(OPCODE, LAYER, KV_LAYER, LO, HI, ROW, SPLIT, UNIT, TILE, DEP_START, DEP_COUNT, COUNTER, STAGE_COUNTER,
+ GROUP_COUNTER) = range(14)
+FIXED_COLUMNS = 14
 FEW_DEPS = 8  # at most this many tasks of a stage: wait on each one's counter; more: on the stage's counter
 ALIGN = 4  # arena offsets in float32 elements (16 bytes: vector loads)
 PROFILE_CLOCKS = 6  # per task: wait begins, body begins, task ends, then the body's phases (emit_cuda `phase`)
@@ -91,6 +95,11 @@ class Program:
     @property
     def batch(self) -> int:
         return self.tg.batch
+
+    @property
+    def has_groups(self) -> bool:
+        """Whether any task adds to a group counter (the kernel then publishes to it)."""
+        return bool((self.tasks[..., GROUP_COUNTER] >= 0).any())
 
     def width(self, name: str) -> int:
         """Features per sequence of a value (its dims after batch and step, flattened)."""
@@ -273,6 +282,16 @@ def _tables(prog: Program, stage_values, lm_tile: dict[int, int]) -> None:
     for t in argmax_ids:
         stage_of[t] = len(tg.stages)
     stage_tasks[len(tg.stages)] = sorted(argmax_ids)
+    groups: dict[tuple[int, ...], int] = {}  # many tasks of the waiting task's own stage → their group counter
+    group_of: dict[int, int] = {}
+    for t in tg.tasks:
+        mine = tuple(sorted(d for d in t.deps if stage_of[d] == stage_of[t.id]))
+        if len(mine) > FEW_DEPS and len(mine) != len(stage_tasks[stage_of[t.id]]):
+            g = groups.setdefault(mine, len(groups))
+            for d in mine:
+                if group_of.setdefault(d, g) != g:
+                    raise UnsupportedError("fuse: a task belongs to two dependency groups; plan with fewer splits")
+    first_task = n_stages + len(groups)
     n_slots = max((len(o.inputs) + len(o.outputs) for o in prog.opcodes), default=0)
     width = FIXED_COLUMNS + n_slots
     q_max = max((len(q) for q in prog.plan.queues), default=0)
@@ -288,7 +307,8 @@ def _tables(prog: Program, stage_values, lm_tile: dict[int, int]) -> None:
             row[ROW], row[UNIT] = -1 if t.row is None else t.row, t.unit
             row[SPLIT] = -1 if t.kind == TaskKind.ATTN_MERGE else t.split  # attention's merge runs in its opcode
             row[TILE] = lm_tile.get(tid, 0)
-            row[COUNTER], row[STAGE_COUNTER] = n_stages + tid, stage
+            row[COUNTER], row[STAGE_COUNTER] = first_task + tid, stage
+            row[GROUP_COUNTER] = n_stages + group_of[tid] if tid in group_of else -1
             if op.stages:
                 row[LAYER] = op.stages.index(stage)
                 st = tg.stages[stage]
@@ -303,12 +323,14 @@ def _tables(prog: Program, stage_values, lm_tile: dict[int, int]) -> None:
             for d in t.deps:
                 by_stage.setdefault(stage_of[d], []).append(d)
             for s, ds in sorted(by_stage.items()):
-                if len(ds) == len(stage_tasks[s]) or len(ds) > FEW_DEPS:
+                if tuple(sorted(ds)) in groups:
+                    deps.append((n_stages + groups[tuple(sorted(ds))], len(ds)))
+                elif len(ds) == len(stage_tasks[s]) or len(ds) > FEW_DEPS:  # a later stage: its whole count
                     deps.append((s, len(stage_tasks[s])))
                 else:
-                    deps += [(n_stages + d, 1) for d in ds]
+                    deps += [(first_task + d, 1) for d in ds]
             row[DEP_COUNT] = len(deps) - row[DEP_START]
     prog.tasks = tasks
     prog.queue_len = np.array([len(q) for q in prog.plan.queues], np.int32)
     prog.deps = np.array(deps or [(0, 0)], np.int32).reshape(-1, 2)
-    prog.n_counters = n_stages + len(tg.tasks)
+    prog.n_counters = first_task + len(tg.tasks)

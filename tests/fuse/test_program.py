@@ -38,6 +38,8 @@ def run_protocol(prog: P.Program, epochs: int, rng: np.random.Generator) -> list
             row = prog.tasks[sm, heads[sm]]
             counters[row[P.COUNTER]] += 1
             counters[row[P.STAGE_COUNTER]] += 1
+            if row[P.GROUP_COUNTER] >= 0:
+                counters[row[P.GROUP_COUNTER]] += 1
             order.append(int(row[P.COUNTER]) - (prog.n_counters - len(prog.tg.tasks)))
             heads[sm] += 1
             done += 1
@@ -46,9 +48,11 @@ def run_protocol(prog: P.Program, epochs: int, rng: np.random.Generator) -> list
 
 @pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_counter_protocol_runs_every_task_after_its_dependencies(name, batch, rng):
+@pytest.mark.parametrize("kv_splits", [0, 12], ids=["chunks-of-8", "12-splits-merge-waits-on-a-group"])
+def test_counter_protocol_runs_every_task_after_its_dependencies(name, batch, kv_splits, rng):
     graph, _ = open_graph(cached_synthetic(preset(name)))
-    prog = P.build_program(graph, batch=batch, n_sms=5, max_context=40, kv_chunk=8)
+    prog = P.build_program(graph, batch=batch, n_sms=5, max_context=40, kv_chunk=8, kv_splits=kv_splits)
+    assert not kv_splits or (prog.tasks[..., P.GROUP_COUNTER] >= 0).any()
     order = run_protocol(prog, epochs=3, rng=rng)
     n = len(prog.tg.tasks)
     assert sorted(order) == sorted(list(range(n)) * 3)
