@@ -85,7 +85,8 @@ def prepare(args: argparse.Namespace) -> int:
             src = ROOT / ".gpucheck" / "h200" / name
             for f in ("spec.json", "reference.npz"):
                 shutil.copyfile(src / f, folder / f)
-            shutil.copyfile(src / "artifact" / "tokenizer.json", folder / "tokenizer.json")
+            if (src / "artifact" / "tokenizer.json").read_bytes() != (out / "tokenizer.json").read_bytes():
+                shutil.copyfile(src / "artifact" / "tokenizer.json", folder / "tokenizer.json")  # else the shared one
             gguf = cached_synthetic(name)
         graph, _ = open_graph(gguf)
         start = time.perf_counter()
@@ -400,8 +401,9 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
     if "error" in build:
         return {"build_error": build["error"], "ok": False}
 
-    def data(name: str) -> Path:  # a variant's data files are its default build's
-        return ROOT / build["data_from"] / folder.name / name if build.get("data_from") else folder / name
+    def data(name: str) -> Path:  # a variant's data files are its default build's; a tokenizer may be the shared one
+        own = ROOT / build["data_from"] / folder.name / name if build.get("data_from") else folder / name
+        return own if own.is_file() or name != "tokenizer.json" else own.parent.parent / name
     gguf_path = Path(args.work) / f"{folder.name}.gguf"
     if (folder / "synthetic.json").is_file() and not gguf_path.is_file():
         import luce_compile.synthetic as synthetic

@@ -6,6 +6,7 @@ deterministic functions of the graph and these options, so the runtime side can 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -30,7 +31,9 @@ class MegakernelOptions:
     # keys per attention task; longer contexts split into chunks merged by a second task. One 1024-key chunk (no
     # merge stage) measured slower on the H200: the chunk's keys run serially in one task (28 µs vs 6 + 9 µs)
     kv_chunk: int = 256
-    kv_splits: int = 0  # > 0: that many key chunks per (sequence, KV head), sized each step (TaskGraph.kv_splits)
+    # > 0: that many key chunks per (sequence, KV head), sized each step (TaskGraph.kv_splits); -1: even splits at
+    # batch 1, chunks of kv_chunk above (build_task_graph)
+    kv_splits: int = -1
     fold_merge: bool = False  # the O projection merges split attention partials (no merge tasks: build_program)
     kv_dtype: str = "float16"
     # bytes of each weight plane's tile (and of each attention chunk's keys/values) asked into L2 before a task's
@@ -40,7 +43,9 @@ class MegakernelOptions:
     # float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences); 0: 16 below batch 4, 32 from
     # it (the emitter's rule, measured on the H200)
     accumulators: int = 0
-    threads: int = 256  # per block (one block per SM): 8 warps, 2 per scheduler
+    # per block (one block per SM); 512 (4 warps a scheduler) measured 7-13% faster than 256 (run6), which is kept
+    # where a stage's shared memory does not fit 16 warps (attention of large head groups)
+    threads: int = 512
 
 
 def kernel_name(batch: int) -> str:
@@ -81,8 +86,17 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
         raise UnsupportedError(f"fuse: the megakernel is generated for CUDA targets so far, not {info.name}; "
                                "build with --no-megakernel.")
     programs = plan_programs(graph, info.facts, options)
-    funcs = {kernel_name(b): emit_megakernel(p, name=kernel_name(b), options=options)
-             for b, p in programs.items()}
+
+    def emit(b: int, p: Program):
+        try:
+            return emit_megakernel(p, name=kernel_name(b), options=options)
+        except UnsupportedError as e:
+            if options.threads == 256 or "shared memory" not in str(e):
+                raise
+            log.info("megakernel_b%d: %s; 256 threads a block instead of %d", b, e, options.threads)
+            return emit_megakernel(p, name=kernel_name(b), options=dataclasses.replace(options, threads=256))
+
+    funcs = {kernel_name(b): emit(b, p) for b, p in programs.items()}
     for b, p in programs.items():  # the argument order callers must follow (the runtime passes them by position)
         p.param_names = [str(v.name) for v in funcs[kernel_name(b)].params]
     target = info.tvm_target()

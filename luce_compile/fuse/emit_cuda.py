@@ -411,11 +411,15 @@ class MegakernelEmitter:
             with B.serial(0, nb) as b:
                 part = self.local()
                 self.store(part, 0, f32(0))
-                with B.serial(0, (k_in + self.threads - 1) // self.threads) as it:
-                    k = it * self.threads + self.tx
-                    with self.when(k < k_in):
-                        v = self.arena_at(op, x_name, b, k)
-                        self.store(part, 0, part[0] + v * v)
+                # the staged path's order (a granule a thread, its 8 features in turn): a batch too wide to stage
+                # must give each sequence the 1/rms it gets alone, to the bit
+                with B.serial(0, -(-granules // self.threads)) as it:
+                    g = it * self.threads + self.tx
+                    with self.when(g < granules):
+                        for j in range(8):
+                            v = self.local()
+                            self.store(v, 0, self.arena_at(op, x_name, b, g * 8 + j))
+                            self.store(part, 0, part[0] + v[0] * v[0])
                 rstd_of(b, self.cta(part[0], "sum"))
                 self.sync()
         env_base = nb * k_in if staged else 0

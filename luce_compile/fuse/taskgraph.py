@@ -109,7 +109,7 @@ class TaskGraph:
     kv_slots: dict[str, tuple[int, str]] = field(default_factory=dict)  # value → (layer, "k" | "v") it appends
     # 0: attention splits its keys into chunks of kv_chunk (a stage has ceil(span / kv_chunk) of them, most empty
     # at short contexts); n: every attention stage has n splits and each step divides its visible keys evenly
-    # (build_task_graph's -1: as many as fill the SMs once, n_sms // (batch x KV heads))
+    # (build_task_graph's -1: at batch 1 as many as fill the SMs once, n_sms // KV heads; chunks above it)
     kv_splits: int = 0
     kv_min_keys: int = KV_MIN_KEYS  # an even split's shortest chunk
 
@@ -156,9 +156,10 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
     if graph.outputs != (LOGITS,):
         raise UnsupportedError(f"fuse: the megakernel needs a graph whose one output is {LOGITS!r}.")
     values = graph.values()
-    if kv_splits < 0:
+    if kv_splits < 0:  # measured on the H200 (benchmarks/README.md, run6): even splits win at batch 1 (SmolLM2
+        # −12%) and lose at 8 (+14%): there, chunks of kv_chunk
         heads = max((op.attrs["n_head_kv"] for op in graph.attention_ops()), default=1)
-        kv_splits = max(1, n_sms // (batch * heads))
+        kv_splits = max(1, n_sms // heads) if batch == 1 else 0
     stages = _stages(graph, values, max_context, kv_chunk, kv_splits)
     if fold_merge_floats:
         stages = _fold_merges(stages, values, batch, fold_merge_floats)
