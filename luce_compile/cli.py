@@ -183,6 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from luce_compile.fuse.build import MegakernelOptions
     from luce_compile.fuse.plan import CostModel, plan_queues
     from luce_compile.fuse.taskgraph import build_task_graph
     from luce_compile.graph.registry import open_graph
@@ -194,7 +195,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     graph, _ = open_graph(path)
     facts = info.facts
-    tg = build_task_graph(graph, batch=args.batch, n_sms=facts["sm_count"], max_context=args.ctx)
+    opts = MegakernelOptions()  # the plan the kernel would run (its key-splitting defaults)
+    tg = build_task_graph(graph, batch=args.batch, n_sms=facts["sm_count"], max_context=args.ctx,
+                          kv_chunk=opts.kv_chunk, kv_splits=opts.kv_splits)
     plan = plan_queues(tg, CostModel(bandwidth=facts["mem_bandwidth_gb_s"] * 1e9, n_sms=facts["sm_count"]))
     weights = sum(t.weight_bytes for t in tg.tasks if t.kind == "matvec")
     d = {"model": path.stem, "target": info.name, "batch": args.batch, "stages": len(tg.stages),

@@ -46,6 +46,9 @@ class MegakernelOptions:
     # per block (one block per SM); 512 (4 warps a scheduler) measured 7-13% faster than 256 (run6), which is kept
     # where a stage's shared memory does not fit 16 warps (attention of large head groups)
     threads: int = 512
+    # a matvec's K passes are unrolled up to this many (every load of a step in flight at once); ncu (run6) puts 20%
+    # of the warps' time in instruction-cache misses of the unrolled loops: 1 is the variant to time next
+    unroll_passes: int = 4
 
 
 def kernel_name(batch: int) -> str:

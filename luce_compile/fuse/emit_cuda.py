@@ -75,6 +75,7 @@ class MegakernelEmitter:
         self.values = prog.values
         self.nb = prog.batch
         self.threads, self.warps = options.threads, options.threads // 32
+        self.unroll_passes = options.unroll_passes
         # measured (benchmarks/README.md, run4's variants): 32 sums a lane are 10% faster at batch 8, 20% slower at 1
         self.accumulators = options.accumulators or (32 if self.nb >= 4 else 16)
 
@@ -475,7 +476,7 @@ class MegakernelEmitter:
             r0 = lo + (s * groups + group) * rows
             for a in range(n_m * rows * nb):
                 self.store(acc, a, f32(0))
-            loop = B.unroll if passes <= 4 else B.serial
+            loop = B.unroll if passes <= self.unroll_passes else B.serial
             with loop(0, passes) as gi:
                 g = slice_ * per_slice + gi * 32 + self.lane
                 exact = split == 1 and granules % 32 == 0

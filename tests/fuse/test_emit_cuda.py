@@ -78,3 +78,15 @@ def test_the_check_catches_a_shuffle_under_a_lane_branch():
     src = ("megakernel_kernel(int x) {\n  if ((((int)threadIdx.x) % 32) == 0) {\n"
            "    y = tvm_builtin_cuda_warp_reduce_sum_32(v);\n  }\n}\n")
     assert divergent_collectives(src)
+
+
+def test_the_variant_knobs_emit_kernels_without_divergent_collectives():
+    """The options a GPU session times against the defaults (256 threads, rolled K passes) still give kernels
+    whose collectives every thread reaches."""
+    from luce_compile.fuse.build import MegakernelOptions
+
+    graph, _ = open_graph(cached_synthetic(preset("tiny-qwen3")))
+    prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16)
+    source = cuda_source(emit_megakernel(prog, options=MegakernelOptions(threads=256, unroll_passes=1)))
+    assert "__launch_bounds__(256)" in source
+    assert divergent_collectives(source) == []
