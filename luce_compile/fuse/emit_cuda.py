@@ -385,16 +385,11 @@ class MegakernelEmitter:
             # takes a granule (8 features): the transposed stores of a warp's lanes land in consecutive words, where
             # a feature a thread put 8 lanes on one bank (ncu: half the kernel's shared wavefronts were conflicts)
             with B.serial(0, nb) as b:  # a loop, not a copy per sequence: the kernel's size is nvcc's time
-                part = self.local()
-                self.store(part, 0, f32(0))
-                with B.serial(0, -(-granules // self.threads)) as it:
-                    g = it * self.threads + self.tx
-                    with self.when(g < granules):
-                        for j in range(8):
-                            self.store(self.smem, x_at(b, g * 8 + j), self.arena_at(op, x_name, b, g * 8 + j))
-                            if st.prologue is not None:
-                                v = self.smem[x_at(b, g * 8 + j)]  # the stored value: the arena is read once
-                                self.store(part, 0, part[0] + v * v)
+                def keep(k, b=b):
+                    self.store(self.smem, x_at(b, k), self.arena_at(op, x_name, b, k))
+                    return self.smem[x_at(b, k)]  # the stored value: the arena is read once
+
+                part = self._granule_squares(granules, keep, square=st.prologue is not None)
                 if st.prologue is not None:
                     rstd_of(b, self.cta(part[0], "sum"))
             self.sync()
@@ -410,24 +405,33 @@ class MegakernelEmitter:
                 self.sync()
         elif st.prologue is not None:  # the norm's scale per sequence; the body reads the arena (xval)
             with B.serial(0, nb) as b:
-                part = self.local()
-                self.store(part, 0, f32(0))
-                # the staged path's order (a granule a thread, its 8 features in turn): a batch too wide to stage
-                # must give each sequence the 1/rms it gets alone, to the bit
-                with B.serial(0, -(-granules // self.threads)) as it:
-                    g = it * self.threads + self.tx
-                    with self.when(g < granules):
-                        for j in range(8):
-                            v = self.local()
-                            self.store(v, 0, self.arena_at(op, x_name, b, g * 8 + j))
-                            self.store(part, 0, part[0] + v[0] * v[0])
-                rstd_of(b, self.cta(part[0], "sum"))
+                def read(k, b=b):
+                    v = self.local()
+                    self.store(v, 0, self.arena_at(op, x_name, b, k))
+                    return v[0]
+
+                rstd_of(b, self.cta(self._granule_squares(granules, read)[0], "sum"))
                 self.sync()
         env_base = nb * k_in if staged else 0
         self.phase(3)
         for u, unit in enumerate(st.units):
             with self.when(self.col(P.UNIT) == u):
                 self.matvec_unit(op, st, u, unit, k_in, staged, xval, env_base)
+
+    def _granule_squares(self, granules: int, value, square: bool = True) -> tirx.Buffer:
+        """A thread's granules of a row (8 features each, in turn), value(k) giving feature k; returns the thread's
+        sum of their squares (`square`). The one order of the norm's sum, staged or not: a batch too wide to stage
+        gives each sequence the 1/rms it gets alone, to the bit."""
+        part = self.local()
+        self.store(part, 0, f32(0))
+        with B.serial(0, -(-granules // self.threads)) as it:
+            g = it * self.threads + self.tx
+            with self.when(g < granules):
+                for j in range(8):
+                    v = value(g * 8 + j)
+                    if square:
+                        self.store(part, 0, part[0] + v * v)
+        return part
 
     def _env_slots(self, st, u: int) -> dict[str, int]:
         """Shared-memory slots of a unit's values (a reshape shares its input's slot)."""
