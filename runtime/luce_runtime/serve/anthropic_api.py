@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from luce_runtime.serve.app import Service, events, new_id, parse_body, sampling, sse
+from luce_runtime.serve.app import Service, collect, events, new_id, parse_body, sampling, sse
 from luce_runtime.serve.protocol import (
     MAX_STOP_ANTHROPIC,
     AnthropicText,
@@ -104,12 +104,7 @@ async def messages(request: Request):
     if body.stream:
         return StreamingResponse(_stream(events(queue, reqs), message, len(prompt), plan),
                                  media_type="text/event-stream")
-    text, last = "", None
-    async for ev in events(queue, reqs, request):
-        if ev.kind == "delta":
-            text += ev.text
-        else:
-            last = ev
+    text, last = await collect(queue, reqs, request)
     out = split_output(plan, text)
     content: list[dict[str, Any]] = [{"type": "text", "text": out.content}] if out.content or not out.calls else []
     content += [{"type": "tool_use", "id": c.id.replace("call_", "toolu_"), "name": c.name,

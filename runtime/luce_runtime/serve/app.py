@@ -311,6 +311,17 @@ async def events(queue: asyncio.Queue, reqs: list[GenRequest], request: Request 
             r.cancel()
 
 
+async def collect(queue: asyncio.Queue, reqs: list[GenRequest], request: Request) -> tuple[str, Event | None]:
+    """A one-choice non-streaming response's whole text and its final event."""
+    text, last = "", None
+    async for ev in events(queue, reqs, request):
+        if ev.kind == "delta":
+            text += ev.text
+        else:
+            last = ev
+    return text, last
+
+
 def sse(data: Any, event: str | None = None) -> str:
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"

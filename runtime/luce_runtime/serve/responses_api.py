@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from luce_runtime.serve.app import Service, events, new_id, parse_body, sampling, sse
+from luce_runtime.serve.app import Service, collect, events, new_id, parse_body, sampling, sse
 from luce_runtime.serve.protocol import ApiError, ResponsesFormat, ResponsesRequest
 from luce_runtime.serve.scheduler import Event
 from luce_runtime.serve.structured import ANY_JSON, Op, OutputPlan, StreamSplitter, output_plan, split_output
@@ -143,12 +143,7 @@ async def responses(request: Request):
             "status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None}
     if body.stream:
         return StreamingResponse(_stream(events(queue, reqs), base, len(prompt), plan), media_type="text/event-stream")
-    text, last = "", None
-    async for ev in events(queue, reqs, request):
-        if ev.kind == "delta":
-            text += ev.text
-        else:
-            last = ev
+    text, last = await collect(queue, reqs, request)
     out = split_output(plan, text)
     output = [_message_item(new_id("msg_"), out.content, "completed")] if out.content or not out.calls else []
     output += [_call_item(c, "completed") for c in out.calls]
