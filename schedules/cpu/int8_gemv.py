@@ -17,15 +17,24 @@ the same sums:
   The accumulator's lanes are summed once per row, at the end.
 - Quants: Q4 nibbles are unsigned as they are (Q4_1, Q4_K); the fifth bit (Q5_*: one bit per element in `qh`) and
   Q6_K's two high bits are spread over the 32 lanes with one byte shuffle and a per-lane bit test.
-- Q6_K (q − 32) and Q8_0 are signed: the sign trick of llama.cpp's mul_sum_i8_pairs, |w| as the unsigned operand
-  and x with w's sign moved onto it (|w|·sign(w)x = w·x; w = −128 gives |w| = 128 as an unsigned byte, still exact).
+- Q6_K (q − 32) and Q8_0 are signed: one activation row takes the sign trick of llama.cpp's mul_sum_i8_pairs, |w|
+  as the unsigned operand and x with w's sign moved onto it (|w|·sign(w)x = w·x; w = −128 gives |w| = 128 as an
+  unsigned byte, still exact); a batch moves x to unsigned bytes instead (x + 128: one xor per row) and starts each
+  lane from −128·Σw, computed once per weight group (`_x_offset`): the same integers, 3 fewer vector ops per row.
   Q4_0 (q − 8) and Q5_0 (q − 16) instead dot the stored unsigned quants and subtract offset·Σx per block (Σx: the
   quantizer's `xi`), the same integer as ggml's Σ (q − offset)·x with 3 fewer vector ops per block: Q5_0 4864x896
   124 → 109 µs, 2048x640 38.4 → 34.0 µs, 896x896 22.4 → 20.2 µs (A/B in one process, min of 6 x 5 runs).
-- `rows` rows share each activation load; parallel tasks take `chunk` groups of rows (each task allocates its
-  accumulators once: TVM turns allocations inside a parallel loop into workspace calls); `unroll` blocks of 32
-  values (rounded to whole units: G-block groups, or super-blocks for the K-quants) are one expression (an FMA
-  chain), so the accumulator goes through its buffer once per `unroll` blocks. Buffers and scalar bindings are
+- Several activation rows (the batched decode's B, verify's k + 1): each weight row's `unroll` units are unpacked
+  once into local buffers (quants; the signed types' −128·Σw) and dotted with up to TILE = 16 activation rows in
+  turn, as ggml's vec_dot with nrc and its repacked GEMMs amortise the weights over rows. Each row keeps the GEMV's
+  sums in the GEMV's order (the integers are the same), so a row of a batch equals that row alone, to the bit, and
+  equals what the kernel gave before the weights were shared. Qwen2.5-Coder-1.5B's Q4_K 8960x1536 on 2 threads:
+  8 rows 3.95 → 2.07 ms (one row 0.50 ms); Q6_K 1536x8960 7.2 → 2.3 ms (0.88 ms); what is left per row is the dot,
+  the scales and, for the 32-value types, the fold (benchmarks/README.md, issue 13).
+- `rows` weight rows go through each unit step together; parallel tasks take `chunk` groups of rows (each task
+  allocates its accumulators once: TVM turns allocations inside a parallel loop into workspace calls); `unroll`
+  blocks of 32 values (rounded to whole units: G-block groups, or super-blocks for the K-quants) are one expression
+  (an FMA chain), so the accumulator goes through its buffer once per `unroll` blocks. Buffers and scalar bindings are
   what LLVM failed to keep in registers inside the model's whole module (it could not prove they alias no argument
   there; the same kernel alone was fine): with one buffer round trip per 8 blocks and `let` bindings the kernel
   runs as fast in the model as alone (SmolLM2 1536x576: 169 → 69 µs in the model build).
@@ -43,7 +52,7 @@ pays ~0.3 µs per task (workspace allocations), chunk 16 keeps ≥ 36 tasks for 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 from luce_schedules.knobs import KnobbedRule, Knobs, fit
@@ -67,10 +76,10 @@ def _vector(values: list[int], dtype: str) -> tirx.Expr:
     return T.Shuffle([tirx.const(v, dtype) for v in values], list(range(len(values))))
 
 
-def _vpdpbusd(unsigned: tirx.Expr, signed: tirx.Expr) -> tirx.Expr:
-    """8 int32 sums of 4 byte products each, from zero: both operands int8x32 as LLVM 22 types them."""
-    zero = T.Broadcast(T.int32(0), LANES)
-    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", zero, unsigned, signed)
+def _vpdpbusd(unsigned: tirx.Expr, signed: tirx.Expr, acc: tirx.Expr | None = None) -> tirx.Expr:
+    """acc (zero if None) + 8 int32 sums of 4 byte products each: both operands int8x32 as LLVM 22 types them."""
+    acc = T.Broadcast(T.int32(0), LANES) if acc is None else acc
+    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", acc, unsigned, signed)
 
 
 def _nibbles(qs: tirx.Buffer, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
@@ -101,24 +110,47 @@ def _high_bits(qh: tirx.Buffer, n: tirx.Expr, g: tirx.Expr, bits: int) -> tirx.E
 
 
 def _signed_dot(w: tirx.Expr, x: tirx.Expr) -> tirx.Expr:
-    """Σ w·x per 4 bytes for signed w (int8x32) by the sign trick."""
+    """Σ w·x per 4 bytes for signed w (int8x32) by the sign trick (one activation row)."""
     negative = w < T.Broadcast(T.int8(0), 32)
     return _vpdpbusd(T.abs(w), T.Select(negative, T.Broadcast(T.int8(0), 32) - x, x))
 
 
-def _group_dot(kind: str, bufs: Bufs, a: tirx.Expr, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
-    """int32x8 partial sums of weight row n's group g (32 values) against activation row a there."""
-    x = bufs["xq"][a, T.Ramp(g * QK8, 1, QK8)]
+def _x_offset(w: tirx.Expr) -> tirx.Expr:
+    """−128·Σ w per 4 bytes (int32x8) of signed w: what `_group_dot` starts from so that the activations, moved by
+    +128 to unsigned bytes, give Σ (x + 128)·w − 128·Σ w = Σ w·x per lane exactly (|lane| < 2^17), the sign trick's
+    integers. It depends on the weights only, so a batch of activation rows computes it once, where the sign trick
+    costs 4 vector ops per row (one row keeps the sign trick: this offset would cost it a second vpdpbusd)."""
+    return T.Broadcast(T.int32(0), LANES) - _vpdpbusd(T.Broadcast(T.int8(-128), 32), w)
+
+
+SIGNED = ("Q8_0", "Q6_K")  # weight types whose dot operand is signed (`_group_dot`; the others are unsigned)
+
+
+def _weights(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
+    """Weight row n's group g (32 values) unpacked to the int8x32 operand of its dot: unsigned quants (as int8
+    bits) for the unsigned types, the signed w for SIGNED. What a batch of activation rows shares."""
     if kind == "Q8_0":
-        return _signed_dot(bufs["qs"][n, T.Ramp(g * QK8, 1, QK8)], x)
+        return bufs["qs"][n, T.Ramp(g * QK8, 1, QK8)]
     quants = _nibbles(bufs["qs"], n, g)
     if kind.startswith("Q5"):
         quants = quants | _high_bits(bufs["qh"], n, g, 1)
     elif kind == "Q6_K":
         quants = quants | _high_bits(bufs["qh"], n, g, 2)
     quants = T.reinterpret("int8x32", quants)
-    if kind in QUANT_OFFSET and "xi" not in bufs:  # Q6_K (Q4_0/Q5_0 subtract offset·Σx per block: _unit_terms)
-        return _signed_dot(quants - T.Broadcast(T.int8(QUANT_OFFSET[kind]), 32), x)
+    if kind == "Q6_K":  # q − 32 (Q4_0/Q5_0 instead subtract offset·Σx per block: _unit_terms)
+        return quants - T.Broadcast(T.int8(QUANT_OFFSET[kind]), 32)
+    return quants
+
+
+def _group_dot(kind: str, bufs: Bufs, a: tirx.Expr, g: tirx.Expr, w: tuple[tirx.Expr, tirx.Expr | None]) -> tirx.Expr:
+    """int32x8 partial sums of the unpacked weights of group g (`_weights`, with their `_x_offset` for SIGNED
+    types) against activation row a there: lane l holds positions 4l..4l+3 of the group."""
+    x = bufs["xq"][a, T.Ramp(g * QK8, 1, QK8)]
+    quants, offset = w
+    if kind in SIGNED and offset is None:
+        return _signed_dot(quants, x)
+    if kind in SIGNED:  # x + 128 as unsigned bytes: int8 x with its sign bit flipped
+        return _vpdpbusd(x ^ T.Broadcast(T.int8(-128), 32), quants, offset)
     return _vpdpbusd(quants, x)
 
 
@@ -150,7 +182,13 @@ def _fold(dots: list[tirx.Expr]) -> tirx.Expr:
     return v
 
 
-def _unit_terms(kind: str, bufs: Bufs, a: tirx.Expr, n: tirx.Expr, u: tirx.Expr, acc: tirx.Expr) -> tirx.Expr:
+# group index → weight row n's unpacked group (`_weights`) and, for SIGNED types, its `_x_offset`
+Weights = Callable[[tirx.Expr], tuple[tirx.Expr, tirx.Expr | None]]
+
+
+def _unit_terms(
+    kind: str, bufs: Bufs, a: tirx.Expr, n: tirx.Expr, u: tirx.Expr, acc: tirx.Expr, weights: Weights
+) -> tirx.Expr:
     """acc plus unit u of weight row n against activation row a. 32-value types: a unit is G = acc's lanes blocks,
     whose integer dots are folded into one int32xG (exact), converted and scaled by G d_w·d_x at once, with the min
     terms m_w·s_x; K-quants (acc float32x8): a unit is a super-block."""
@@ -158,7 +196,7 @@ def _unit_terms(kind: str, bufs: Bufs, a: tirx.Expr, n: tirx.Expr, u: tirx.Expr,
         count = acc.ty.dtype.lanes  # 1 for a scalar
         blocks = T.Ramp(u * count, 1, count) if count > 1 else u  # a Ramp of one lane is refused
         f32 = f"float32x{count}" if count > 1 else "float32"
-        total = _fold([_group_dot(kind, bufs, a, n, u * count + j) for j in range(count)])
+        total = _fold([_group_dot(kind, bufs, a, g, weights(g)) for g in (u * count + j for j in range(count))])
         if "xi" in bufs:  # Q4_0/Q5_0: Σ q·x − offset·Σx per block, exactly ggml's Σ (q − offset)·x
             total = total - bufs["xi"][a, blocks] * _splat(T.int32(QUANT_OFFSET[kind]), count)
         scale = T.Cast(f32, bufs["d"][n, blocks]) * bufs["xd"][a, blocks]
@@ -175,7 +213,7 @@ def _unit_terms(kind: str, bufs: Bufs, a: tirx.Expr, n: tirx.Expr, u: tirx.Expr,
             scale = T.Shuffle([pair] * 4, [0, 0, 1, 1, 0, 0, 1, 1])
         else:
             scale = T.Broadcast(T.Cast("int32", bufs["sc"][n, g]), LANES)
-        isum = isum + _group_dot(kind, bufs, a, n, g) * scale
+        isum = isum + _group_dot(kind, bufs, a, g, weights(g)) * scale
     acc = T.fma(_f32x8(d * xd), T.Cast("float32x8", isum), acc)
     if "mn" not in bufs:
         return acc
@@ -198,16 +236,22 @@ def block_group(n_in: int) -> int:
     return next(g for g in (8, 4, 2, 1) if (n_in // QK8) % g == 0)
 
 
+TILE = 16  # activation rows that share one unpacking of a weight group (rows 1..16: decode's batch, verify's k+1)
+
+
 def vnni_gemv(
     kind: str, n_out: int, n_in: int, rows: int, chunk: int, unroll: int, batch: int | str = 1
 ) -> tirx.PrimFunc:
     """The kernel for one weight type and shape; same arguments as cpu_int8.int8_matmul(kind, n_out, n_in, batch).
     `unroll` counts units: groups of `block_group(n_in)` blocks of 32 values, super-blocks for the K-quants.
-    `rows` here are weight rows; a batch of activation rows is looped inside each weight row (which stays in L1),
-    each activation row with exactly the GEMV's sums in the GEMV's order: a row of a batch equals that row alone."""
+    `rows` here are weight rows. A batch of activation rows is taken TILE at a time: each weight row's `unroll`
+    units are unpacked once into a local buffer (L1) and dotted with every activation row of the tile, as ggml's
+    vec_dot with nrc amortises its weight loads. Each activation row gets exactly the GEMV's sums in the GEMV's
+    order (the unpacked bytes are the same integers), so a row of a batch equals that row alone, to the bit."""
     definition = int8_matmul(kind, n_out, n_in, batch=batch)
     k_quant = kind.endswith("_K")
     lanes = LANES if k_quant else block_group(n_in)  # the accumulator's float32 lanes
+    per_unit = GROUPS if k_quant else lanes  # groups of 32 values per unit
     units = n_in // QK_K if k_quant else n_in // QK8 // lanes
     tasks = n_out // (rows * chunk)
     with IRBuilder() as builder, T.prim_func(s_tir=True):
@@ -221,20 +265,52 @@ def vnni_gemv(
             if name in bufs and bufs[name].dtype == "uint32":
                 bufs[name] = _byte_view(bufs[name])
         with T.parallel(0, tasks) as c:
-            acc = T.decl_buffer((rows, lanes), "float32", scope="local")
+            acc = T.decl_buffer((rows * TILE, lanes), "float32", scope="local")
+            # decode1 (one static row) dots the unpacked weights in registers; a batch goes through wq, wo
+            slots = unroll * per_unit
+            staged = None
+            if batch != 1:
+                staged = (
+                    T.decl_buffer((slots, QK8), "int8", scope="local"),
+                    T.decl_buffer((slots, LANES), "int32", scope="local"),
+                )
             every = T.Ramp(0, 1, lanes) if lanes > 1 else 0
-            with T.serial(0, chunk) as g, T.serial(0, T.Cast("int32", y.shape[0])) as a:
-                with T.unroll(0, rows) as r:
-                    T.buffer_store(acc, T.Broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0), [r, every])
+            zero = T.Broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0)
+            total_rows = T.Cast("int32", y.shape[0])
+            with T.serial(0, chunk) as g, T.serial(0, 1 if staged is None else (total_rows + TILE - 1) // TILE) as t:
+                count = 1 if staged is None else T.Bind(T.min(TILE, total_rows - t * TILE))
+                with T.unroll(0, rows) as r, T.serial(0, count) as a:
+                    T.buffer_store(acc, zero, [r * TILE + a, every])
                 with T.serial(0, units // unroll) as u0, T.unroll(0, rows) as r:
                     n = T.Bind((c * chunk + g) * rows + r)
-                    total = acc[r, every]
-                    for j in range(unroll):
-                        total = _unit_terms(kind, bufs, a, n, u0 * unroll + j, total)
-                    T.buffer_store(acc, total, [r, every])
-                with T.unroll(0, rows) as r:
-                    T.buffer_store(y, _lane_sum(acc, r, lanes), [a, (c * chunk + g) * rows + r])
+                    base = u0 * unroll * per_unit  # the first group of these `unroll` units
+                    weights = _stage_weights(kind, bufs, n, base, staged)
+                    with T.serial(0, count) as a:
+                        total = acc[r * TILE + a, every]
+                        for j in range(unroll):
+                            total = _unit_terms(kind, bufs, t * TILE + a, n, u0 * unroll + j, total, weights)
+                        T.buffer_store(acc, total, [r * TILE + a, every])
+                with T.unroll(0, rows) as r, T.serial(0, count) as a:
+                    T.buffer_store(y, _lane_sum(acc, r * TILE + a, lanes), [t * TILE + a, (c * chunk + g) * rows + r])
     return builder.get()
+
+
+def _stage_weights(
+    kind: str, bufs: Bufs, n: tirx.Expr, base: tirx.Expr, staged: tuple[tirx.Buffer, tirx.Buffer] | None
+) -> Weights:
+    """The unpacked groups of weight row n from group `base` on: inline expressions when there is one activation
+    row (staged None; SIGNED types then take the sign trick), else computed once here into the local buffers
+    (wq; wo: their `_x_offset` for SIGNED types), all of them, and read back by every activation row."""
+    signed = kind in SIGNED
+    if staged is None:
+        return lambda g: (_weights(kind, bufs, n, g), None)
+    wq, wo = staged
+    for s in range(int(wq.shape[0])):
+        w = _weights(kind, bufs, n, base + s)
+        T.buffer_store(wq, w, [s, T.Ramp(0, 1, QK8)])
+        if signed:
+            T.buffer_store(wo, _x_offset(w), [s, T.Ramp(0, 1, LANES)])
+    return lambda g: (wq[g - base, T.Ramp(0, 1, QK8)], wo[g - base, T.Ramp(0, 1, LANES)] if signed else None)
 
 
 def _lane_sum(acc: tirx.Buffer, r: tirx.Expr, lanes: int) -> tirx.Expr:

@@ -66,26 +66,38 @@ def test_vnni_gemv_matches_reference(kind, n_out, n_in, knobs, rng):
     assert np.all(np.abs(y - want) <= bound), np.abs(y - want).max()
 
 
+def call(ex: tvm.runtime.Executable, *arrays: np.ndarray, outs: list[tuple[tuple[int, ...], str]]) -> list[np.ndarray]:
+    """`run` for a function compiled once: called on numpy inputs, returns the outputs."""
+    results = [tvm.runtime.tensor(np.zeros(shape, dtype)) for shape, dtype in outs]
+    ex["main"](*(tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays), *results)
+    return [r.numpy() for r in results]
+
+
 @needs_vnni
 @pytest.mark.parametrize("kind", TYPES)
 def test_batched_kernel_rows_equal_the_gemv_bit_for_bit(kind, rng):
-    """The batched decode's kernel: every row of a batch of 5 is the GEMV's result for that row alone, to the bit
-    (a lone and a batched sequence get the same numbers), and within the reference's bound."""
-    n_out, n_in, rows = 48, 1024 if int8_format(kind).with_bsums else 320, 5
+    """The batched decode's and verify's kernel at 1 to 17 rows (one tile of 16 rows shares each unpacked weight
+    group; 17 starts a second tile), on fresh random activations per row count: every row is the GEMV's result for
+    that row alone, to the bit (a lone and a batched sequence get the same numbers), and within the reference's
+    bound (llama.cpp's activation rounding emulated, float64 dot)."""
+    n_out, n_in = 48, 1024 if int8_format(kind).with_bsums else 320
     fmt = int8_format(kind)
     raw = random_raw(kind, n_out, n_in, rng)
     planes = list(repack(raw, kind).values())
-    x = np.concatenate([activations(rng, n_in) for _ in range(rows)])
-    quantized = run(quantize_q8(n_in, fmt, batch="dynamic"), x, outs=list(fmt.specs(n_in, rows).values()))
     sch = Int8GEMV().apply(int8_matmul(kind, n_out, n_in, batch="dynamic"), HOST)
     assert sch is not None and "vpdpbusd" in sch.mod["main"].script()
-    (y,) = run(sch.mod["main"], *quantized, *planes, outs=[((rows, n_out), "float32")])
-    gemv = scheduled(kind, n_out, n_in)
-    for r in range(rows):
-        (alone,) = run(gemv, *(q[r : r + 1] for q in quantized), *planes, outs=[((1, n_out), "float32")])
-        np.testing.assert_array_equal(y[r : r + 1], alone, err_msg=f"row {r}")
-        want, bound = reference_gemv(raw, kind, emulated_activations(x[r : r + 1], kind))
-        assert np.all(np.abs(alone - want) <= bound)
+    batched = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=HOST)
+    gemv = tvm.compile(tvm.IRModule({"main": scheduled(kind, n_out, n_in)}), target=HOST)
+    quantize = tvm.compile(tvm.IRModule({"main": quantize_q8(n_in, fmt, batch="dynamic")}), target=HOST)
+    for rows in range(1, 18):
+        x = np.concatenate([activations(rng, n_in) for _ in range(rows)])
+        quantized = call(quantize, x, outs=list(fmt.specs(n_in, rows).values()))
+        (y,) = call(batched, *quantized, *planes, outs=[((rows, n_out), "float32")])
+        for r in range(rows):
+            (alone,) = call(gemv, *(q[r : r + 1] for q in quantized), *planes, outs=[((1, n_out), "float32")])
+            np.testing.assert_array_equal(y[r : r + 1], alone, err_msg=f"{rows} rows: row {r}")
+            want, bound = reference_gemv(raw, kind, emulated_activations(x[r : r + 1], kind))
+            assert np.all(np.abs(alone - want) <= bound), (rows, r, np.abs(alone - want).max())
 
 
 @needs_vnni
