@@ -24,14 +24,13 @@ the exact set from the regions, this module picks the cheaper wait.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse.plan import CostModel, Plan, plan_queues
-from luce_compile.fuse.taskgraph import ARGMAX_PARTIAL, Stage, TaskGraph, TaskKind, build_task_graph
+from luce_compile.fuse.taskgraph import ARGMAX_PARTIAL, Stage, TaskGraph, TaskKind, build_task_graph, value_width
 from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph
 
 # task table columns (then one arena offset per operand slot of the task's opcode: inputs, then outputs)
@@ -102,8 +101,7 @@ class Program:
         return bool((self.tasks[..., GROUP_COUNTER] >= 0).any())
 
     def width(self, name: str) -> int:
-        """Features per sequence of a value (its dims after batch and step, flattened)."""
-        return _width(self.values, name)
+        return value_width(self.values, name)
 
     def stacked_tensors(self, opcode: int, slot: int) -> list[str]:
         """The GGUF tensors stacked into weight `slot` of `opcode`, one per stage it runs (the stack's order)."""
@@ -134,10 +132,6 @@ def build_program(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_
                    np.zeros(0), 0, page_size, kv, values)
     _tables(prog, stage_values, lm_tiles)
     return prog
-
-
-def _width(values, name: str) -> int:
-    return math.prod(int(d) for d in values[name].shape[2:])
 
 
 def _lm_tiles(tg: TaskGraph) -> dict[int, int]:
@@ -237,7 +231,7 @@ def _arena(tg: TaskGraph, values, opcodes: list[Opcode],
         for s in op.stages:
             for n in stage_values[s][0] + _outputs_of(op, stage_values, s):
                 if n not in arena:
-                    arena[n] = take(tg.batch * _width(values, n))
+                    arena[n] = take(tg.batch * value_width(values, n))
     partials = {}
     for i, st in enumerate(tg.stages):
         if st.kind == TaskKind.ATTN_PARTIAL and st.n_splits > 1:

@@ -23,6 +23,7 @@ from luce_compile.fuse.taskgraph import (
     TaskGraph,
     kv_cache_value,
     split_value,
+    value_width,
 )
 from luce_compile.graph.ir import LOGITS, POSITIONS, Op, OpKind
 from luce_compile.graph.oracle import Oracle, gelu_tanh, rms_norm, rope, silu
@@ -53,7 +54,7 @@ class TaskSimulator:
             self.cache[kv_cache_value(layer, which)] = np.zeros((tg.batch, tg.max_context, width))
 
     def width(self, name: str) -> int:
-        return int(np.prod([int(d) for d in self.values[name].shape[2:]]))
+        return value_width(self.values, name)
 
     def load_prefix(self, row: int, keys_values: dict[str, np.ndarray]) -> None:
         """Fill a sequence's cache with a prefix computed elsewhere: attention k/v value → (L, features)."""

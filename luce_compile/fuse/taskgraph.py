@@ -95,6 +95,11 @@ class Task:
     split: int = 0  # attention partial: the key chunk
 
 
+def value_width(values: dict[str, Value], name: str) -> int:
+    """Features per sequence of a value: its dims after batch and step, flattened."""
+    return math.prod(int(d) for d in values[name].shape[2:])
+
+
 KV_MIN_KEYS = 64  # an even split never makes chunks shorter: a task's fixed cost outweighs its fewer keys
 
 
@@ -220,7 +225,7 @@ def _fold_merges(stages: list[Stage], values: dict[str, Value], batch: int, max_
         a = by_output.get(st.input) if st.kind == TaskKind.MATVEC and st.prologue is None else None
         if a is None or stages[a].n_splits < 2 or readers.get(st.input) != {i}:
             continue
-        if batch * math.prod(int(d) for d in values[st.input].shape[2:]) <= max_floats:
+        if batch * value_width(values, st.input) <= max_floats:
             out[i] = dataclasses.replace(st, merged=a)
     return out
 
@@ -306,7 +311,7 @@ class _Tiler:
         self.writers: dict[str, list[tuple[int, Region]]] = {}
 
     def width(self, name: str) -> int:
-        return math.prod(int(d) for d in self.values[name].shape[2:])
+        return value_width(self.values, name)
 
     def add(self, kind: TaskKind, stage: int, reads: list[Region], writes: list[Region], **kw) -> Task:
         deps = sorted({t for r in reads for t, w in self.writers.get(r.value, ()) if w.overlaps(r)})
