@@ -343,6 +343,7 @@ def profile_step(runner, context: int = 512) -> dict:
     p = runner.p
     per: dict = {}
     stage_times: dict[int, tuple[float, float]] = {}  # stage → (first body start, last end)
+    stage_ops: dict[int, set[int]] = {}  # stage → the opcodes its tasks ran
     busy = []
     for sm in range(len(p.queue_len)):
         n = int(p.queue_len[sm])
@@ -366,13 +367,12 @@ def profile_step(runner, context: int = 512) -> dict:
             s = int(p.tasks[sm, i, STAGE_COUNTER])
             first, last = stage_times.get(s, (np.inf, -np.inf))
             stage_times[s] = (min(first, t[i, 1]), max(last, t[i, 2]))
+            stage_ops.setdefault(s, set()).add(op.index)
     stages: dict = {}
     prev_end = 0.0
     for s in sorted(stage_times):
         first, last = stage_times[s]
-        ops = {int(p.tasks[sm, i, 0]) for sm in range(len(p.queue_len)) for i in range(int(p.queue_len[sm]))
-               if int(p.tasks[sm, i, STAGE_COUNTER]) == s}
-        key = "+".join(f"op{o} {p.opcodes[o].kind}" for o in sorted(ops))
+        key = "+".join(f"op{o} {p.opcodes[o].kind}" for o in sorted(stage_ops[s]))
         d = stages.setdefault(key, [0, 0.0, 0.0])
         d[0] += 1
         d[1] += first - prev_end
