@@ -6,7 +6,9 @@ Tolerance: the matmuls of a verify row and of a decode step are the same integer
 the attention is prefill's kernel in one and decode's in the other, which round differently (~1e-7 of the
 logits). An activation within that noise of an 8-bit rounding boundary then quantizes to the neighbouring value and
 moves later logits by ~1e-3-1e-2 (tests/schedules/test_cpu_int8_model.py), so rows must agree to 1e-5 in the
-median and 5e-2 at worst (measured: 0 to 5e-7). The ids of random-weight models seldom meet such a near tie.
+median and 5e-2 at worst (measured: 0 to 5e-7). Greedy ids must therefore be equal, except that they may part at a
+near tie of plain decoding's logits (seen in about 1 run in 5 on these random-weight models, at gaps of 0.5-0.7% of
+the row's largest logit).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from luce_compile.synthetic import SyntheticSpec, cached_synthetic
 from tests.codegen._reference import rel_err
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# the largest gap, relative to the row's largest logit, between plain decoding's choice and a different speculative
+# choice: the ~1e-3-1e-2 a boundary-crossing activation moves the logits by (the module docstring)
+NEAR_TIE = 1e-2
 
 # Q4_K_M-like: K-quant, Q5_0 and Q6_K kernels (tests/schedules/test_cpu_int8_model.py's MIXED)
 SPEC = SyntheticSpec(quant="Q4_K", quant_overrides={"attn_v": "Q6_K", "ffn_down": "Q5_0", "output": "Q6_K"},
@@ -66,8 +71,24 @@ def test_greedy_speculation_on_int8_gives_plain_decodings_ids(engines, drafter, 
     for i in range(6):
         words = rng.integers(0, target.vocab_size, int(rng.integers(3, 9))).tolist()
         prompt = words * 3 if i % 2 else words  # repeated phrases: where prompt lookup drafts
-        assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params))
+        want = list(target.generate(prompt, params))
+        got = list(decoder.generate(prompt, params))
+        if got != want:  # allowed only where plain decoding's choice was a near tie (the module docstring)
+            at = next((j for j, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), None)
+            assert at is not None, (got, want)  # one stopped early on the same ids: the stop rules differ
+            logits = plain_logits(target, prompt, want[:at])
+            gap = (logits[want[at]] - logits[got[at]]) / np.abs(logits).max()
+            assert gap <= NEAR_TIE, (at, gap, got, want)
     assert decoder.stats.drafted > 0
+
+
+def plain_logits(target, prompt: list[int], ids: list[int]) -> np.ndarray:
+    """Plain decoding's logits after the prompt and `ids` (decode steps, as target.generate runs them)."""
+    with target.sequence() as seq:
+        logits = target.prefill([seq], [prompt])[0]
+        for token in ids:
+            logits = target.decode([seq], [token])[0]
+    return logits
 
 
 def test_int8_verify_of_two_sequences_equals_each_alone(engines, rng):
