@@ -144,11 +144,21 @@ class GenerationEnd:
         self.stop, self.limit, self.emitted = params.stop, limit, 0
         self.text = StreamDecoder(tokenizer)
         self.produced, self.streamed = "", 0  # streamed: where a stop string could still start (sampler.find_stop)
+        self.done = False
 
-    def before(self, token: int) -> bool:
-        return token in self.stop_ids
+    def take(self, tokens: Sequence[int], history: list[int]) -> Iterator[int]:
+        """Emit tokens in turn (each appended to history) until one ends the generation; then `done` is set."""
+        for token in tokens:
+            if token in self.stop_ids:
+                self.done = True
+                return
+            history.append(token)
+            yield token
+            if self._after(token):
+                self.done = True
+                return
 
-    def after(self, token: int) -> bool:
+    def _after(self, token: int) -> bool:
         self.emitted += 1
         if self.stop:
             self.produced += self.text.feed(token)
@@ -453,10 +463,7 @@ class Engine:
             logits = self.prefill([seq], [history])[0]
             while True:
                 token = sampler.sample(logits, history)
-                if end.before(token):
-                    return
-                history.append(token)
-                yield token
-                if end.after(token):
+                yield from end.take([token], history)
+                if end.done:
                     return
                 logits = self.decode([seq], [token])[0]

@@ -269,13 +269,9 @@ class SpeculativeDecoder:
                 history = list(prompt_ids)
                 new = [sampler.sample(self.engine.prefill([seq], [history])[0], history)]
                 while True:
-                    for token in new:
-                        if end.before(token):
-                            return
-                        history.append(token)
-                        yield token
-                        if end.after(token):
-                            return
+                    yield from end.take(new, history)
+                    if end.done:
+                        return
                     new = self.step(seq, history, sampler, end.limit - end.emitted)
             finally:
                 self.drafter.reset()
