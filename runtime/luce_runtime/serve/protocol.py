@@ -246,17 +246,12 @@ class MessagesRequest(CountTokensRequest):
 
 
 # ---- OpenAI Responses --------------------------------------------------------------------------------------------
-class ResponsesTool(_Strict):
+class ResponsesTool(FunctionDef):  # chat's function definition, flattened beside its type
     type: Literal["function"]
-    name: str = Field(pattern=TOOL_NAME)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
-class ResponsesNamedChoice(_Strict):
+class ResponsesNamedChoice(NamedFunction):
     type: Literal["function"]
-    name: str
 
 
 class ResponsesFormat(_Strict):
