@@ -218,9 +218,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_targets(args: argparse.Namespace) -> int:
     from luce_compile.targets import TARGETS
+    from luce_compile.tune.records import default_logs_dir, log_target
 
-    rows = [{"name": t.name, "hardware": t.hardware, "kind": t.kind, "status": t.status, "note": t.note}
-            for t in TARGETS.values()]
+    logs = default_logs_dir()
+    rows = []
+    for t in TARGETS.values():
+        source = log_target(t.name, logs) if logs.is_dir() else None
+        rows.append({"name": t.name, "hardware": t.hardware, "kind": t.kind, "status": t.status, "note": t.note,
+                     "tuning_logs": source, "tuning": tuning_note(t.name, source)})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -228,7 +233,16 @@ def cmd_targets(args: argparse.Namespace) -> int:
           "never run; planned = not buildable yet")
     for r in rows:
         print(f"{r['name']:8} {r['status']:9} {r['kind']:5} {r['hardware']:22} {r['note']}")
+        print(f"{'':8} tuning: {r['tuning']}")
     return 0
+
+
+def tuning_note(name: str, source: str | None) -> str:
+    """Which shipped tuning records a target's kernels take (compile --tune-logs DIR can point elsewhere)."""
+    if source is None:
+        return "no records for it or a measured target of its kind: rule defaults"
+    where = f"autotune_logs/{source}/*.jsonl"
+    return f"{where} (measured here)" if source == name else f"{where}: {source}'s, the nearest measured target"
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -242,9 +256,76 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"[{time.perf_counter() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
     compile_model(gguf, args.target, out, use_cache=not args.no_cache, overwrite=args.force, progress=progress,
-                  precision=args.precision)
+                  precision=args.precision, tune_logs=args.tune_logs, use_tune_logs=not args.no_tune_logs)
     print(out)
     return 0
+
+
+TUNE_HELP = """Search each tunable kernel's schedule knobs for one target, and record the best in
+autotune_logs/<target>/<model>.jsonl, which `compile` then reads (it never searches).
+
+  cpu: timed here, each candidate kernel built alone:
+    luce-compile tune smollm2-135m --target cpu --minutes 15
+  GPU targets: candidates built here into a bundle, timed on the GPU machine with the runtime alone, then recorded:
+    luce-compile tune smollm2-135m --target sm_90 --bundle smollm2.sm_90.tune-bundle
+    python -m luce_runtime.tune_bench smollm2.sm_90.tune-bundle --out results.json      (on the GPU machine)
+    luce-compile tune --ingest results.json
+Re-running resumes: candidates already timed (autotune_logs/<target>/trials/) are skipped, and records merge,
+keeping the faster per kernel."""
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from luce_compile.tune.records import default_logs_dir
+
+    logs = args.out or default_logs_dir()
+    if args.ingest:
+        from luce_compile.tune.bundle import ingest
+
+        for results in args.ingest:
+            path, records = ingest(results, logs)
+            print(f"{results}: {len(records)} record(s) better than before, in {path}")
+        return 0
+    if not args.model:
+        raise LuceError("tune: pass a MODEL to tune (or --ingest RESULTS.json to record a GPU run's results).")
+    from luce_compile.tune.tuner import TuneOptions, tune
+
+    options = TuneOptions(trials=args.trials, minutes=args.minutes, logs_dir=logs, bundle=args.bundle,
+                          precision=args.precision, extents=parse_extents(args.extent))
+    gguf = resolve_for_target(args.model, args.target)
+    start = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    from luce_compile.targets import get_target
+
+    done = tune(gguf, get_target(args.target), options, progress)
+    if "bundle" in done:
+        print(f"{done['bundle']}: {done['candidates']} candidates of {done['workloads']} kernels. Time them on the "
+              f"{args.target} machine with `python -m luce_runtime.tune_bench {done['bundle']} --out results.json`, "
+              "then record them here with `luce-compile tune --ingest results.json`.")
+        return 0
+    faster = [r for r in done["records"] if r["speedup"] > 1]
+    print(f"{done['log']}: {len(done['records'])} of {done['workloads']} kernels recorded, {len(faster)} faster than "
+          f"their rule default (geomean {geomean([r['speedup'] for r in done['records']]):.2f}x), "
+          f"{done['seconds'] / 60:.1f} min")
+    return 0
+
+
+def parse_extents(items: list[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not name or not value.isdigit() or int(value) <= 0:
+            raise LuceError(f"tune: --extent takes NAME=N with N a positive integer (e.g. batch=64), got {item!r}.")
+        out[name] = int(value)
+    return out
+
+
+def geomean(values: list[float]) -> float:
+    import math
+
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else 1.0
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
@@ -430,7 +511,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "against the oracle; auto = int8 where the CPU has it, else f32 (default)")
     s.add_argument("--force", action="store_true",
                    help="replace an existing artifact at -o (anything else there is always refused)")
+    logs = s.add_mutually_exclusive_group()
+    logs.add_argument("--tune-logs", type=Path, metavar="DIR",
+                      help="tuning records to take kernel knobs from: DIR/<target>/*.jsonl (default: the shipped "
+                           "autotune_logs/; `luce-compile targets` says which target's records each target uses)")
+    logs.add_argument("--no-tune-logs", action="store_true", help="every kernel with its rule's default knobs")
     s.set_defaults(func=cmd_compile)
+
+    s = sub.add_parser("tune", help="search the kernels' schedule knobs for a target and record the best in "
+                                    "autotune_logs/<target>/ (compile then uses them)",
+                       description=TUNE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("model", nargs="?", help="a .gguf path, a known model name or synthetic:PRESET")
+    s.add_argument("--target", default="cpu", help="see `luce-compile targets` (default: cpu)")
+    s.add_argument("--trials", type=int, default=32, help="candidates per kernel, rule default included (default 32)")
+    s.add_argument("--minutes", type=float, default=15.0, help="time for the whole search on this CPU (default 15)")
+    s.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="logs folder: records go to DIR/<target>/<model>.jsonl (default: the shipped autotune_logs/)")
+    s.add_argument("--bundle", type=Path, metavar="DIR",
+                   help="build every candidate into DIR for luce_runtime.tune_bench instead of timing here "
+                        "(GPU targets always; default DIR: <model>.<target>.tune-bundle)")
+    s.add_argument("--ingest", type=Path, nargs="+", metavar="RESULTS",
+                   help="record tune_bench results files (the best per kernel, merged into the logs)")
+    s.add_argument("--extent", action="append", default=[], metavar="NAME=N",
+                   help="time kernels with symbolic extent NAME at N (defaults: batch=128, rows=8)")
+    s.add_argument("--precision", choices=("auto", "int8", "f32"), default="auto",
+                   help="as for compile: which decode kernels the model has (default auto)")
+    s.set_defaults(func=cmd_tune)
 
     s = sub.add_parser("pack", help="pack an artifact directory into one file")
     s.add_argument("artifact")

@@ -32,6 +32,7 @@ from luce_compile.lower.quant_layout import weight_planes
 from luce_compile.lower.relax_model import PLANE_SEP, LowerOptions, exported_functions, lower_graph
 from luce_compile.models import cache_dir
 from luce_compile.targets import TargetInfo, get_target
+from luce_compile.tune.records import Tuning, default_logs_dir
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -58,13 +59,17 @@ def compiler_fingerprint() -> str:
 
 
 def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, use_cache: bool = True,
-                  overwrite: bool = False, progress: Progress | None = None, precision: str = "auto") -> Path:
+                  overwrite: bool = False, progress: Progress | None = None, precision: str = "auto",
+                  tune_logs: Path | None = None, use_tune_logs: bool = True) -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
     An existing out_dir is replaced only if it is an artifact and `overwrite` is set (the CLI's --force); anything
     else there is refused before any work, so a user's folder is never deleted (artifact.writer.check_destination).
     `precision` is the decode matmuls' (LowerOptions.precision): "auto" takes llama.cpp's 8-bit activations and
     integer dot products where the CPU has them, "f32" the exact float32 kernels (oracle checks), "int8" insists.
+    Tunable kernels take the knobs of their records in `tune_logs` (default: the shipped autotune_logs/; a target
+    without records of its own takes the nearest measured target's), or their rule defaults with use_tune_logs off;
+    nothing is searched here. The manifest's kernels.tuning says what each kernel got.
     """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -73,15 +78,18 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     say("hashing the model")
     gguf_sha = file_sha256(gguf_path)
     precision = resolve_precision(precision, info.tvm_target())  # refuses int8 where it cannot run, before work
-    key = f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}"
+    tuning = load_tuning(info, tune_logs, use_tune_logs)
+    # the records are part of the key: new records (or --no-tune-logs) make a new build, never a stale reuse
+    key = f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}-{tuning.digest()}"
     cached = cache_dir() / "artifacts" / key
     if use_cache and (cached / "manifest.json").is_file():
         say(f"reusing the cached build {cached}")
+        say(_cached_summary(cached))
         _copy_tree(cached, out_dir, overwrite)
         return out_dir
     gguf = read_gguf(gguf_path)
     graph = build_graph(gguf)  # refuses unsupported models before any work
-    built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision))
+    built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision), tuning)
     try:
         if use_cache:
             _copy_tree(built, cached, overwrite=True)  # the cache is ours: a stale entry is replaced
@@ -92,8 +100,27 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     return out_dir
 
 
+def load_tuning(info: TargetInfo, tune_logs: Path | None, use_tune_logs: bool) -> Tuning:
+    """The records a build takes knobs from: tune_logs (must exist when given), else the shipped logs when present."""
+    if not use_tune_logs:
+        return Tuning.load(info.name, None)
+    if tune_logs is None:
+        shipped = default_logs_dir()
+        return Tuning.load(info.name, shipped if shipped.is_dir() else None)
+    return Tuning.load(info.name, Path(tune_logs))
+
+
+def _cached_summary(cached: Path) -> str:
+    import json
+
+    tuning = json.loads((cached / "manifest.json").read_text())["kernels"].get("tuning")
+    if not tuning:
+        return "kernels: built before tuning records were reported"
+    return f"kernels: {tuning['tuned']} tuned ({', '.join(tuning['files']) or 'no logs'}), {tuning['default']} default"
+
+
 def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: Progress,
-           options: LowerOptions) -> Path:
+           options: LowerOptions, tuning: Tuning | None = None) -> Path:
     import tvm
 
     target = info.tvm_target()
@@ -103,9 +130,11 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     start = time.perf_counter()
     # GPU targets: a stand-in libcuda / nvcc fatbin hook / lld + device libraries, so real binaries get embedded
     with gpu_toolchain(info.kind, info.archs, info.name), target:
-        executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+        executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target, tuning=tuning))
     compile_s = time.perf_counter() - start
     log.info("tvm.compile took %.1f s", compile_s)
+    if tuning is not None:
+        say(tuning.summary())
     work = Path(tempfile.mkdtemp(prefix="luce-build-"))
     library = work / "model.so"
     binaries = export_checked(executable, info, library)  # refuses a GPU library without real device binaries
@@ -117,7 +146,7 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
         "config": graph.config.to_dict(),
         "target": _target_fields(info, target),
         "kernels": {"module": "model.so", "functions": list(contract.functions), "compile_seconds": round(compile_s, 2),
-                    "precision": options.precision,
+                    "precision": options.precision, **({"tuning": tuning.to_manifest()} if tuning else {}),
                     **({"device_binaries": binaries.to_manifest()} if binaries else {})},
         "runtime": contract.to_manifest(),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 import tvm
 import tvm_ffi
@@ -23,35 +24,64 @@ from tvm_ffi.structural import structural_visit
 
 from luce_compile.errors import LuceError
 
+if TYPE_CHECKING:
+    from luce_compile.tune.records import Tuning
+
 log = logging.getLogger(__name__)
 CUDA_GRAPH_KEY = "relax.backend.use_cuda_graph"
 
 
-def apply_schedule_rules(target: tvm.target.Target) -> tvm.transform.Pass:
-    """A module pass: schedule every unscheduled PrimFunc with the first matching rule of `luce_schedules`."""
-    from luce_schedules import rules_for
+def apply_schedule_rules(target: tvm.target.Target, tuning: Tuning | None = None) -> tvm.transform.Pass:
+    """A module pass: schedule every unscheduled PrimFunc with the first rule of `luce_schedules` that takes it.
 
-    rules = rules_for(target)
+    A kernel whose rule has knobs is looked up in `tuning` (records from autotune_logs/) by its workload key: a
+    record's knobs go to the rule, else the rule's defaults; either way the kernel is noted in `tuning`'s report.
+    Nothing is searched here. On GPU targets, functions none of our rules take are left to dlight's defaults."""
+    from luce_compile.tune.workloads import first_rule, schedule_rules, scheduled_func, tunable, unscheduled_funcs
+
+    rules = schedule_rules(target)
 
     @tvm.transform.module_pass(opt_level=0, name="LuceApplyScheduleRules")
     def _apply(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
-        updates = {}
-        for gv, func in mod.functions_items():
-            if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs and "tirx.is_scheduled" in func.attrs:
+        for name, func in unscheduled_funcs(mod):
+            rule, result = first_rule(func, target, rules)
+            if rule is None:
+                # on the CPU nothing follows these rules: such a function runs as it is (correct, slow)
+                log.log(logging.INFO if target.kind.name == "llvm" else logging.DEBUG,
+                        "no schedule rule for %s: left %s", name,
+                        "unscheduled" if target.kind.name == "llvm" else "to dlight's defaults")
                 continue
-            for rule in rules:
-                sch = rule.apply(func, target)
-                if sch is not None:
-                    updates[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-                    log.debug("%s ← %s", gv.name_hint, type(rule).__name__)
-                    break
-            else:
-                log.info("no schedule rule for %s: left unscheduled", gv.name_hint)
-        for gv, func in updates.items():
-            mod[gv] = func
+            if tuning is not None and tunable(rule):
+                result = _tuned(tuning, rule, name, func, target, result)
+            mod[name] = scheduled_func(result)
+            log.debug("%s ← %s", name, type(rule).__name__)
         return mod
 
     return _apply
+
+
+def _tuned(tuning: Tuning, rule, name: str, func: tirx.PrimFunc, target: tvm.target.Target, default: object) -> object:
+    """The rule's result with the knobs of func's record, if there is one and the rule takes them; else `default`
+    (the rule's result with its defaults). A record the rule refuses is reported, and the build goes on."""
+    from luce_compile.tune.records import KernelTuning
+    from luce_compile.tune.workloads import SCHEDULE_ERRORS, workload_key
+
+    key = workload_key(tuning.log_target or tuning.target, rule.name, name, func)
+    kernel = KernelTuning(name, rule.name, key, tuning.lookup(key) if tuning.log_target else None)
+    result = default
+    if kernel.record is not None:
+        try:
+            tuned = rule.apply(func, target, kernel.record["knobs"])
+        except SCHEDULE_ERRORS as err:
+            tuned, kernel.error = None, f"{type(err).__name__}: {err}"
+        if tuned is None:
+            kernel.error = kernel.error or "the rule declined these knobs"
+            log.warning("tuning record %s for %s not applied (%s): rule defaults used; re-run `luce-compile tune` "
+                        "for this target", kernel.record.get("_source"), name, kernel.error)
+        else:
+            result = tuned
+    tuning.note(kernel)
+    return result
 
 
 @tvm_ffi.register_error
@@ -129,17 +159,33 @@ def gpu_schedule_rules(target: tvm.target.Target) -> list:
             dl.gpu.Fallback()]
 
 
-def _gpu_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
-    from tvm.s_tir import dlight as dl
+def pre_schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """TVM's backend passes up to scheduling (library dispatch, legalize, fusion): what the schedule rules see. The
+    tuner enumerates its workloads on the module these passes make, so its keys are the ones compile looks up."""
+    if target.kind.name == "llvm":
+        from tvm.relax.backend.cpu_generic import pipeline as backend
 
+        return backend.library_dispatch_passes(target) + backend.legalize_passes(target)
     if target.kind.name == "cuda":
         from tvm.relax.backend.cuda import pipeline as backend
     else:
         from tvm.relax.backend.rocm import pipeline as backend
     # TVM's legalize step ends with dlight's own ApplyDefaultSchedule: ours replaces it
     legalize = [p for p in backend.legalize_passes(target) if p.info.name != "ApplyDefaultSchedule"]
-    schedule = [dl.ApplyDefaultSchedule(*gpu_schedule_rules(target)), check_gpu_scheduled(target)]
-    return (backend.library_dispatch_passes(target) + legalize + schedule + backend.dataflow_lower_passes(target)
+    return backend.library_dispatch_passes(target) + legalize
+
+
+def _gpu_passes(target: tvm.target.Target, tuning: Tuning | None = None) -> list[tvm.transform.Pass]:
+    from tvm.s_tir import dlight as dl
+
+    if target.kind.name == "cuda":
+        from tvm.relax.backend.cuda import pipeline as backend
+    else:
+        from tvm.relax.backend.rocm import pipeline as backend
+    # our rules (with their tuning records) first, then dlight's defaults for the functions none of them take
+    schedule = [apply_schedule_rules(target, tuning), dl.ApplyDefaultSchedule(*gpu_schedule_rules(target)),
+                check_gpu_scheduled(target)]
+    return (pre_schedule_passes(target) + schedule + backend.dataflow_lower_passes(target)
             + backend.finalize_passes(target))
 
 
@@ -164,16 +210,17 @@ def mark_noalias(names: tuple[str, ...]) -> tvm.transform.Pass:
     return _mark
 
 
-def _cpu_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+def _cpu_passes(target: tvm.target.Target, tuning: Tuning | None = None) -> list[tvm.transform.Pass]:
     from tvm.relax.backend.cpu_generic import pipeline as backend
 
-    return (backend.library_dispatch_passes(target) + backend.legalize_passes(target)
-            + [apply_schedule_rules(target), mark_noalias(NOALIAS_KV_KERNELS)] + backend.dataflow_lower_passes(target)
-            + backend.finalize_passes(target))
+    return (pre_schedule_passes(target) + [apply_schedule_rules(target, tuning), mark_noalias(NOALIAS_KV_KERNELS)]
+            + backend.dataflow_lower_passes(target) + backend.finalize_passes(target))
 
 
-def relax_pipeline(target: tvm.target.Target, *, cuda_graph: bool = True) -> tvm.transform.Pass:
-    """The Relax pipeline `tvm.compile` runs for a target: cpu (llvm), cuda or rocm (cuda_graph: see below)."""
+def relax_pipeline(target: tvm.target.Target, *, cuda_graph: bool = True,
+                   tuning: Tuning | None = None) -> tvm.transform.Pass:
+    """The Relax pipeline `tvm.compile` runs for a target: cpu (llvm), cuda or rocm (cuda_graph: see below).
+    `tuning`: the records the schedule pass takes knobs from, and where it reports each kernel (None: defaults)."""
     kind = target.kind.name
     if kind not in ("llvm", "cuda", "rocm"):
         raise LuceError(f"build: no pipeline for TVM target kind {kind!r}; targets are llvm (cpu), cuda and rocm.")
@@ -181,7 +228,7 @@ def relax_pipeline(target: tvm.target.Target, *, cuda_graph: bool = True) -> tvm
     @tvm.transform.module_pass(opt_level=0, name="LucePipeline")
     def _pipeline(mod: tvm.ir.IRModule, ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
         with target, _cuda_graph_context(ctx, kind == "cuda" and cuda_graph):
-            passes = _cpu_passes(target) if kind == "llvm" else _gpu_passes(target)
+            passes = _cpu_passes(target, tuning) if kind == "llvm" else _gpu_passes(target, tuning)
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

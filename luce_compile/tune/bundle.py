@@ -1,0 +1,125 @@
+"""Tuning where the compiler is not: every candidate built here into a bundle, timed on the target's machine by
+`python -m luce_runtime.tune_bench BUNDLE --out RESULTS.json` (the TVM runtime alone), and the results ingested.
+
+The bundle's format is written down once, in luce_runtime/tune_bench.py (its reader). Rounds: a second `tune
+--bundle` leaves out the candidates the trials log already holds (ingested from an earlier round), so a larger
+--trials times only the new ones; ingesting merges into the log, keeping the faster record per workload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import tvm
+from luce_runtime.tune_bench import BUNDLE_FORMAT, RESULTS_FORMAT
+
+import luce_compile
+from luce_compile.errors import LuceError
+from luce_compile.targets import TargetInfo
+from luce_compile.tune.records import TuneLogError, append_jsonl
+from luce_compile.tune.search import (
+    SCHEDULE_ERRORS,
+    best_record,
+    build_kernel,
+    call_args,
+    candidates,
+    extents_for,
+    first_line,
+    knob_id,
+    rotate_bytes,
+    save_records,
+    schedule_candidates,
+    trials_by_key,
+    trials_path,
+)
+from luce_compile.tune.workloads import Workload, rule_by_name
+
+Progress = Callable[[str], None]
+
+
+def build_bundle(workloads: list[Workload], info: TargetInfo, model: str, out: Path, *, trials: int,
+                 logs_dir: Path, extents: dict[str, int] | None = None,
+                 progress: Progress = lambda _msg: None) -> dict[str, Any]:
+    """Build every candidate of every workload not yet timed (per the trials log) into the bundle folder `out`."""
+    from luce_compile.codegen.device_binaries import export_checked
+
+    if out.exists() and not (out / "index.json").is_file():
+        raise LuceError(f"tune: {out} exists and is not a tuning bundle; pass a new --bundle folder.")
+    shutil.rmtree(out, ignore_errors=True)  # a bundle of ours: rebuilt whole (ids must match its libraries)
+    (out / "lib").mkdir(parents=True)
+    target = info.tvm_target()
+    done = trials_by_key(trials_path(logs_dir, info.name, model))
+    index: dict[str, Any] = {"format": BUNDLE_FORMAT, "target": info.name, "kind": info.kind, "model": model,
+                             "tvm": tvm.__version__, "luce_compile": luce_compile.__version__,
+                             "created": datetime.now(UTC).isoformat(timespec="seconds"),
+                             "rotate_bytes": rotate_bytes(info), "workloads": [], "candidates": []}
+    for i, w in enumerate(workloads):
+        seen = done.get(w.key, {})
+        knob_list = [k for k in candidates(rule_by_name(target, w.rule), w, trials) if knob_id(k) not in seen]
+        measured_at = extents_for(w, extents or {})
+        index["workloads"].append({"key": w.key, **w.fields(), "measured_at": measured_at,
+                                   "call_args": call_args(w, measured_at)})
+        built = 0
+        for j, cand in enumerate(schedule_candidates(w, knob_list, target)):
+            entry = {"id": f"w{i:03d}c{j:03d}", "key": w.key, "knobs": cand.knobs, "default": cand.default}
+            if cand.error is None and cand.same_as is not None:
+                entry["library"] = next(c["library"] for c in index["candidates"]
+                                        if c["key"] == w.key and c["knobs"] == cand.same_as.knobs)
+                entry["function"] = w.function
+            elif cand.error is None:
+                try:
+                    export_checked(build_kernel(cand, info, target), info, out / "lib" / f"{entry['id']}.so")
+                    entry.update(library=f"lib/{entry['id']}.so", function=w.function)
+                    built += 1
+                except SCHEDULE_ERRORS as err:
+                    cand.error = f"build: {type(err).__name__}: {first_line(err)}"
+            if cand.error is not None:
+                entry["error"] = cand.error
+            index["candidates"].append(entry)
+        progress(f"[{i + 1}/{len(workloads)}] {w.function} ({w.rule}): {len(knob_list)} candidates, {built} built")
+    index["id"] = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()[:16]
+    (out / "index.json").write_text(json.dumps(index, indent=1))
+    return index
+
+
+def ingest(results_path: Path, logs_dir: Path) -> tuple[Path, list[dict[str, Any]]]:
+    """Record a tune_bench results file: every candidate into the trials log, the best per workload into the log
+    (merged: a record stays unless the new one is faster). Returns (the log, the records that went in)."""
+    results = _read_results(results_path)
+    target, model = results["target"], results.get("model") or "bundle"
+    trials = trials_path(logs_dir, target, model)
+    known = trials_by_key(trials)
+    by_key: dict[str, list[dict]] = {}
+    for r in results["results"]:
+        row = {"key": r["key"], "knobs": r["knobs"], "default": r["default"], "time_us": r.get("time_us"),
+               "error": r.get("error"), "date": results.get("date"), "bundle": results.get("bundle")}
+        if knob_id(r["knobs"]) not in known.get(r["key"], {}):
+            append_jsonl(trials, row)
+        known.setdefault(r["key"], {})[knob_id(r["knobs"])] = row
+    for key, rows in known.items():
+        by_key[key] = list(rows.values())
+    records = []
+    for w in results["workloads"]:
+        record = best_record(w, by_key.get(w["key"], []), w["measured_at"], results["device"],
+                             f"bundle {results.get('bundle')}")
+        if record:
+            records.append(record)
+    path = save_records(records, logs_dir, target, model)
+    return path, records
+
+
+def _read_results(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise TuneLogError(f"tune: no results file {path}; write it on the target machine with "
+                           "`python -m luce_runtime.tune_bench BUNDLE --out RESULTS.json`.")
+    results = json.loads(path.read_text())
+    if results.get("format") != RESULTS_FORMAT:
+        raise TuneLogError(f"tune: {path} is format {results.get('format')!r}, not {RESULTS_FORMAT}; it is not a "
+                           "tune_bench results file.")
+    return results
