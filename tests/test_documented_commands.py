@@ -132,6 +132,18 @@ def test_compile_to_its_default_folder(in_tmp: Path, capsys):
     assert json.loads((in_tmp / art / "manifest.json").read_text())["target"]["name"] == "cpu"
 
 
+def test_tune(in_tmp: Path, capsys, monkeypatch: pytest.MonkeyPatch):
+    """The documented usage with a short search (its defaults search for 15 minutes), into a logs folder of its own
+    ($LUCE_TUNE_LOGS: never the shipped autotune_logs/); compile then reports the records it took."""
+    monkeypatch.setenv("LUCE_TUNE_LOGS", str(in_tmp / "logs"))
+    out, err = run_cli(capsys, [*required_args(table_commands()["tune"], Path()), "--trials", "2", "--minutes", "0.5"])
+    log = Path(out.split(":")[0])
+    assert log.parent == in_tmp / "logs" / "cpu" and log.suffix == ".jsonl" and "[1/" in err
+    assert all(json.loads(line)["knobs"] for line in log.read_text().splitlines())
+    _, err = run_cli(capsys, ["compile", MODEL, "--target", "cpu", "-o", "tuned.cpu"])
+    assert re.search(r"kernels: [1-9]\d* tuned from .*\.jsonl", err)
+
+
 def test_run(art: Path, capsys):
     _, err = run_cli(capsys, required_args(table_commands()["run"], art))
     assert re.search(r"\[runtime: \d+ prompt \+ 4 generated tokens", err)

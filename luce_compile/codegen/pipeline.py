@@ -80,6 +80,7 @@ def _tuned(tuning: Tuning, rule, name: str, func: tirx.PrimFunc, target: tvm.tar
                         "for this target", kernel.record.get("_source"), name, kernel.error)
         else:
             result = tuned
+            kernel.differs = rule.knobs(kernel.record["knobs"]) != rule.knobs()
     tuning.note(kernel)
     return result
 

@@ -99,8 +99,9 @@ def ingest(results_path: Path, logs_dir: Path) -> tuple[Path, list[dict[str, Any
     for r in results["results"]:
         row = {"key": r["key"], "knobs": r["knobs"], "default": r["default"], "time_us": r.get("time_us"),
                "error": r.get("error"), "date": results.get("date"), "bundle": results.get("bundle")}
-        if knob_id(r["knobs"]) not in known.get(r["key"], {}):
-            append_jsonl(trials, row)
+        before = known.get(r["key"], {}).get(knob_id(r["knobs"]))
+        if before is None or (before.get("time_us"), before.get("error")) != (row["time_us"], row["error"]):
+            append_jsonl(trials, row)  # new, or timed again (a later line wins when the log is read)
         known.setdefault(r["key"], {})[knob_id(r["knobs"])] = row
     for key, rows in known.items():
         by_key[key] = list(rows.values())

@@ -5,8 +5,8 @@ A record (one line, readable as it is):
    "knobs": the best knobs found, "time_us": their median time, "default_us": the rule defaults' median time,
    "speedup", "measured_at": {symbolic extent: value it was timed at}, "candidates": how many were timed,
    "device": what it was timed on, "date", "tvm", "luce_compile", "source": "local" or "bundle <id>"}
-A file holds at most one record per key (merging keeps the faster); `trials/<name>.jsonl` beside it holds every
-candidate timed, so a search can resume and its cost can be read back.
+A file holds at most one record per key; `trials/<name>.jsonl` beside it holds every candidate timed (every round),
+so a search can resume, a record is chosen from all of them, and the search's cost can be read back.
 
 Targets without hardware here take the records of the nearest target that has them: a CUDA arch those of the
 measured CUDA arch (sm_90), a ROCm target those of a measured ROCm target (none yet: rule defaults).
@@ -33,8 +33,10 @@ TRIALS_DIR = "trials"
 
 
 def default_logs_dir() -> Path:
-    """The logs shipped with luce-compile: `autotune_logs/` beside the package (the checkout's top level)."""
-    return Path(luce_compile.__file__).resolve().parent.parent / "autotune_logs"
+    """The logs shipped with luce-compile: `autotune_logs/` beside the package (the checkout's top level), or
+    $LUCE_TUNE_LOGS (tests point it at a temporary folder, so that they never write into the shipped logs)."""
+    return Path(os.environ.get("LUCE_TUNE_LOGS") or Path(luce_compile.__file__).resolve().parent.parent
+                / "autotune_logs")
 
 
 class TuneLogError(LuceError, ValueError):
@@ -74,12 +76,12 @@ def better(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
     return a is None or float(b["time_us"]) < float(a["time_us"])
 
 
-def merge_records(path: Path, new: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Merge records into a log file, keeping the faster record per key; returns the records that went in."""
+def merge_records(path: Path, new: Iterable[dict[str, Any]], *, replace: bool = False) -> list[dict[str, Any]]:
+    """Merge records into a log file, one per key: the faster (replace: the new one); returns those that went in."""
     rows = {r["key"]: r for r in read_jsonl(path)} if path.exists() else {}
     taken = []
     for record in new:
-        if better(rows.get(record["key"]), record):
+        if replace or better(rows.get(record["key"]), record):
             rows[record["key"]] = record
             taken.append(record)
     write_jsonl(path, (rows[k] for k in sorted(rows)))
@@ -111,6 +113,7 @@ class KernelTuning:
     key: str
     record: dict[str, Any] | None = None
     error: str | None = None  # a record that did not apply (the rule refused its knobs): defaults were used
+    differs: bool = False  # the record's knobs are not the rule's defaults (the search found something better)
 
     @property
     def tuned(self) -> bool:
@@ -120,7 +123,7 @@ class KernelTuning:
         d: dict[str, Any] = {"rule": self.rule, "status": "tuned" if self.tuned else "default", "key": self.key}
         if self.record is not None:
             d.update(record=self.record.get("_source"), knobs=self.record["knobs"], time_us=self.record["time_us"],
-                     default_us=self.record.get("default_us"))
+                     default_us=self.record.get("default_us"), differs=self.differs)
         if self.error:
             d["error"] = self.error
         return d
@@ -173,8 +176,10 @@ class Tuning:
         failed = [k for k in self.kernels.values() if k.error]
         where = ", ".join(sorted({_shown(f) for f in self.files})) or "no tuning logs"
         borrowed = f" ({self.log_target}'s records)" if self.log_target and self.log_target != self.target else ""
-        text = (f"kernels: {len(tuned)} tuned from {where}{borrowed}, "
-                f"{len(self.kernels) - len(tuned)} with rule defaults")
+        if not self.files:
+            return f"kernels: 0 tuned ({where}), {len(self.kernels)} with rule defaults"
+        text = (f"kernels: {len(tuned)} tuned from {where}{borrowed} ({sum(k.differs for k in tuned)} with knobs "
+                f"other than their rule's defaults), {len(self.kernels) - len(tuned)} with rule defaults")
         return text + (f" ({len(failed)} records refused by their rule)" if failed else "")
 
     def to_manifest(self) -> dict[str, Any]:
