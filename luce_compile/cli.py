@@ -239,10 +239,18 @@ def cmd_targets(args: argparse.Namespace) -> int:
 
 def tuning_note(name: str, source: str | None) -> str:
     """Which shipped tuning records a target's kernels take (compile --tune-logs DIR can point elsewhere)."""
-    if source is None:
-        return "no records for it or a measured target of its kind: rule defaults"
-    where = f"autotune_logs/{source}/*.jsonl"
-    return f"{where} (measured here)" if source == name else f"{where}: {source}'s, the nearest measured target"
+    from luce_compile.targets import TARGETS
+
+    if source is not None:
+        where = f"autotune_logs/{source}/*.jsonl"
+        return f"{where} (measured here)" if source == name else f"{where}: {source}'s, the nearest measured target"
+    info = TARGETS[name]
+    measured = [t.name for t in TARGETS.values() if t.kind == info.kind and t.status == "measured"]
+    if name in measured:
+        return "no records yet: rule defaults"
+    if measured:
+        return f"would take {measured[0]}'s records (the nearest measured target; none yet): rule defaults"
+    return f"no measured {info.kind} target to take records from: rule defaults"
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -270,8 +278,9 @@ autotune_logs/<target>/<model>.jsonl, which `compile` then reads (it never searc
     luce-compile tune smollm2-135m --target sm_90 --bundle smollm2.sm_90.tune-bundle
     python -m luce_runtime.tune_bench smollm2.sm_90.tune-bundle --out results.json      (on the GPU machine)
     luce-compile tune --ingest results.json
-Re-running resumes: candidates already timed (autotune_logs/<target>/trials/) are skipped, and records merge,
-keeping the faster per kernel."""
+Re-running resumes: candidates already timed (autotune_logs/<target>/trials/) are skipped, and each kernel's
+record is chosen from every candidate timed in every round (on the CPU the winner is re-timed against the default
+in alternating rounds before it is recorded)."""
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -283,7 +292,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         for results in args.ingest:
             path, records = ingest(results, logs)
-            print(f"{results}: {len(records)} record(s) better than before, in {path}")
+            print(f"{results}: {len(records)} kernel record(s), each the best of every round's candidates, in {path}")
         return 0
     if not args.model:
         raise LuceError("tune: pass a MODEL to tune (or --ingest RESULTS.json to record a GPU run's results).")

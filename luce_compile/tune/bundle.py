@@ -89,8 +89,8 @@ def build_bundle(workloads: list[Workload], info: TargetInfo, model: str, out: P
 
 
 def ingest(results_path: Path, logs_dir: Path) -> tuple[Path, list[dict[str, Any]]]:
-    """Record a tune_bench results file: every candidate into the trials log, the best per workload into the log
-    (merged: a record stays unless the new one is faster). Returns (the log, the records that went in)."""
+    """Record a tune_bench results file: every candidate into the trials log, and per workload the best of all its
+    candidates timed so far (every round's) into the log. Returns (the log, the records written)."""
     results = _read_results(results_path)
     target, model = results["target"], results.get("model") or "bundle"
     trials = trials_path(logs_dir, target, model)
