@@ -62,6 +62,9 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
     with os.fdopen(fd, "w") as f:
         for row in rows:
             f.write(json.dumps(row, sort_keys=False) + "\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make a shared logs folder readable by its writer only
     os.replace(tmp, path)
 
 
