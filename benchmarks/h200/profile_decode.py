@@ -6,6 +6,8 @@ Compute, grouped by kernel. Runs on the GPU machine after benchmarks/h200/run.sh
     .venv/bin/python benchmarks/h200/profile_decode.py --summarize decode_b8.csv       (here)
 
 Only the timed steps are profiled (cudaProfilerStart/Stop around them); the prompt is 512 tokens, as in the table.
+`--prefill N` profiles one prefill of N tokens instead (after a warm-up prefill of the same length; summarize with
+--steps 1): where pp512/pp2048 go, GEMMs against attention.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def profile(artifact: str, batch: int, steps: int) -> None:
+def profile(artifact: str, batch: int, steps: int, prefill: int = 0) -> None:
     import ctypes
 
     import numpy as np
@@ -27,10 +29,20 @@ def profile(artifact: str, batch: int, steps: int) -> None:
     os.environ["TVM_USE_RUNTIME_LIB"] = "1"
     from luce_runtime.engine import Engine, EngineOptions
 
-    engine = Engine(artifact, EngineOptions(max_batch=batch, max_context=1024, prefill_chunk=512))
+    engine = Engine(artifact, EngineOptions(max_batch=batch, max_context=max(1024, prefill + 16), prefill_chunk=512))
     cudart = ctypes.CDLL(next(str(p) for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib")
                               for p in sorted(Path(d).glob("libcudart.so*"))))
     rng = np.random.default_rng(0)
+    if prefill:
+        for profiled in (False, True):
+            seq = engine.add_sequence()
+            if profiled:
+                cudart.cudaProfilerStart()
+            engine.prefill([seq], [rng.integers(0, 49152, prefill).tolist()])
+            engine.device.sync()
+            engine.remove_sequence(seq)
+        cudart.cudaProfilerStop()
+        return
     seqs = [engine.add_sequence() for _ in range(batch)]
     engine.prefill(seqs, [rng.integers(0, 49152, 512).tolist() for _ in seqs])
     tokens = rng.integers(0, 49152, batch).tolist()
@@ -69,12 +81,13 @@ def main() -> int:
     p.add_argument("artifact", nargs="?")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
     p.add_argument("--summarize", type=Path, help="print the per-kernel table of an ncu CSV")
     args = p.parse_args()
     if args.summarize:
         print(summarize(args.summarize, args.steps))
     else:
-        profile(args.artifact, args.batch, args.steps)
+        profile(args.artifact, args.batch, args.steps, args.prefill)
     return 0
 
 

@@ -53,7 +53,7 @@ QK8 = 32  # values per activation block (QK8_0 = QK8_1 in ggml-common.h); also t
 QK_K = 256  # values per Q8_K block and per K-quant super-block
 BSUM = 16  # values per Q8_K block sum (bsums)
 INT8_GEMV_ATTR = "luce.int8_gemv"  # marks int8_matmul's PrimFuncs for the schedule rule: value = weight type name
-PRECISIONS = ("auto", "int8", "f32")
+PRECISIONS = ("auto", "int8", "f16", "f32")
 Rows = int | tirx.Expr  # rows of activations: 1 (decode1's GEMVs), or the batch of the batched decode (a Var)
 
 
@@ -130,8 +130,18 @@ def has_vnni(target: Target) -> bool:
     return bool(codegen.target_has_features(["avx512vnni", "avx512vl", "avx512bw"], target))
 
 
+def has_tensor_cores(target: Target) -> bool:
+    """CUDA sm_70 and later: the WMMA half-precision tensor-core GEMM of schedules/gpu/tensor_gemm.py."""
+    if target.kind.name != "cuda":
+        return False
+    arch = str(target.attrs.get("arch", "")).removeprefix("sm_").rstrip("a")
+    return arch.isdigit() and int(arch) >= 70
+
+
 def resolve_precision(precision: str, target: Target) -> str:
-    """'auto' → 'int8' on CPUs the integer kernels are built for, else 'f32'; 'int8' and 'f32' are kept."""
+    """The matmuls' arithmetic. 'auto' → 'int8' on CPUs the integer decode kernels are built for (llama.cpp's 8-bit
+    activations), 'f16' on CUDA GPUs with tensor cores (matmuls of more than LOW_BATCH rows take float16 operands,
+    float32 sums: prefill, verify, big batches), else 'f32' (exact float32 everywhere, the mode checks use)."""
     if precision not in PRECISIONS:
         raise UnsupportedError(f"lower: precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "int8" and not has_vnni(target):
@@ -140,10 +150,15 @@ def resolve_precision(precision: str, target: Target) -> str:
             f"avx512bw); {target.kind.name} {target.attrs.get('mcpu', '')} has none. Use "
             "--precision auto or f32."
         )
+    if precision == "f16" and not has_tensor_cores(target):
+        raise UnsupportedError(f"lower: precision f16 needs a CUDA target with tensor cores (sm_70 or later); "
+                               f"{target.kind.name} {target.attrs.get('arch', '')} has none. Use --precision auto "
+                               "or f32.")
     if precision != "auto":
         return precision
-    chosen = "int8" if has_vnni(target) else "f32"
-    log.info("precision auto → %s for %s (int8 needs an llvm target with AVX512-VNNI)", chosen, target.kind.name)
+    chosen = "int8" if has_vnni(target) else "f16" if has_tensor_cores(target) else "f32"
+    log.info("precision auto → %s for %s (int8: llvm targets with AVX512-VNNI; f16: CUDA sm_70+)", chosen,
+             target.kind.name)
     return chosen
 
 

@@ -30,6 +30,9 @@ Planes = Mapping[str, te.Tensor]
 IntToFloat = Callable[[tirx.Expr], tirx.Expr]
 Dequant = Callable[[Planes, tirx.Expr, tirx.Expr, IntToFloat], tirx.Expr]
 FLOAT_DTYPES = ("float32", "float16")
+# attr of a float32 dynamic-batch matmul carrying its float16 twin (the same signature): the GPU schedule runs the
+# twin on tensor cores above the low-batch buckets and the float32 function below (schedules/gpu/quant_gemm.py)
+TENSOR_CORE_TWIN = "luce.tensor_core_twin"
 
 
 def _f32(value: tirx.Expr) -> tirx.Expr:
@@ -182,23 +185,42 @@ def quant_matmul(
     batch: int | Literal["dynamic"] = "dynamic",
     x_dtype: str = "float32",
     out_dtype: str = "float32",
+    compute_dtype: str = "float32",
     name: str | None = None,
 ) -> tirx.PrimFunc:
-    """y = x @ dequant(W)ᵀ: PrimFunc(x (batch, n_in), *planes, y (batch, n_out)); batch=1 is the GEMV (decode)."""
+    """y = x @ dequant(W)ᵀ: PrimFunc(x (batch, n_in), *planes, y (batch, n_out)); batch=1 is the GEMV (decode).
+
+    compute_dtype="float16" rounds both operands to half precision before the float32 sums (an "x_half" block
+    casts x; "dequantize" writes float16): the form tensor cores multiply (schedules/gpu/tensor_gemm.py)."""
     qtype = as_ggml_type(ggml_type)
     _check_dtype("x_dtype", x_dtype)
     _check_dtype("out_dtype", out_dtype)
+    _check_dtype("compute_dtype", compute_dtype)
     planes = weight_planes(qtype, n_out, n_in)
     rows = _extent("batch", batch)
     x = te.placeholder(_i64(rows, n_in), x_dtype, name="x")
-    w = te.compute(_i64(n_out, n_in), lambda n, k: dequant_expr(qtype, planes, n, k), name="dequantize")
+    if compute_dtype == "float16":
+        x_in = te.compute(_i64(rows, n_in), lambda b, k: x[b, k].astype("float16"), name="x_half")
+        w = te.compute(_i64(n_out, n_in), lambda n, k: dequant_expr(qtype, planes, n, k).astype("float16"),
+                       name="dequantize")
+    else:
+        x_in = x
+        w = te.compute(_i64(n_out, n_in), lambda n, k: dequant_expr(qtype, planes, n, k), name="dequantize")
     k = te.reduce_axis(_i64(0, n_in), name="k")
-    y = te.compute(_i64(rows, n_out), lambda b, n: te.sum(_f32(x[b, k]) * w[n, k], axis=k), name="matmul")
+    y = te.compute(_i64(rows, n_out), lambda b, n: te.sum(_f32(x_in[b, k]) * _f32(w[n, k]), axis=k), name="matmul")
     if out_dtype != "float32":
         y = te.compute(_i64(rows, n_out), lambda b, n: y[b, n].astype(out_dtype), name="cast")
     kind = "gemv" if batch == 1 else f"gemm{'' if batch == 'dynamic' else batch}"
     symbol = name or f"quant_matmul_{qtype.name.lower()}_{n_out}x{n_in}_{kind}"
     return te.create_prim_func([x, *planes.values(), y]).with_attr("global_symbol", symbol)
+
+
+def with_tensor_core_twin(func: tirx.PrimFunc, ggml_type: GGMLQuantizationType | str, n_out: int, n_in: int, *,
+                          x_dtype: str = "float32", out_dtype: str = "float32") -> tirx.PrimFunc:
+    """func (quant_matmul's dynamic-batch form) with its float16 twin attached as TENSOR_CORE_TWIN."""
+    twin = quant_matmul(ggml_type, n_out, n_in, x_dtype=x_dtype, out_dtype=out_dtype, compute_dtype="float16",
+                        name=f"{func.attrs['global_symbol']}_half")
+    return func.with_attr(TENSOR_CORE_TWIN, twin)
 
 
 def quant_embedding(

@@ -33,7 +33,7 @@ from luce_compile.gguf.reader import TensorInfo
 from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, Op, OpKind
 from luce_compile.lower.cpu_int8 import int8_linear, resolve_precision
 from luce_compile.lower.quant_layout import plane_specs
-from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul
+from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul, with_tensor_core_twin
 from luce_compile.lower.rope import rope_func
 
 PLANE_SEP = "::"
@@ -152,14 +152,20 @@ class GraphModule(nn.Module):
         # one row known at compile time (decode1) → the GEMV kernel and schedule; else the dynamic-batch GEMM
         batch = 1 if isinstance(x2.shape[0], int) and x2.shape[0] == 1 else "dynamic"
         kind = "gemv" if batch == 1 else "gemm"
-        func = self._kernel(("mm", info.ggml_type, n, k, batch), lambda: quant_matmul(
-            info.ggml_type, n, k, batch=batch, x_dtype=self.options.dtype, out_dtype=self.options.dtype,
-            name=f"{kind}_{info.ggml_type.name.lower()}_{n}x{k}"))
+        func = self._kernel(("mm", info.ggml_type, n, k, batch), lambda: self._matmul_func(info, n, k, batch, kind))
         out = nn.Tensor.placeholder((x2.shape[0], n), self.options.dtype)
         y = op.tensor_ir_op(func, func.attrs["global_symbol"], [x2, *self._planes(tensor)], out)
         if bias is not None:
             y = y + self._vector(bias)
         return op.reshape(y, (*lead, n))
+
+    def _matmul_func(self, info: TensorInfo, n: int, k: int, batch: int | str, kind: str) -> tirx.PrimFunc:
+        dtype = self.options.dtype
+        func = quant_matmul(info.ggml_type, n, k, batch=batch, x_dtype=dtype, out_dtype=dtype,
+                            name=f"{kind}_{info.ggml_type.name.lower()}_{n}x{k}")
+        if self.precision == "f16" and batch == "dynamic":  # many rows: tensor cores (precision f16, CUDA)
+            func = with_tensor_core_twin(func, info.ggml_type, n, k, x_dtype=dtype, out_dtype=dtype)
+        return func
 
     def _vector(self, tensor: str) -> nn.Tensor:
         """A 1-D F32/F16 weight (norms, biases) as an activation-dtype vector."""

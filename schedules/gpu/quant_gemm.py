@@ -11,8 +11,11 @@ One function serves every batch size (the batch is symbolic), and no single sche
 So the function branches on the batch at run time, as MLC-LLM's low-batch specialization does: batch ≤ 2 →
 LowBatchGEMV(2), ≤ 8 → LowBatchGEMV(4), else Matmul. The condition is thread-invariant, and TVM hoists it out of the
 kernels (tirx.HoistIfThenElseExprWithBlock): each branch is its own kernel, chosen on the host. A static batch > 1
-(none is lowered today) keeps Matmul: LowBatchGEMV takes only a symbolic batch. Knobs (bucket limits, Matmul's
-tiles) arrive with tuning; none are exposed yet.
+(none is lowered today) keeps Matmul: LowBatchGEMV takes only a symbolic batch.
+
+Tensor cores (precision f16, CUDA): the function carries a float16 twin (quant_matmul.TENSOR_CORE_TWIN); above the
+buckets the twin runs, scheduled by tensor_gemm.TensorCoreGEMM with this rule's knobs (its tile), instead of the
+float32 SIMT Matmul. The buckets keep float32, so decoding a few sequences together stays exact.
 """
 
 from __future__ import annotations
@@ -20,11 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import tvm_ffi.structural
 from luce_schedules.cpu.quant_matmul import match_matmul
 from luce_schedules.gpu.base import GPURule
-from tvm import IRModule, s_tir, tirx
+from luce_schedules.gpu.tensor_gemm import TensorCoreGEMM
+from tvm import IRModule, ir, s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
+
+from luce_compile.lower.quant_matmul import TENSOR_CORE_TWIN
 
 # (largest batch, LowBatchGEMV bucket), smallest first; a batch above the last goes to Matmul
 LOW_BATCH: tuple[tuple[int, int], ...] = ((2, 2), (8, 4))
@@ -39,8 +46,9 @@ class Dispatched:
 
 class QuantGEMM(GPURule):
     name = "gpu.quant_gemm"
-    DEFAULTS: ClassVar[dict[str, int]] = {}
-    SPACE: ClassVar[dict[str, tuple[int, ...]]] = {}
+    # the tensor-core tile, for functions with a float16 twin (others have nothing to tune yet)
+    DEFAULTS: ClassVar[dict[str, int]] = dict(TensorCoreGEMM.DEFAULTS)
+    SPACE: ClassVar[dict[str, tuple[int, ...]]] = dict(TensorCoreGEMM.SPACE)
 
     def apply(self, func: tirx.PrimFunc, target: Target, knobs=None):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name not in ("cuda", "rocm"):
@@ -48,24 +56,44 @@ class QuantGEMM(GPURule):
         blocks = match_matmul(s_tir.Schedule(func))
         if blocks is None or (isinstance(blocks.batch, int) and blocks.batch == 1):
             return None
-        self.knobs(knobs)
+        tile = self.knobs(knobs)
         # low-batch branches for a symbolic batch on CUDA only: on ROCm LowBatchGEMV's blocks exceed the 256 threads
         # our gfx targets allow (the build's thread check would refuse them), and nothing was measured there
         dispatch = isinstance(blocks.batch, tirx.Var) and target.kind.name == "cuda"
+        twin = func.attrs.get(TENSOR_CORE_TWIN) if func.attrs else None
+        func = func.without_attr(TENSOR_CORE_TWIN) if twin is not None else func
         with target:
-            gemm = dl.gpu.Matmul().apply(func, target, False)
+            gemm = tensor_core_gemm(func, twin, target, tile) if twin is not None and dispatch else None
+            gemm = gemm or dl.gpu.Matmul().apply(func, target, False)
             low = {limit: dl.gpu.LowBatchGEMV(bucket).apply(func, target, False)
                    for limit, bucket in (LOW_BATCH if dispatch else ())}
         low = {limit: sch for limit, sch in low.items() if isinstance(sch, s_tir.Schedule)}
-        gemm = gemm if isinstance(gemm, s_tir.Schedule) else None
+        gemm = gemm if isinstance(gemm, s_tir.Schedule | Dispatched) else None
         if gemm is None or not low:
-            return gemm
+            return [gemm] if isinstance(gemm, Dispatched) else gemm
         # a one-element list: dlight's ApplyDefaultSchedule wraps a bare Schedule, and takes other results as a list
         return [Dispatched(IRModule({"main": dispatch_on_batch(func, blocks.batch, low, gemm)}))]
 
 
+def tensor_core_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, target: Target,
+                     tile: dict[str, int]) -> s_tir.Schedule | None:
+    """The twin scheduled on tensor cores, its body rebound to func's parameters (the same signature), so that
+    dispatch_on_batch can put it beside schedules of func itself; None where the tile does not apply."""
+    sch = TensorCoreGEMM().apply(twin, target, tile)
+    if sch is None:
+        return None
+    pairs = list(zip(twin.params, func.params, strict=True))
+    pairs += [(a, b) for p, q in pairs for a, b in zip(p.shape, q.shape, strict=True) if isinstance(a, tirx.Var)]
+
+    def rebind(var: ir.expr.Var) -> ir.expr.Var:
+        return next((new for old, new in pairs if var.same_as(old)), var)
+
+    body = tvm_ffi.structural.structural_map(sch.mod["main"].body, (ir.expr.Var, rebind))
+    return Dispatched(IRModule({"main": func.with_body(body)}))
+
+
 def dispatch_on_batch(func: tirx.PrimFunc, batch: tirx.Var, low: dict[int, s_tir.Schedule],
-                      gemm: s_tir.Schedule) -> tirx.PrimFunc:
+                      gemm: s_tir.Schedule | Dispatched) -> tirx.PrimFunc:
     """func whose body runs low[limit]'s schedule for the smallest limit ≥ batch, else gemm's. Every schedule was
     made from func itself, so all bodies refer to func's own parameters and buffers."""
     body = gemm.mod["main"].body

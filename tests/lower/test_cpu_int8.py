@@ -200,6 +200,16 @@ def test_resolve_precision():
         resolve_precision("fp8", HOST)
 
 
+def test_resolve_precision_picks_f16_on_cuda_with_tensor_cores():
+    from luce_compile.targets import get_target
+
+    assert resolve_precision("auto", get_target("sm_90").tvm_target()) == "f16"
+    assert resolve_precision("f32", get_target("sm_90").tvm_target()) == "f32"  # the exact mode stays
+    assert resolve_precision("auto", get_target("gfx1201").tvm_target()) == "f32"  # no tensor-core rule on ROCm
+    with pytest.raises(UnsupportedError, match="needs a CUDA target with tensor cores"):
+        resolve_precision("f16", HOST)
+
+
 def test_resolve_precision_picks_int8_with_vnni():
     znver4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})  # AVX512-VNNI, like this machine
     assert resolve_precision("auto", znver4) == "int8"

@@ -16,11 +16,13 @@ from gguf import quants as gguf_quants
 from luce_compile.errors import GGUFError, UnsupportedError
 from luce_compile.lower.quant_layout import SUPPORTED_TYPES, plane_specs, repack
 from luce_compile.lower.quant_matmul import (
+    TENSOR_CORE_TWIN,
     dequant_expr,
     exact_int_to_float,
     quant_embedding,
     quant_matmul,
     weight_planes,
+    with_tensor_core_twin,
 )
 
 TYPES = [t.name for t in SUPPORTED_TYPES]
@@ -187,6 +189,32 @@ def test_unscheduled_matmul_is_the_reference_product(rng: np.random.Generator):
         got = run_func(func, x, *repack(raw, name).values(), out_shape=(3, 16), out_dtype="float32")
         want = x.astype(np.float64) @ reference_dequant(raw, name).astype(np.float64).T
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), name
+
+
+@pytest.mark.unit
+def test_half_compute_rounds_both_operands_then_sums_in_float32(rng: np.random.Generator):
+    """compute_dtype="float16" (the tensor cores' form) is the product of x and the dequantized W each rounded to
+    float16, exactly what scripts/device_check.py's oracle emulates; and it differs from the float32 form, so the
+    rounding is really there (a test that cannot fail would not show it)."""
+    for name in ("Q4_1", "Q8_0", "BF16"):
+        raw = random_raw(name, 16, 256, rng)
+        x = rng.standard_normal((3, 256)).astype(np.float32)
+        func = quant_matmul(name, 16, 256, batch=3, compute_dtype="float16")
+        got = run_func(func, x, *repack(raw, name).values(), out_shape=(3, 16), out_dtype="float32")
+        w = reference_dequant(raw, name)
+        want = x.astype(np.float16).astype(np.float64) @ w.astype(np.float16).astype(np.float64).T
+        exact = x.astype(np.float64) @ w.astype(np.float64).T
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), name
+        assert np.abs(got - exact).max() > 1e-5 * np.abs(exact).max(), name
+
+
+@pytest.mark.unit
+def test_tensor_core_twin_has_the_same_signature():
+    func = quant_matmul("Q4_K", 64, 512)
+    twin = with_tensor_core_twin(func, "Q4_K", 64, 512).attrs[TENSOR_CORE_TWIN]
+    assert [(p.name, p.dtype, len(p.shape)) for p in twin.params] == \
+        [(p.name, p.dtype, len(p.shape)) for p in func.params]
+    assert twin.attrs["global_symbol"] == func.attrs["global_symbol"] + "_half"
 
 
 @pytest.mark.unit

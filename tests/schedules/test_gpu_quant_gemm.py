@@ -11,10 +11,11 @@ import re
 
 import pytest
 from luce_schedules.gpu.quant_gemm import LOW_BATCH, Dispatched, QuantGEMM
+from luce_schedules.gpu.tensor_gemm import TensorCoreGEMM, accumulator_scope
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from luce_compile.lower.quant_matmul import quant_matmul
+from luce_compile.lower.quant_matmul import TENSOR_CORE_TWIN, quant_matmul, with_tensor_core_twin
 
 TARGET = Target({"kind": "cuda", "arch": "sm_90", "max_shared_memory_per_block": 49152,
                  "max_threads_per_block": 1024, "thread_warp_size": 32})
@@ -59,3 +60,74 @@ def test_static_batch_keeps_the_tiled_matmul(batch):
 @pytest.mark.unit
 def test_batch_one_is_left_to_the_gemv_rule():
     assert QuantGEMM().apply(quant_matmul("Q4_1", 256, 512, batch=1), TARGET) is None
+
+
+# ---- tensor cores (precision f16): the float16 twin above the low-batch buckets --------------------------------------
+def _cuda_source(func: tirx.PrimFunc) -> str:
+    import tvm
+
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("tirx.is_scheduled", True)}), target=TARGET)
+    return lib.mod.imports[0].inspect_source()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("qtype", ["Q4_1", "BF16"])
+def test_twin_runs_on_tensor_cores_above_the_buckets(qtype):
+    func = with_tensor_core_twin(quant_matmul(qtype, 256, 512), qtype, 256, 512)
+    (out,) = QuantGEMM().apply(func, TARGET)
+    scheduled = out.mod["main"]
+    assert TENSOR_CORE_TWIN not in scheduled.attrs  # the twin is consumed: nothing downstream sees it
+    assert list(scheduled.params) == list(func.params)  # the twin's body was rebound to func's own buffers
+    branches = _branches(scheduled)
+    assert [limit for limit, _ in branches] == [limit for limit, _ in LOW_BATCH]
+    low, above = branches[-1][1].split("else:", 1)
+    assert "wmma" not in "".join(text for _, text in branches[:-1]) + low  # the buckets stay float32 SIMT
+    assert "wmma.matrix_a" in above and "x_half" in above
+    source = _cuda_source(scheduled)
+    assert "nvcuda::wmma::mma_sync" in source
+    kernels = re.findall(r"__global__[^;{]*\{", source)  # definitions (each is declared first too)
+    assert len(kernels) == len(LOW_BATCH) + 1  # one kernel per branch, chosen on the host
+
+
+@pytest.mark.unit
+def test_without_a_twin_the_simt_matmul_stays():
+    (out,) = QuantGEMM().apply(quant_matmul("Q4_1", 256, 512), TARGET)
+    assert "wmma" not in out.mod["main"].script()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("knobs", [
+    {},  # dlight's tile: 128×128×64, 16 warps
+    {"warps_m": 2, "warps_n": 2, "k_frags": 2},  # accumulators in static shared memory (tensor_gemm: merge bug)
+    {"warps_m": 1, "warps_n": 4, "frags_m": 4, "frags_n": 1, "k_frags": 2, "vector": 2},
+])
+def test_tensor_core_tiles_build(knobs):
+    """Tiles of the search space compile to CUDA (a tile the build refuses would cost a tuning trial, not a crash:
+    these are the shapes that once failed). The rows are padded to the tile, so any batch is taken."""
+    twin = quant_matmul("Q4_K", 576, 1536, compute_dtype="float16")
+    sch = TensorCoreGEMM().apply(twin, TARGET, knobs)
+    assert sch is not None
+    source = _cuda_source(sch.mod["main"])
+    tile = TensorCoreGEMM().knobs(knobs)
+    assert "nvcuda::wmma::mma_sync" in source
+    assert f"__launch_bounds__({32 * tile['warps_m'] * tile['warps_n']})" in source
+
+
+@pytest.mark.unit
+def test_tiles_that_cannot_launch_are_refused():
+    """A 256×256 tile needs 266 KiB of shared memory for its float32 output alone: refused (not my function),
+    so a tuning trial records it as invalid instead of failing to launch on the GPU."""
+    twin = quant_matmul("Q4_1", 576, 1536, compute_dtype="float16")
+    big = {"warps_m": 4, "warps_n": 4, "frags_m": 4, "frags_n": 4}
+    assert TensorCoreGEMM().apply(twin, TARGET, big) is None
+    assert accumulator_scope(32, 32, 32) == "shared"  # both tiles fit the 48 KiB a launch gets without opting in
+    assert accumulator_scope(128, 128, 64) == "shared.dyn"  # 67 KiB of accumulators: static memory cannot hold them
+    assert accumulator_scope(128, 64, 64) == "shared"  # a 55 KiB dynamic part opts the launch in: 35 KiB static fits
+    assert accumulator_scope(64, 128, 32) == "shared.dyn"  # 31 + 34 KiB: over 48 KiB with no opt-in
+
+
+@pytest.mark.unit
+def test_tensor_core_rule_takes_only_the_float16_form():
+    assert TensorCoreGEMM().apply(quant_matmul("Q4_1", 256, 512), TARGET) is None  # float32 operands
+    rocm = Target({"kind": "rocm", "mcpu": "gfx1201", "max_threads_per_block": 256})
+    assert TensorCoreGEMM().apply(quant_matmul("Q4_1", 256, 512, compute_dtype="float16"), rocm) is None
