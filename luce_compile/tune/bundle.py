@@ -2,8 +2,10 @@
 `python -m luce_runtime.tune_bench BUNDLE --out RESULTS.json` (the TVM runtime alone), and the results ingested.
 
 The bundle's format is written down once, in luce_runtime/tune_bench.py (its reader). Rounds: a second `tune
---bundle` leaves out the candidates the trials log already holds (ingested from an earlier round), so a larger
---trials times only the new ones; ingesting merges into the log, keeping the faster record per workload.
+--bundle` leaves out the candidates the trials log already holds (ingested from an earlier round), except each
+workload's default, so a larger --trials times only the new ones, and each round's winner is confirmed against the
+default on the target (tune_bench re-times both in alternating rounds). Ingesting records per workload the best
+candidate of every round, with the confirmed times where that candidate is the winner a confirmation was made for.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from luce_compile.targets import TargetInfo
 from luce_compile.tune.records import TuneLogError, append_jsonl
 from luce_compile.tune.search import (
     SCHEDULE_ERRORS,
+    apply_confirmation,
     best_record,
     build_kernel,
     call_args,
@@ -61,7 +64,9 @@ def build_bundle(workloads: list[Workload], info: TargetInfo, model: str, out: P
                              "rotate_bytes": rotate_bytes(info), "workloads": [], "candidates": []}
     for i, w in enumerate(workloads):
         seen = done.get(w.key, {})
-        knob_list = [k for k in candidates(rule_by_name(target, w.rule), w, trials) if knob_id(k) not in seen]
+        # the default always (every round confirms its winner against it), then what no earlier round timed
+        knob_list = [k for i, k in enumerate(candidates(rule_by_name(target, w.rule), w, trials))
+                     if i == 0 or knob_id(k) not in seen]
         measured_at = extents_for(w, extents or {})
         index["workloads"].append({"key": w.key, **w.fields(), "measured_at": measured_at,
                                    "call_args": call_args(w, measured_at)})
@@ -110,9 +115,19 @@ def ingest(results_path: Path, logs_dir: Path) -> tuple[Path, list[dict[str, Any
         record = best_record(w, by_key.get(w["key"], []), w["measured_at"], results["device"],
                              f"bundle {results.get('bundle')}")
         if record:
-            records.append(record)
+            records.append(_confirmed(record, results, w["key"]))
     path = save_records(records, logs_dir, target, model)
     return path, records
+
+
+def _confirmed(record: dict[str, Any], results: dict[str, Any], key: str) -> dict[str, Any]:
+    """The record with tune_bench's confirmation of this round's winner, when the record's knobs are that winner's."""
+    check = results.get("confirmed", {}).get(key)
+    knobs = {r["id"]: r for r in results["results"]}
+    if not check or knob_id(knobs[check["best_id"]]["knobs"]) != knob_id(record["knobs"]):
+        return record
+    default = knobs[check["default_id"]]["knobs"]
+    return apply_confirmation(record, default, check["default_us"], check["best_us"], check["rounds"])
 
 
 def _read_results(path: Path) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import random
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +42,6 @@ Progress = Callable[[str], None]
 # `seq_len` a prompt chunk. Any other name gets DEFAULT_EXTENT. --extent NAME=N overrides.
 SYMBOLIC_EXTENTS = {"batch": 128, "seq_len": 128, "rows": 8, "n_tokens": 128}
 DEFAULT_EXTENT = 128
-CONFIRM_ROUNDS = 3
 
 
 def knob_id(knobs: dict[str, int]) -> str:
@@ -200,30 +198,6 @@ class LocalSearch:
             append_jsonl(self.trials_path, row)
         return list(rows.values())
 
-    def _confirm(self, w: Workload, target: tvm.target.Target, record: dict[str, Any], sets: list) -> dict[str, Any]:
-        """The winner against the default, timed again in CONFIRM_ROUNDS alternating rounds: the fastest of many
-        noisy timings is biased low (on a shared 2-core machine, by a few percent), so the record keeps these
-        times, and the default's knobs when the winner is not faster after all."""
-        from luce_runtime.tune_bench import time_kernel
-
-        default = dict(rule_by_name(target, w.rule).DEFAULTS)
-        if knob_id(record["knobs"]) == knob_id(default):
-            return record
-        pair = schedule_candidates(w, [default, record["knobs"]], target)
-        fns = [build_kernel(c, self.info, target).jit()[w.function] for c in pair]
-        times: list[list[float]] = [[], []]
-        for _ in range(CONFIRM_ROUNDS):
-            for fn, out in zip(fns, times, strict=True):
-                out.append(time_kernel(fn, sets, tvm.cpu(0), self.min_time)[0] * 1e6)
-        default_us, best_us = (round(statistics.median(t), 3) for t in times)
-        if best_us >= default_us:
-            record.update(knobs=default, time_us=default_us)
-        else:
-            record.update(time_us=best_us)
-        record.update(default_us=default_us, speedup=round(default_us / record["time_us"], 3),
-                      confirmed=f"winner and default re-timed in {CONFIRM_ROUNDS} alternating rounds")
-        return record
-
     def _time(self, cand: Candidate, sets: list, target: tvm.target.Target, rows: dict[str, dict]) -> dict:
         from luce_runtime.tune_bench import time_kernel
 
@@ -240,6 +214,32 @@ class LocalSearch:
             except SCHEDULE_ERRORS as err:
                 row["error"] = f"build: {type(err).__name__}: {first_line(err)}"
         return row
+
+    def _confirm(self, w: Workload, target: tvm.target.Target, record: dict[str, Any], sets: list) -> dict[str, Any]:
+        """The winner re-timed beside the default (luce_runtime.tune_bench.confirm, as a GPU host does it): the
+        record keeps these times, and the default's knobs when the winner is not faster after all."""
+        from luce_runtime.tune_bench import CONFIRM_ROUNDS, confirm
+
+        default = dict(rule_by_name(target, w.rule).DEFAULTS)
+        if knob_id(record["knobs"]) == knob_id(default):
+            return record
+        pair = schedule_candidates(w, [default, record["knobs"]], target)
+        fns = [build_kernel(c, self.info, target).jit()[w.function] for c in pair]
+        default_s, best_s = confirm(*fns, sets, tvm.cpu(0), self.min_time)
+        return apply_confirmation(record, default, default_s * 1e6, best_s * 1e6, CONFIRM_ROUNDS)
+
+
+def apply_confirmation(record: dict[str, Any], default: dict[str, int], default_us: float, best_us: float,
+                       rounds: int) -> dict[str, Any]:
+    """A record with its winner's and default's re-timed medians (the default's knobs if the winner lost)."""
+    default_us, best_us = round(default_us, 3), round(best_us, 3)
+    if best_us >= default_us:
+        record.update(knobs=default, time_us=default_us)
+    else:
+        record.update(time_us=best_us)
+    record.update(default_us=default_us, speedup=round(default_us / record["time_us"], 3),
+                  confirmed=f"winner and default re-timed in {rounds} alternating rounds")
+    return record
 
 
 def _rng():

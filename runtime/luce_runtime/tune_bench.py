@@ -11,9 +11,11 @@ A bundle (written by `luce-compile tune MODEL --target T`, luce_compile/tune/bun
 Each candidate is called on fresh random inputs of its workload's shapes (`call_args`), rotated through enough
 copies that together exceed `rotate_bytes` (twice the last-level cache: weights come from memory, as they do in
 the model), and timed with luce_runtime.timing (the project's one timer) for at least `--min-time` seconds.
+Then each workload's fastest candidate is timed again beside its default in CONFIRM_ROUNDS alternating rounds.
 RESULTS.json ({"format": RESULTS_FORMAT, "device", "results": [{"id", "key", "knobs", "default", "time_us" |
-null, "error"}], "workloads", ...}) is what `luce-compile tune --ingest RESULTS.json` reads. Re-running with the
-same --out skips the candidates it already holds, so an interrupted run resumes.
+null, "error"}], "confirmed": {key: {"default_id", "best_id", "default_us", "best_us", "rounds"}}, "workloads",
+...}) is what `luce-compile tune --ingest RESULTS.json` reads. Re-running with the same --out skips the candidates
+(and confirmations) it already holds, so an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 BUNDLE_FORMAT = "luce-tune-bundle/1"
 RESULTS_FORMAT = "luce-tune-results/1"
 MAX_COPIES = 256  # argument sets rotated through at most (a tiny kernel would otherwise need thousands)
+CONFIRM_ROUNDS = 3  # alternating timings of a workload's winner and its default before the winner is recorded
 
 
 class BundleError(LuceError, ValueError):
@@ -157,7 +160,41 @@ def run_bundle(bundle: Path, out: Path, *, min_time: float = 0.2, seed: int = 0,
         _write(out, results)
         shown = f"{row['time_us']:.1f} us" if row["time_us"] is not None else f"invalid ({row['error']})"
         say(f"[{n}/{len(todo)}] {workloads[cand['key']]['function']} {cand['knobs']}: {shown}")
+    _confirm_winners(bundle, index, results, out, device, min_time, seed, say)
     return results
+
+
+def confirm(default_fn: Callable[..., Any], best_fn: Callable[..., Any], sets: list[list[Any]],
+            device: tvm.runtime.Device, min_time: float, rounds: int = CONFIRM_ROUNDS) -> tuple[float, float]:
+    """(default, best) median seconds per call over `rounds` alternating timings of the two kernels: the fastest of
+    many noisy timings is biased low, so a winner is timed again beside the default before it is recorded."""
+    times: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for fn, out in zip((default_fn, best_fn), times, strict=True):
+            out.append(time_kernel(fn, sets, device, min_time)[0])
+    return float(np.median(times[0])), float(np.median(times[1]))
+
+
+def _confirm_winners(bundle: Path, index: dict[str, Any], results: dict[str, Any], out: Path,
+                     device: tvm.runtime.Device, min_time: float, seed: int, say: Callable[[str], None]) -> None:
+    """Per workload, this bundle's fastest candidate and its default re-timed in alternating rounds, into
+    results["confirmed"][key] (resumable: confirmed workloads are skipped)."""
+    confirmed = results.setdefault("confirmed", {})
+    by_id = {c["id"]: c for c in index["candidates"]}
+    for w in index["workloads"]:
+        rows = [r for r in results["results"] if r["key"] == w["key"] and r["time_us"] is not None]
+        default = next((r for r in rows if r["default"]), None)
+        best = min((r for r in rows if not r["default"]), key=lambda r: r["time_us"], default=None)
+        if w["key"] in confirmed or default is None or best is None:
+            continue
+        sets = argument_sets(w["call_args"], device, int(index["rotate_bytes"]), np.random.default_rng(seed))
+        fns = [tvm.runtime.load_module(str((bundle / by_id[r["id"]]["library"]).resolve()))[w["function"]]
+               for r in (default, best)]
+        default_s, best_s = confirm(*fns, sets, device, min_time)
+        confirmed[w["key"]] = {"default_id": default["id"], "best_id": best["id"], "rounds": CONFIRM_ROUNDS,
+                               "default_us": round(default_s * 1e6, 3), "best_us": round(best_s * 1e6, 3)}
+        _write(out, results)
+        say(f"confirmed {w['function']}: default {default_s * 1e6:.1f} us, best {best_s * 1e6:.1f} us")
 
 
 def _time_one(bundle: Path, cand: dict[str, Any], sets: list[list[Any]], device: tvm.runtime.Device,

@@ -52,18 +52,28 @@ def test_tune_bench_times_a_cpu_bundle_runtime_only_and_its_results_ingest(tiny_
     assert child["compiler_modules"] == []
     results = json.loads(out.read_text())
     assert len(results["results"]) == 6 and all(r["time_us"] > 0 for r in results["results"])
+    # each workload's winner timed again beside its default (3 alternating rounds), what ingest records
+    assert set(results["confirmed"]) == {w.key for w in ws}
+    assert all(c["rounds"] == 3 and c["default_us"] > 0 and c["best_us"] > 0 for c in results["confirmed"].values())
     assert run_bench(bundle, out)["code"] == 0  # resumed: nothing left to time, the file unchanged
     assert json.loads(out.read_text())["results"] == results["results"]
 
     log, records = ingest(out, logs)
     assert {r["function"] for r in records} == {w.function for w in ws}
     assert all(r["time_us"] <= r["default_us"] and r["source"].startswith("bundle ") for r in read_jsonl(log))
+    for r in read_jsonl(log):  # a winner's confirmed times, not the search's (biased low by picking the fastest)
+        check, default = results["confirmed"][r["key"]], next(c for c in results["results"] if c["key"] == r["key"]
+                                                                and c["default"])
+        if "confirmed" in r:
+            assert r["default_us"] == check["default_us"] and r["time_us"] == min(check["best_us"], check["default_us"])
+        else:  # the default won the search itself: nothing to confirm
+            assert r["knobs"] == default["knobs"] and r["time_us"] == r["default_us"] == default["time_us"]
     tuning = Tuning.load("cpu", logs)
     assert all(tuning.lookup(w.key) is not None for w in ws)  # what compile will look up
 
     again = build_bundle(ws, get_target("cpu"), "tiny", bundle, trials=4, logs_dir=logs, extents={"batch": 4})
-    assert len(again["candidates"]) == 2  # round two: only the candidates not timed in round one
-    assert not any(c["default"] for c in again["candidates"])
+    # round two: the default again (its winner is confirmed against it) and the candidates round one did not time
+    assert len(again["candidates"]) == 4 and sum(c["default"] for c in again["candidates"]) == 2
 
 
 @pytest.mark.unit
