@@ -98,9 +98,13 @@ def load_device(kind: str) -> tvm.runtime.Device:
     """The device for a bundle's kind; kernels with parallel loops or workspaces need libtvm_runtime global."""
     lib = Path(tvm.__file__).parent / "lib"
     with_runtime = [lib / "libtvm_runtime.so"] + ([lib / f"libtvm_runtime_{kind}.so"] if kind != "llvm" else [])
-    for path in with_runtime:
-        if path.exists():
-            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    try:
+        for path in with_runtime:
+            if path.exists():
+                ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:  # e.g. libcuda.so.1 missing: no driver, so no GPU here
+        raise BundleError(f"tune_bench: cannot load TVM's {kind} runtime here ({e}); run the bundle on the machine "
+                          f"it was built for (a {kind} GPU and its driver).") from e
     if kind != "llvm" and not tvm.runtime.enabled(kind):
         raise BundleError(f"tune_bench: this TVM runtime cannot drive {kind} devices here; run the bundle on the "
                           f"machine it was built for (a {kind} GPU with TVM's runtime for it).")
