@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from luce_compile.errors import LuceError
 from luce_compile.targets import TargetInfo
 from luce_compile.tune.workloads import Workload
 
@@ -49,6 +50,9 @@ def tune(gguf_path: Path, info: TargetInfo, options: TuneOptions, progress: Prog
     """Search (cpu, no bundle asked) or build a bundle; returns what happened, for the command to print."""
     from luce_compile.tune.search import LocalSearch, save_records, trials_path
 
+    if len(info.archs) > 1:
+        raise LuceError(f"tune: {info.name} is several archs; tune one (e.g. --target {info.archs[0]}): a build "
+                        f"for several takes the records of its lowest arch, {info.archs[0]}, its kernels' arch.")
     name = gguf_path.stem
     start = time.monotonic()
     workloads = model_workloads(gguf_path, info, options.precision)
