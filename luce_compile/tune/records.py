@@ -177,10 +177,12 @@ class Tuning:
     def summary(self) -> str:
         tuned = [k for k in self.kernels.values() if k.tuned]
         failed = [k for k in self.kernels.values() if k.error]
-        where = ", ".join(sorted({_shown(f) for f in self.files})) or "no tuning logs"
-        borrowed = f" ({self.log_target}'s records)" if self.log_target and self.log_target != self.target else ""
         if not self.files:
-            return f"kernels: 0 tuned ({where}), {len(self.kernels)} with rule defaults"
+            return f"kernels: 0 tuned (no tuning logs), {len(self.kernels)} with rule defaults"
+        # the files whose records were taken (a folder may hold other models' logs: their keys did not match)
+        used = sorted({k.record["_source"].rsplit(":", 1)[0] for k in tuned})
+        where = ", ".join(used) or f"no matching record in {_shown(self.files[0].parent)}"
+        borrowed = f" ({self.log_target}'s records)" if self.log_target and self.log_target != self.target else ""
         text = (f"kernels: {len(tuned)} tuned from {where}{borrowed} ({sum(k.differs for k in tuned)} with knobs "
                 f"other than their rule's defaults), {len(self.kernels) - len(tuned)} with rule defaults")
         return text + (f" ({len(failed)} records refused by their rule)" if failed else "")
