@@ -18,7 +18,8 @@ and the embedding are our fused dequantizing TIR kernels; attention and RoPE'd k
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import tvm
@@ -89,6 +90,13 @@ class GraphModule(nn.Module):
         # the argument names and order are KVCacheArgs' (export_spec builds the signature from it)
         c = self.graph.config
         kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
+        with prefill_attention_tiles(self.target, c.head_dim, self.options.dtype):
+            return self._kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+                                  support_sliding_window, kinds)
+
+    def _kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var, prefill_chunk_size: tirx.Var,
+                  page_size: tirx.Var, support_sliding_window: tirx.Var, kinds: list[str]) -> PagedKVCache:
+        c = self.graph.config
         return TIRPagedKVCache(
             attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size, page_size=page_size,
@@ -171,6 +179,52 @@ class GraphModule(nn.Module):
         """A 1-D F32/F16 weight (norms, biases) as an activation-dtype vector."""
         (plane,) = self._planes(tensor)
         return plane if plane.dtype == self.options.dtype else op.astype(plane, self.options.dtype)
+
+
+# TVM's GPU prefill-attention kernels (relax/frontend/nn/llm/_prefill_kernels.py) size their tiles for 2-byte
+# caches: with our float32 cache they take 16 queries × 16 keys a block, ~1.6 TFLOPS on the H200, 80% of a
+# 2048-token prefill of Llama-1B (ncu, 2026-12-01). Larger tiles, measured there (Llama-1B body, head dim 64,
+# tuned tensor-core GEMMs, tok/s at 512 / 2048 tokens): 16×16 22.6k / 9.6k, 32×32 30.0k / 14.8k, 64×16 32.9k /
+# 19.4k, 64×32 33.9k / 19.7k. The kernels keep their tiles in static shared memory (48 KiB): the largest that fits
+# the head dimension is taken, in that order.
+PREFILL_TILES = ((64, 32), (64, 16), (32, 32), (32, 16), (16, 16))  # (queries, keys) per block, best first
+STATIC_SHARED_BYTES = 44 * 1024  # the 48 KiB static limit, less the kernels' small per-row arrays
+
+
+def prefill_tiles(head_dim: int, dtype: str) -> tuple[int, int]:
+    """The largest measured tile whose Q, K and V tiles and score tile fit static shared memory."""
+    size = 2 if dtype == "float16" else 4
+    for queries, keys in PREFILL_TILES:
+        if size * (queries * head_dim + 2 * keys * head_dim) + 4 * queries * keys <= STATIC_SHARED_BYTES:
+            return queries, keys
+    return PREFILL_TILES[-1]
+
+
+@contextlib.contextmanager
+def prefill_attention_tiles(target: tvm.target.Target, head_dim: int, dtype: str) -> Iterator[None]:
+    """While TIRPagedKVCache builds its kernels, TVM's prefill tile heuristic answers with prefill_tiles (CUDA
+    only: nothing was measured on ROCm). TVM has no parameter for it: its config function is swapped for the
+    duration and restored, whatever happens."""
+    from tvm.relax.frontend.nn.llm import _prefill_kernels
+
+    if target.kind.name != "cuda":
+        yield
+        return
+    original = _prefill_kernels._get_prefill_kernel_config
+    queries, keys = prefill_tiles(head_dim, dtype)
+
+    def config(h_kv, h_q, d, kv_dtype, tgt, **kwargs):  # noqa: ANN001, ANN003  (TVM's signature)
+        num_blocks, load_vec, group_size, bdx, num_warps, _, _, _ = original(h_kv, h_q, d, kv_dtype, tgt, **kwargs)
+        tile_y = d  # the output tile's width: a multiple of the head dimension that the threads divide evenly
+        while (queries * tile_y) % (bdx * num_warps):
+            tile_y += d
+        return num_blocks, load_vec, group_size, bdx, num_warps, queries, tile_y, keys
+
+    _prefill_kernels._get_prefill_kernel_config = config
+    try:
+        yield
+    finally:
+        _prefill_kernels._get_prefill_kernel_config = original
 
 
 def _embedding(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
