@@ -267,7 +267,10 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     engine = Engine(artifact, EngineOptions(max_batch=8, max_context=4096))
     result["load_seconds"] = round(time.perf_counter() - start, 2)
-    result["manifest_kernels"] = engine.artifact.manifest["kernels"].get("device_binaries")
+    kernels = engine.artifact.manifest["kernels"]
+    result["manifest_kernels"] = kernels.get("device_binaries")
+    if kernels.get("tuning"):  # how many kernels took tuning records (the H200 report says so)
+        result["tuning"] = {k: kernels["tuning"][k] for k in ("tuned", "default", "files")}
     half = result["spec"].get("precision", "f32") == "f16"
     checks = {"oracle": check_oracle(engine, np.load(folder / "reference.npz"), REL_TOL_F16 if half else REL_TOL),
               "batched": check_batched(engine, joint_prefill=not half)}

@@ -29,6 +29,7 @@ from luce_runtime.bench import roofline_tok_s, weight_bytes_per_token  # noqa: E
 from report import write_results  # noqa: E402
 
 OURS = "luce-compile"
+BUILD_BEFORE_TUNING = "untuned, float32 activations"  # what runs before 2026-12-01 measured (no precision recorded)
 WORKLOADS = ("smollm2-135m", "llama-1b-body", "llama-1b-body-bf16", "qwen3-0.6b")
 ENGINES = (OURS, "llama.cpp", "torch")
 METRICS = ("decode_b1", "decode_b8", "prefill_512", "prefill_2048")
@@ -153,8 +154,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# H200: luce-compile vs llama.cpp CUDA vs torch, {same} ({meta['date']})", "",
              f"{meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); llama.cpp as vendored by "
              f"llama-cpp-python {meta['llama_cpp_python']} (built there: CUDA arch 90, FA on, f16 KV); "
-             f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, untuned, float32 activations, CUDA graphs "
-             "per layer).", "",
+             f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, {meta.get('build', BUILD_BEFORE_TUNING)}, "
+             "CUDA graphs per layer).", "",
              f"Command: `{meta['command']}`", "",
              "Synthetic random-weight GGUFs at the real shapes (speed does not depend on the values), the same file "
              "for all three engines. Decode after a 512-token prompt; b=8 is the aggregate of 8 sequences. torch "
@@ -224,9 +225,22 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
         ax.tick_params(axis="x", labelrotation=15)
     meta = doc["meta"]
     runs = len(meta.get("runs", [])) or 1
-    fig.suptitle(f"H200, {'one run' if runs == 1 else f'{runs} runs'} ({meta['date'][:16]}): luce-compile (untuned) "
-                 "vs llama.cpp CUDA vs torch bf16", fontsize=10)
+    fig.suptitle(f"H200, {'one run' if runs == 1 else f'{runs} runs'} ({meta['date'][:16]}): luce-compile "
+                 f"({meta.get('build', BUILD_BEFORE_TUNING)}) vs llama.cpp CUDA vs torch bf16", fontsize=9)
     return save(fig, out)
+
+
+def build_description(*runs: Path) -> str:
+    """How the measured artifacts were built, from the checks' specs (device_check prepare records the precision;
+    its tuning summary, where the run has one)."""
+    specs = [_load(f / "check.json") for run in runs for f in sorted(run.iterdir()) if (f / "check.json").is_file()]
+    precisions = sorted({(s or {}).get("spec", {}).get("precision", "f32") for s in specs})
+    tuned = [s["tuning"] for s in specs if s and s.get("tuning")]
+    words = {"f16": "float16 tensor-core GEMMs above 8 rows, float32 elsewhere", "f32": "float32 activations"}
+    text = "; ".join(words.get(p, p) for p in precisions)
+    if tuned:
+        text += f"; {sum(t['tuned'] for t in tuned)} kernels tuned, {sum(t['default'] for t in tuned)} default"
+    return text
 
 
 def _run_label(run: Path) -> str:
@@ -259,7 +273,7 @@ def main() -> int:
     meta = {"date": date, "gpu": gpu, "python": py, "torch": torch_v, "cuda": cuda,
             "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
             "luce_compile": luce_compile.__version__, "tvm": tvm.__version__, "command": args.command,
-            "runs": runs}
+            "runs": runs, "build": build_description(*args.run)}
     doc = {"meta": meta, "results": results}
     stem = args.out / (args.name or f"h200-{date[:10]}")
     table = markdown(doc)
