@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import tvm
-from luce_runtime.tune_bench import BUNDLE_FORMAT, RESULTS_FORMAT
+from luce_runtime.tune_bench import BUNDLE_FORMAT, RESULTS_FORMAT, BundleError, read_versioned
 
 import luce_compile
 from luce_compile.errors import LuceError
@@ -131,11 +131,10 @@ def _confirmed(record: dict[str, Any], results: dict[str, Any], key: str) -> dic
 
 
 def _read_results(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise TuneLogError(f"tune: no results file {path}; write it on the target machine with "
-                           "`python -m luce_runtime.tune_bench BUNDLE --out RESULTS.json`.")
-    results = json.loads(path.read_text())
-    if results.get("format") != RESULTS_FORMAT:
-        raise TuneLogError(f"tune: {path} is format {results.get('format')!r}, not {RESULTS_FORMAT}; it is not a "
-                           "tune_bench results file.")
-    return results
+    try:
+        return read_versioned(path, RESULTS_FORMAT,
+                              f"tune: no results file {path}; write it on the target machine with "
+                              "`python -m luce_runtime.tune_bench BUNDLE --out RESULTS.json`.",
+                              "it is not a tune_bench results file.")
+    except BundleError as err:
+        raise TuneLogError(str(err)) from err

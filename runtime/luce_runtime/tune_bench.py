@@ -125,16 +125,22 @@ def _cpuinfo() -> list[str]:
         return []
 
 
-def read_index(bundle: Path) -> dict[str, Any]:
-    path = bundle / "index.json"
+def read_versioned(path: Path, fmt: str, missing: str, rebuild: str) -> dict[str, Any]:
+    """A bundle's index or a results file: JSON whose "format" is fmt. `missing` and `rebuild` say what to do when the
+    file is absent or of another format (the one reader of both, here and in luce_compile/tune/bundle.py)."""
     if not path.is_file():
-        raise BundleError(f"tune_bench: {bundle} has no index.json; pass the folder `luce-compile tune ... "
-                          "--bundle DIR` wrote.")
-    index = json.loads(path.read_text())
-    if index.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"tune_bench: {path} is format {index.get('format')!r}, this runner reads {BUNDLE_FORMAT}; "
+        raise BundleError(missing)
+    doc = json.loads(path.read_text())
+    if doc.get("format") != fmt:
+        raise BundleError(f"{path} is format {doc.get('format')!r}, not {fmt}; {rebuild}")
+    return doc
+
+
+def read_index(bundle: Path) -> dict[str, Any]:
+    return read_versioned(bundle / "index.json", BUNDLE_FORMAT,
+                          f"tune_bench: {bundle} has no index.json; pass the folder `luce-compile tune ... --bundle "
+                          "DIR` wrote.",
                           "rebuild the bundle with the same luce-compile version as this runtime.")
-    return index
 
 
 def run_bundle(bundle: Path, out: Path, *, min_time: float = 0.2, seed: int = 0,
