@@ -15,6 +15,10 @@ fi
 export PYTHONPATH=$W/site:$PWD/runtime:$PWD PYTHONUNBUFFERED=1
 BUNDLES=${BUNDLES:-$(cd .gpucheck/tune && ls -d */ | tr -d /)}
 start=$(date +%s)
+# the device's copy bandwidth in the same call: what a memory-bound kernel's time is a fraction of
+python3 -c "import json, tvm; from luce_runtime.engine import load_device_api; load_device_api('cuda')
+from luce_runtime.bench import device_bandwidth_gb_s
+print(json.dumps({'device_copy_gb_s': device_bandwidth_gb_s(tvm.cuda(0))}))" > "$OUT/bandwidth.json" 2>> "$OUT/tune-log.txt"
 for b in $BUNDLES; do
   # a re-run on a warm machine resumes: tune_bench skips what --out already holds
   timeout "${PER_BUNDLE:-240}" python3 -m luce_runtime.tune_bench ".gpucheck/tune/$b" --out "$OUT/tune-$b.json" \

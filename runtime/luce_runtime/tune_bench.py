@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 BUNDLE_FORMAT = "luce-tune-bundle/1"
 RESULTS_FORMAT = "luce-tune-results/1"
 MAX_COPIES = 256  # argument sets rotated through at most (a tiny kernel would otherwise need thousands)
+GPU_CALLS = 8  # calls per synchronized sample on a GPU (time_kernel)
 CONFIRM_ROUNDS = 3  # alternating timings of a workload's winner and its default before the winner is recorded
 
 
@@ -81,17 +82,25 @@ def argument_sets(call_args: list[dict[str, Any]], device: tvm.runtime.Device, r
 
 
 def time_kernel(fn: Callable[..., Any], sets: list[list[Any]], device: tvm.runtime.Device,
-                min_time: float = 0.2, max_repeat: int = 1000) -> tuple[float, int]:
-    """(median seconds per call, calls timed): fn on each argument set in turn, repeated until ~min_time is spent."""
+                min_time: float = 0.2, max_repeat: int = 1000, calls: int = 1) -> tuple[float, int]:
+    """(median seconds per call, samples timed): fn on each argument set in turn, repeated until ~min_time is spent.
+    Each sample is `calls` calls back to back between two synchronizations, divided by calls: on a GPU one call per
+    sync adds the launch and the sync's round trip (~10 µs through TVM's FFI on the H200) to a kernel that may take
+    less, as the model's CUDA graphs never do (tune_bench passes GPU_CALLS; the CPU's calls are synchronous)."""
     turn = iter(range(1 << 62))
 
     def call() -> None:
-        fn(*sets[next(turn) % len(sets)])
+        for _ in range(calls):
+            fn(*sets[next(turn) % len(sets)])
 
     first = call_times(call, 1, warmup=1, sync=device.sync)[0]
     repeat = int(min(max_repeat, max(5, min_time / max(first, 1e-7))))
     times = call_times(call, repeat, warmup=0, sync=device.sync)
-    return float(np.median(times)), repeat
+    return float(np.median(times)) / calls, repeat
+
+
+def calls_per_sample(device: tvm.runtime.Device) -> int:
+    return 1 if device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type() else GPU_CALLS
 
 
 def load_device(kind: str) -> tvm.runtime.Device:
@@ -181,7 +190,7 @@ def confirm(default_fn: Callable[..., Any], best_fn: Callable[..., Any], sets: l
     times: list[list[float]] = [[], []]
     for _ in range(rounds):
         for fn, out in zip((default_fn, best_fn), times, strict=True):
-            out.append(time_kernel(fn, sets, device, min_time)[0])
+            out.append(time_kernel(fn, sets, device, min_time, calls=calls_per_sample(device))[0])
     return float(np.median(times[0])), float(np.median(times[1]))
 
 
@@ -211,7 +220,7 @@ def _time_one(bundle: Path, cand: dict[str, Any], sets: list[list[Any]], device:
               min_time: float) -> dict[str, Any]:
     try:
         fn = tvm.runtime.load_module(str((bundle / cand["library"]).resolve()))[cand["function"]]
-        seconds, repeat = time_kernel(fn, sets, device, min_time)
+        seconds, repeat = time_kernel(fn, sets, device, min_time, calls=calls_per_sample(device))
     except Exception as err:  # noqa: BLE001  (a kernel that fails to load or run is an invalid candidate)
         return {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
     return {"time_us": round(seconds * 1e6, 3), "repeat": repeat}
