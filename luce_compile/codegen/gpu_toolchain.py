@@ -288,6 +288,23 @@ def _loads(library: str) -> bool:
     return True
 
 
+def cuda_source(mod, target, **compile_kwargs) -> str:  # noqa: ANN001  (tvm.IRModule, tvm.target.Target)
+    """The CUDA C++ TVM generates for an IRModule, captured before any compiler runs (no nvcc or NVRTC needed):
+    what tests inspect and what a reader of a schedule wants to see."""
+    import tvm
+
+    ensure_cuda_codegen()
+    captured: list[str] = []
+
+    def capture(code: str) -> bytearray:
+        captured.append(code)
+        return bytearray(b"\0")
+
+    with overriding_global_func("tvm_callback_cuda_compile", capture), target:
+        tvm.compile(mod, target=target, **compile_kwargs)
+    return captured[0]
+
+
 @contextlib.contextmanager
 def gpu_toolchain(kind: str, archs: tuple[str, ...], mcpu: str = "") -> Iterator[str]:
     """Everything a build for a cuda/rocm target needs around tvm.compile; yields how CUDA codegen was enabled."""

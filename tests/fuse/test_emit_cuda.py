@@ -24,19 +24,9 @@ def cuda_source(func) -> str:
     import tvm
     from tvm.target import Target
 
-    from luce_compile.codegen.gpu_toolchain import ensure_cuda_codegen, overriding_global_func
+    from luce_compile.codegen.gpu_toolchain import cuda_source as generated
 
-    ensure_cuda_codegen()
-    captured: list[str] = []
-
-    def capture(code: str) -> bytearray:
-        captured.append(code)
-        return bytearray(b"\0")
-
-    target = Target({"kind": "cuda", "arch": "sm_90"})
-    with overriding_global_func("tvm_callback_cuda_compile", capture), target:
-        tvm.compile(tvm.IRModule({"megakernel": func}), target=target, tir_pipeline="tirx")
-    return captured[0]
+    return generated(tvm.IRModule({"megakernel": func}), Target({"kind": "cuda", "arch": "sm_90"}), tir_pipeline="tirx")
 
 
 def divergent_collectives(source: str) -> list[str]:

@@ -64,10 +64,12 @@ def test_batch_one_is_left_to_the_gemv_rule():
 
 # ---- tensor cores (precision f16): the float16 twin above the low-batch buckets --------------------------------------
 def _cuda_source(func: tirx.PrimFunc) -> str:
+    """The CUDA TVM generates (captured before any compiler: the tests need no nvcc or NVRTC)."""
     import tvm
 
-    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("tirx.is_scheduled", True)}), target=TARGET)
-    return lib.mod.imports[0].inspect_source()
+    from luce_compile.codegen.gpu_toolchain import cuda_source
+
+    return cuda_source(tvm.IRModule({"main": func.with_attr("tirx.is_scheduled", True)}), TARGET)
 
 
 @pytest.mark.unit
