@@ -61,10 +61,13 @@ def host_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu())
 
 
-def _cuda(name: str, hardware: str, status: str, note: str, sm_count: int, l2_mb: int, gb_s: int) -> TargetInfo:
-    # 48 KiB is the static shared memory any kernel may use without opting in to more (cudaFuncSetAttribute)
+def _cuda(name: str, hardware: str, status: str, note: str, sm_count: int, l2_mb: int, gb_s: int,
+          opt_in_shared_kib: int) -> TargetInfo:
+    # 48 KiB is the static shared memory any kernel may use without opting in to more (cudaFuncSetAttribute);
+    # opted in, a block may have opt_in_shared_kib (CUDA programming guide, compute capabilities table)
     facts = {"sm_count": sm_count, "l2_bytes": l2_mb << 20, "warp_size": 32, "max_threads_per_block": 1024,
-             "max_shared_memory_per_block": 49152, "mem_bandwidth_gb_s": gb_s}
+             "max_shared_memory_per_block": 49152, "max_shared_memory_opt_in": opt_in_shared_kib << 10,
+             "mem_bandwidth_gb_s": gb_s}
     return TargetInfo(name, hardware, "cuda", status, note, facts, (name,))
 
 
@@ -79,10 +82,11 @@ _COMPILED = "compiled and binary-checked here (cuobjdump); never run"
 # read + write), elsewhere the vendor's datasheet figure: the megakernel planner's cost model (fuse/plan.py)
 TARGETS = {
     "cpu": TargetInfo("cpu", "this host (x86-64)", "llvm", "measured", "the embedded default; CI runs it"),
-    "sm_86": _cuda("sm_86", "RTX 3090", "compiled", _COMPILED, 82, 6, 936),
+    "sm_86": _cuda("sm_86", "RTX 3090", "compiled", _COMPILED, 82, 6, 936, 99),
     "sm_90": _cuda("sm_90", "H100/H200", "measured",
-                   "run on an H200 (runtime only): matches the oracle, timed; benchmarks/results/h200/", 132, 50, 4225),
-    "sm_120": _cuda("sm_120", "RTX 5090", "compiled", _COMPILED, 170, 96, 1792),
+                   "run on an H200 (runtime only): matches the oracle, timed; benchmarks/results/h200/", 132, 50, 4225,
+                   227),
+    "sm_120": _cuda("sm_120", "RTX 5090", "compiled", _COMPILED, 170, 96, 1792, 99),
     "gfx1201": _rocm("gfx1201", "Radeon AI PRO R9700", "compiled",
                      "wave32 HSACO compiled and disassembled here (llvm-objdump); never run", 64, 640),
     "gfx1151": _rocm("gfx1151", "Strix Halo", "compiled",
@@ -117,6 +121,12 @@ def _multi_arch(name: str) -> TargetInfo:
         lowest, name=",".join(i.name for i in infos), hardware=" + ".join(i.hardware for i in infos),
         status=status, note=f"one fatbin for {len(infos)} archs, kernels generated for {lowest.name}",
         archs=tuple(i.name for i in infos))
+
+
+def sm_version(target) -> int | None:
+    """A CUDA target's compute capability as a number (sm_90a → 90); None for other targets."""
+    arch = str(target.attrs.get("arch", "")).removeprefix("sm_").rstrip("a")
+    return int(arch) if target.kind.name == "cuda" and arch.isdigit() else None
 
 
 def facts_for(target) -> dict[str, Any]:

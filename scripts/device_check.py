@@ -40,7 +40,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 REL_TOL, NEAR_TIE, BATCH_TOL = 1e-3, 0.05, 1e-4
-HALF_ABOVE = 8  # precision f16: matmuls of more rows run on tensor cores (schedules/gpu/quant_gemm.py LOW_BATCH)
 # precision f16 against the emulating oracle. Measured 1.3-1.5e-3 on the four H200 workloads (2026-12-01); no tighter
 # bound means anything at the model level: rounding to float16 is discontinuous, and the oracle's own logits move
 # 3.3e-3 when its inputs are perturbed by 1e-6 before the rounding (SmolLM2 shape, random weights). The kernels
@@ -52,6 +51,8 @@ TVM_SKIP = ("lib/libtvm_compiler.so", "3rdparty", "src", "include", "web", "__py
 
 # ---- prepare (build machine) --------------------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> None:
+    from luce_schedules.gpu.quant_gemm import LOW_BATCH
+
     from luce_compile.codegen.compile import compile_model
     from luce_compile.synthetic import cached_synthetic
 
@@ -65,7 +66,8 @@ def prepare(args: argparse.Namespace) -> None:
     precision = json.loads((artifact / "manifest.json").read_text())["kernels"]["precision"]
     (artifact / "weights.bin").unlink()  # rebuilt there from the GGUF: it would not fit the 64 MiB transfer
     prompt = [int(t) for t in np.random.default_rng(args.seed).integers(1, 49152, args.prompt_len)]
-    ids, logits = _oracle_trace(gguf, prompt, args.steps, half_above=HALF_ABOVE if precision == "f16" else None)
+    # precision f16: matmuls of more rows than the last low-batch bucket run on tensor cores
+    ids, logits = _oracle_trace(gguf, prompt, args.steps, half_above=LOW_BATCH[-1][0] if precision == "f16" else None)
     np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
     (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name, "target": args.target,
                                                "precision": precision, "build_seconds": round(build_s, 1)}))
@@ -292,11 +294,12 @@ def check_gemms(args: argparse.Namespace) -> int:
     import tvm
     from gguf import GGMLQuantizationType
     from gguf import quants as gguf_quants
+    from luce_runtime.tune_bench import read_index
 
     from luce_compile.lower.quant_layout import repack
 
     bundle = Path(args.bundle)
-    index = json.loads((bundle / "index.json").read_text())
+    index = read_index(bundle)
     workloads = {w["key"]: w for w in index["workloads"]}
     device, rng, rows = tvm.cuda(0), np.random.default_rng(args.seed), []
     for cand in index["candidates"]:

@@ -56,8 +56,11 @@ def plane_bytes(ggml_type: str, n: int, k: int) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
+    from luce_runtime.tune_bench import RESULTS_FORMAT, read_versioned
+
     run = Path(args.run)
-    results = json.loads((run / "tune-gemv.json").read_text())
+    results = read_versioned(run / "tune-gemv.json", RESULTS_FORMAT, f"gemv_table: no tune-gemv.json in {run}; pass "
+                             "the folder the device call brought back.", "it is not a tune_bench results file.")
     bandwidth = json.loads((run / "bandwidth.json").read_text())["device_copy_gb_s"]
     by_fn: dict[str, dict] = {}
     for r in results["results"]:

@@ -46,6 +46,7 @@ from tvm.target import Target, codegen
 from luce_compile.errors import UnsupportedError
 from luce_compile.lower.quant_layout import as_ggml_type
 from luce_compile.lower.quant_matmul import stored_quant, weight_planes
+from luce_compile.targets import sm_version
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +133,7 @@ def has_vnni(target: Target) -> bool:
 
 def has_tensor_cores(target: Target) -> bool:
     """CUDA sm_70 and later: the WMMA half-precision tensor-core GEMM of schedules/gpu/tensor_gemm.py."""
-    if target.kind.name != "cuda":
-        return False
-    arch = str(target.attrs.get("arch", "")).removeprefix("sm_").rstrip("a")
-    return arch.isdigit() and int(arch) >= 70
+    return (sm_version(target) or 0) >= 70
 
 
 def resolve_precision(precision: str, target: Target) -> str:

@@ -91,23 +91,17 @@ class GraphModule(nn.Module):
         c = self.graph.config
         kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
         with prefill_attention_tiles(self.target, c.head_dim, self.options.dtype):
-            return self._kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
-                                  support_sliding_window, kinds)
-
-    def _kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var, prefill_chunk_size: tirx.Var,
-                  page_size: tirx.Var, support_sliding_window: tirx.Var, kinds: list[str]) -> PagedKVCache:
-        c = self.graph.config
-        return TIRPagedKVCache(
-            attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-            support_sliding_window=support_sliding_window, layer_partition=relax.ShapeExpr([0, c.n_layer]),
-            num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head_kv,
-            qk_head_dim=c.head_dim, v_head_dim=c.head_dim_v, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
-            # RoPE is the graph's own op (both layouts, per-layer bases): the cache stores keys already rotated.
-            rope_mode=RopeMode.NONE, rope_scale=1, rope_theta=int(c.rope_base), rope_scaling={},
-            rope_ext_factors=relax.prim_value(0), rotary_dim=c.rope_dim, enable_disaggregation=False,
-            dtype=self.options.dtype, target=self.target, layer_sliding_window_size=c.sliding_window or 1024,
-        )
+            return TIRPagedKVCache(
+                attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+                prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+                support_sliding_window=support_sliding_window, layer_partition=relax.ShapeExpr([0, c.n_layer]),
+                num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head_kv,
+                qk_head_dim=c.head_dim, v_head_dim=c.head_dim_v, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
+                # RoPE is the graph's own op (both layouts, per-layer bases): the cache stores keys already rotated.
+                rope_mode=RopeMode.NONE, rope_scale=1, rope_theta=int(c.rope_base), rope_scaling={},
+                rope_ext_factors=relax.prim_value(0), rotary_dim=c.rope_dim, enable_disaggregation=False,
+                dtype=self.options.dtype, target=self.target, layer_sliding_window_size=c.sliding_window or 1024,
+            )
 
     def prefill(self, tokens: nn.Tensor, logit_rows: nn.Tensor, kv: PagedKVCache):
         return self._forward(tokens, kv, logit_rows), kv

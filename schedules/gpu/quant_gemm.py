@@ -76,7 +76,7 @@ class QuantGEMM(GPURule):
 
 
 def tensor_core_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, target: Target,
-                     tile: dict[str, int]) -> s_tir.Schedule | None:
+                     tile: dict[str, int]) -> Dispatched | None:
     """The twin scheduled on tensor cores, its body rebound to func's parameters (the same signature), so that
     dispatch_on_batch can put it beside schedules of func itself; None where the tile does not apply."""
     sch = TensorCoreGEMM().apply(twin, target, tile)
@@ -95,7 +95,7 @@ def tensor_core_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, target: Target,
 def dispatch_on_batch(func: tirx.PrimFunc, batch: tirx.Var, low: dict[int, s_tir.Schedule],
                       gemm: s_tir.Schedule | Dispatched) -> tirx.PrimFunc:
     """func whose body runs low[limit]'s schedule for the smallest limit ≥ batch, else gemm's. Every schedule was
-    made from func itself, so all bodies refer to func's own parameters and buffers."""
+    made from func itself (or rebound to it: tensor_core_gemm), so all bodies refer to func's own parameters."""
     body = gemm.mod["main"].body
     for limit, sch in sorted(low.items(), reverse=True):
         body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(batch <= limit), sch.mod["main"].body, body)

@@ -35,17 +35,17 @@ from tvm.s_tir.dlight.gpu.matmul import (
 )
 from tvm.target import Target
 
+from luce_compile.targets import facts_for
+
 FRAGMENT = 16  # WMMA m16n16k16
 DEFAULT_SHARED_BYTES = 48 * 1024  # a block's shared memory without the opt-in attribute, static and dynamic together
 STATIC_SHARED_BYTES = 40 * 1024  # static tiles stay well under the 48 KiB static limit
-# a block's shared memory with the opt-in, per compute capability (CUDA programming guide, table 21)
-MAX_SHARED_BYTES = {80: 163 * 1024, 87: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
-MAX_SHARED_OTHER = 99 * 1024  # sm_86, sm_89, sm_120
+OPT_IN_SHARED_BYTES = 99 * 1024  # a block's opted-in shared memory where the registry has no figure (the least)
 
 
 def max_shared_bytes(target: Target) -> int:
-    arch = str(target.attrs.get("arch", "")).removeprefix("sm_").rstrip("a")
-    return MAX_SHARED_BYTES.get(int(arch), MAX_SHARED_OTHER) if arch.isdigit() else MAX_SHARED_OTHER
+    """A block's shared memory with the opt-in: the target registry's fact (227 KiB on sm_90, 99 KiB on sm_86/120)."""
+    return int(facts_for(target).get("max_shared_memory_opt_in", OPT_IN_SHARED_BYTES))
 
 
 def is_half_matmul(sch: s_tir.Schedule) -> bool:

@@ -26,7 +26,7 @@ def test_every_quantized_type_at_every_shape_it_can_take(table):
 @pytest.mark.unit
 def test_report_rows_are_bytes_over_time_against_the_copy_bandwidth(table, tmp_path):
     key = "sm_90|gpu.quant_gemv|gemv_q8_0_4096x4096|Q8_0|..."
-    results = {"date": "2026-12-01T00:00:00", "device": "NVIDIA H200", "results": [
+    results = {"format": "luce-tune-results/1", "date": "2026-12-01T00:00:00", "device": "NVIDIA H200", "results": [
         {"id": "a", "key": key, "knobs": {"threads": 32}, "default": True, "time_us": 10.0},
         {"id": "b", "key": key, "knobs": {"threads": 64}, "default": False, "time_us": 7.0},
         {"id": "c", "key": key, "knobs": {"threads": 128}, "default": False, "time_us": None, "error": "refused"}],
@@ -44,7 +44,7 @@ def test_report_rows_are_bytes_over_time_against_the_copy_bandwidth(table, tmp_p
 @pytest.mark.unit
 def test_a_winner_slower_on_confirmation_keeps_the_default(table, tmp_path):
     key = "sm_90|gpu.quant_gemv|gemv_q4_0_4096x4096|Q4_0|..."
-    results = {"date": "2026-12-01T00:00:00", "device": "NVIDIA H200", "results": [
+    results = {"format": "luce-tune-results/1", "date": "2026-12-01T00:00:00", "device": "NVIDIA H200", "results": [
         {"id": "a", "key": key, "knobs": {"threads": 32}, "default": True, "time_us": 10.0},
         {"id": "b", "key": key, "knobs": {"threads": 64}, "default": False, "time_us": 7.0}],
         "confirmed": {key: {"default_id": "a", "best_id": "b", "default_us": 10.0, "best_us": 12.0}}}
