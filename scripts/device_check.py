@@ -92,6 +92,15 @@ def _oracle_trace(gguf: Path, prompt: list[int], steps: int,
                 y = super()._matmul(op, x2)
             return y.reshape(*x.shape[:-1], y.shape[-1])
 
+        def _attention(self, op, q, k, v, positions):
+            # a prefill from an empty cache runs the tensor-core kernel: Q, K and V rounded to float16 there (the
+            # cache keeps them float32; P's rounding is not emulated)
+            if half_above is None or op.attrs["layer"] in self._kv or q.shape[1] < 2:
+                return super()._attention(op, q, k, v, positions)
+            out = super()._attention(op, _half(q), _half(k), _half(v), positions)
+            self._kv[op.attrs["layer"]] = (k, v, self._kv[op.attrs["layer"]][2])
+            return out
+
         def _lm_head(self, op, x):  # the build computes only the last row's logits in a prefill
             y = super()._matmul(op, x.reshape(-1, x.shape[-1]))
             return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -332,6 +341,134 @@ def check_gemms(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- prefill attention (schedules/gpu/attention_prefill.py) --------------------------------------------------------
+# (h_kv, h_q, head dim): SmolLM2, Llama-1B, Qwen3-0.6B, Gemma-3-1B, plain multi-head
+ATTENTION_SHAPES = ((3, 9, 64), (8, 32, 64), (8, 16, 128), (1, 4, 256), (4, 4, 64))
+
+
+def build_attention(args: argparse.Namespace) -> int:
+    """Build machine: the tensor-core ragged prefill kernel and TVM's (with the tiles create_kv_cache gives it) for
+    every shape of ATTENTION_SHAPES, each a library of its own, and index.json."""
+    import tvm
+    from luce_schedules.gpu.attention_prefill import PrefillTile, default_tile, ragged_prefill
+    from tvm.relax.frontend.nn.llm import _prefill_kernels
+
+    from luce_compile.codegen.device_binaries import export_checked
+    from luce_compile.codegen.gpu_toolchain import gpu_toolchain
+    from luce_compile.lower.relax_model import prefill_attention_tiles
+    from luce_compile.targets import get_target
+
+    info = get_target(args.target)
+    target = info.tvm_target()
+    out = Path(args.dir)
+    (out / "lib").mkdir(parents=True, exist_ok=True)
+    entries = []
+    for h_kv, h_q, d in ATTENTION_SHAPES:
+        tile = default_tile(d, d)
+        kernels = {"tensor_core": ragged_prefill(h_kv, h_q, d, d, "float32", tile=tile,
+                                                  sm_count=int(info.facts["sm_count"]))}
+        with prefill_attention_tiles(target, d, "float32"):
+            kernels["tvm_tiled"] = _prefill_kernels._attention_prefill_ragged(h_kv, h_q, d, d, "float32", {}, target)
+        kernels["tvm_default"] = _prefill_kernels._attention_prefill_ragged(h_kv, h_q, d, d, "float32", {}, target)
+        for variant in args.variants if d == 64 else ():  # "warps,keys,blocks_per_sm"
+            warps, keys, per_sm = (int(x) for x in variant.split(","))
+            kernels[f"tensor_core_{warps}x{keys}x{per_sm}"] = ragged_prefill(
+                h_kv, h_q, d, d, "float32", tile=PrefillTile(warps, keys, per_sm), sm_count=int(info.facts["sm_count"]))
+        for name, func in kernels.items():
+            lib = f"lib/{name}_{h_kv}_{h_q}_{d}.so"
+            with gpu_toolchain(info.kind, info.archs, info.name), target:
+                export_checked(tvm.compile(tvm.IRModule({"batch_prefill_ragged_kv": func}), target=target), info,
+                               out / lib)
+            entries.append({"kernel": name, "h_kv": h_kv, "h_q": h_q, "d": d, "library": lib,
+                            "tile": [tile.warps, tile.keys] if name == "tensor_core" else None})
+            del func
+            print(entries[-1], flush=True)
+    (out / "index.json").write_text(json.dumps({"target": info.name, "entries": entries}, indent=1))
+    return 0
+
+
+def _attention_reference(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float):
+    """float64 ragged attention: per sequence, each query head against its KV head, keys at most kv - qo + row."""
+    h_q, h_kv = q.shape[1], k.shape[1]
+    out = np.zeros(q.shape[:2] + (v.shape[2],))
+    lse = np.zeros(q.shape[:2])
+    qs, ks = 0, 0
+    for qn, kn in zip(q_lens, kv_lens, strict=True):
+        for h in range(h_q):
+            s = q[qs:qs + qn, h] @ k[ks:ks + kn, h // (h_q // h_kv)].T * sm_scale
+            if causal:
+                s = np.where(np.arange(kn)[None, :] <= np.arange(qn)[:, None] + kn - qn, s, -np.inf)
+            m = s.max(axis=1, keepdims=True)
+            p = np.exp(s - m)
+            out[qs:qs + qn, h] = p @ v[ks:ks + kn, h // (h_q // h_kv)] / p.sum(axis=1, keepdims=True)
+            lse[qs:qs + qn, h] = (m[:, 0] + np.log(p.sum(axis=1))) / np.log(2)
+        qs, ks = qs + qn, ks + kn
+    return out, lse
+
+
+def check_attention(args: argparse.Namespace) -> int:
+    """GPU machine: every kernel of a `attention-build` folder on fresh random ragged batches (several sequences, a
+    cached prefix, causal and not) against float64, plain and with Q, K, V rounded to float16 (the tensor cores'
+    operand rounding; P's rounding stays, ≈ 2⁻¹¹ relative, averaged over the keys); then timed at 512 and 2048
+    tokens, one sequence, causal (TVM's time_evaluator, median of repeats)."""
+    _load_runtime()
+    import tvm
+
+    folder = Path(args.dir)
+    index = json.loads((folder / "index.json").read_text())
+    device, rng, rows = tvm.cuda(0), np.random.default_rng(args.seed), []
+
+    def tensors(q_lens, kv_lens, h_kv, h_q, d):
+        q = rng.standard_normal((sum(q_lens), h_q, d)).astype(np.float32)
+        k = rng.standard_normal((sum(kv_lens), h_kv, d)).astype(np.float32)
+        v = rng.standard_normal((sum(kv_lens), h_kv, d)).astype(np.float32)
+        return q, k, v
+
+    def call(fn, q, k, v, q_lens, kv_lens, causal, sm_scale):
+        indptr = lambda n: tvm.runtime.tensor(np.concatenate([[0], np.cumsum(n)]).astype(np.int32), device)  # noqa: E731
+        out = tvm.runtime.tensor(np.zeros((q.shape[0], q.shape[1], v.shape[2]), np.float32), device)
+        lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32), device)
+        zeros_q = tvm.runtime.tensor(np.zeros(q.shape[0], np.int32), device)
+        zeros_b = tvm.runtime.tensor(np.zeros(len(q_lens), np.int32), device)
+        argv = (tvm.runtime.tensor(q, device), indptr(q_lens), tvm.runtime.tensor(k, device),
+                tvm.runtime.tensor(v, device), indptr(kv_lens), zeros_q, zeros_b, out, lse, int(causal), 0, 1.0,
+                1e4, sm_scale)
+        fn(*argv)
+        return out.numpy(), lse.numpy(), argv
+
+    cases = [((1, 17, 100, 300), (1, 17, 100, 300), True), ((37, 64), (77, 64), True), ((45, 130), (45, 200), False),
+             ((513,), (513,), True)]
+    for e in index["entries"]:
+        fn = tvm.runtime.load_module(str((folder / e["library"]).resolve()))["batch_prefill_ragged_kv"]
+        h_kv, h_q, d = e["h_kv"], e["h_q"], e["d"]
+        sm_scale = 1 / np.sqrt(d)
+        for q_lens, kv_lens, causal in cases:
+            q, k, v = tensors(q_lens, kv_lens, h_kv, h_q, d)
+            got, got_lse, _ = call(fn, q, k, v, q_lens, kv_lens, causal, sm_scale)
+            plain, plain_lse = _attention_reference(*(a.astype(np.float64) for a in (q, k, v)), q_lens, kv_lens,
+                                                    causal, sm_scale)
+            half, half_lse = _attention_reference(*(_half(a) for a in (q, k, v)), q_lens, kv_lens, causal, sm_scale)
+            rows.append({**{x: e[x] for x in ("kernel", "h_kv", "h_q", "d")}, "q_lens": list(q_lens),
+                         "kv_lens": list(kv_lens), "causal": causal,
+                         "vs_plain": _rel(got, plain), "vs_half": _rel(got, half),
+                         "lse_vs_plain": float(np.abs(got_lse - plain_lse).max()),
+                         "lse_vs_half": float(np.abs(got_lse - half_lse).max())})
+            print(json.dumps(rows[-1]), flush=True)
+        for n in args.tokens:
+            q, k, v = tensors((n,), (n,), h_kv, h_q, d)
+            _, _, argv = call(fn, q, k, v, (n,), (n,), True, sm_scale)
+            module = tvm.runtime.load_module(str((folder / e["library"]).resolve()))
+            timer = module.time_evaluator("batch_prefill_ragged_kv", device, number=args.number, repeat=args.repeat)
+            seconds = float(np.median(timer(*argv).results))
+            flops = 4 * h_q * d * n * (n + 1) / 2  # causal: QKᵀ and PV over the visible half
+            rows.append({**{x: e[x] for x in ("kernel", "h_kv", "h_q", "d")}, "tokens": n, "us": seconds * 1e6,
+                         "tflops": flops / seconds / 1e12})
+            print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def make_gguf(args: argparse.Namespace) -> int:
     """Only write the synthetic GGUF (the benchmark generates every workload's file in parallel up front)."""
     if not Path(args.gguf).is_file():
@@ -366,6 +503,19 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--out")
     k.set_defaults(func=check_gemms)
+    ab = sub.add_parser("attention-build", help="build machine: prefill attention kernels (ours, TVM's) per shape")
+    ab.add_argument("--dir", required=True)
+    ab.add_argument("--target", default="sm_90")
+    ab.add_argument("--variants", nargs="*", default=[], help="more tensor-core tiles at head dim 64: w,keys,per_sm")
+    ab.set_defaults(func=build_attention)
+    a = sub.add_parser("attention", help="GPU machine: prefill attention kernels against float64, then timed")
+    a.add_argument("dir")
+    a.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    a.add_argument("--number", type=int, default=10)
+    a.add_argument("--repeat", type=int, default=5)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--out")
+    a.set_defaults(func=check_attention)
     g = sub.add_parser("gguf", help="GPU machine: only generate the synthetic GGUF of a prepared folder")
     g.add_argument("dir")
     g.add_argument("--gguf", required=True)

@@ -90,7 +90,8 @@ class GraphModule(nn.Module):
         # the argument names and order are KVCacheArgs' (export_spec builds the signature from it)
         c = self.graph.config
         kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
-        with prefill_attention_tiles(self.target, c.head_dim, self.options.dtype):
+        with prefill_attention_tiles(self.target, c.head_dim, self.options.dtype), \
+                tensor_core_prefill_attention(self.target, self.precision):
             return TIRPagedKVCache(
                 attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
                 prefill_chunk_size=prefill_chunk_size, page_size=page_size,
@@ -185,13 +186,14 @@ PREFILL_TILES = ((64, 32), (64, 16), (32, 32), (32, 16), (16, 16))  # (queries, 
 STATIC_SHARED_BYTES = 44 * 1024  # the 48 KiB static limit, less the kernels' small per-row arrays
 
 
-def prefill_tiles(head_dim: int, dtype: str) -> tuple[int, int]:
-    """The largest measured tile whose Q, K and V tiles and score tile fit static shared memory."""
+def prefill_tiles(head_dim: int, dtype: str) -> tuple[int, int] | None:
+    """The largest measured tile whose Q, K and V tiles and score tile fit static shared memory; None when none
+    does (head dim 256 in float32: TVM's own 8×8 stays)."""
     size = 2 if dtype == "float16" else 4
     for queries, keys in PREFILL_TILES:
         if size * (queries * head_dim + 2 * keys * head_dim) + 4 * queries * keys <= STATIC_SHARED_BYTES:
             return queries, keys
-    return PREFILL_TILES[-1]
+    return None
 
 
 @contextlib.contextmanager
@@ -201,11 +203,12 @@ def prefill_attention_tiles(target: tvm.target.Target, head_dim: int, dtype: str
     duration and restored, whatever happens."""
     from tvm.relax.frontend.nn.llm import _prefill_kernels
 
-    if target.kind.name != "cuda":
+    tiles = prefill_tiles(head_dim, dtype)
+    if target.kind.name != "cuda" or tiles is None:
         yield
         return
     original = _prefill_kernels._get_prefill_kernel_config
-    queries, keys = prefill_tiles(head_dim, dtype)
+    queries, keys = tiles
 
     def config(h_kv, h_q, d, kv_dtype, tgt, **kwargs):  # noqa: ANN001, ANN003  (TVM's signature)
         num_blocks, load_vec, group_size, bdx, num_warps, _, _, _ = original(h_kv, h_q, d, kv_dtype, tgt, **kwargs)
@@ -219,6 +222,36 @@ def prefill_attention_tiles(target: tvm.target.Target, head_dim: int, dtype: str
         yield
     finally:
         _prefill_kernels._get_prefill_kernel_config = original
+
+
+@contextlib.contextmanager
+def tensor_core_prefill_attention(target: tvm.target.Target, precision: str) -> Iterator[None]:
+    """With precision f16 on CUDA, the cache's ragged prefill kernel (a prefill from an empty cache: all of
+    pp512/pp2048's attention) is schedules/gpu/attention_prefill.py's, on tensor cores: 5-29x TVM's at 2048 tokens
+    on the H200 (benchmarks/results/h200/2026-12-01-attention.md). TIRPagedKVCache takes no kernel as a parameter:
+    the factory it calls is swapped for the duration and restored, whatever happens. Head dims WMMA cannot tile
+    keep TVM's kernel."""
+    from luce_schedules.gpu.attention_prefill import default_tile, ragged_prefill, supports
+    from tvm.relax.frontend.nn.llm import kv_cache
+
+    from luce_compile.targets import facts_for
+
+    if target.kind.name != "cuda" or precision != "f16":
+        yield
+        return
+    original = kv_cache._attention_prefill_ragged
+    sm_count = int(facts_for(target).get("sm_count", 0)) or 132  # the registry's; an unknown arch: an H100/H200's
+
+    def factory(h_kv, h_q, d_qk, d_v, dtype, rope_scaling, tgt):  # noqa: ANN001, ANN202  (TVM's signature)
+        if not supports(d_qk, d_v, dtype):
+            return original(h_kv, h_q, d_qk, d_v, dtype, rope_scaling, tgt)
+        return ragged_prefill(h_kv, h_q, d_qk, d_v, dtype, tile=default_tile(d_qk, d_v), sm_count=sm_count)
+
+    kv_cache._attention_prefill_ragged = factory
+    try:
+        yield
+    finally:
+        kv_cache._attention_prefill_ragged = original
 
 
 def _embedding(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
