@@ -45,13 +45,29 @@ def pack_llama_cpp(src: Path, out: Path) -> Path:
     return out
 
 
+def prepare_untuned(workloads: list[str], target: str, out: Path) -> int:
+    from luce_compile.codegen.compile import compile_model
+    from luce_compile.synthetic import cached_synthetic
+
+    for w in workloads:
+        artifact = compile_model(cached_synthetic(w), target, out / w / "artifact", overwrite=True,
+                                 use_tune_logs=False)
+        (artifact / "weights.bin").unlink()  # the tuned artifact's, copied there (run.sh)
+        print(f"{w}: {artifact}", flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", type=Path, default=ROOT / ".gpucheck" / "h200")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     p.add_argument("--target", default="sm_90")
     p.add_argument("--work", type=Path, default=Path("/tmp/luce-h200-prepare"), help="where llama.cpp is unpacked")
+    p.add_argument("--untuned", type=Path, help="only compile each workload without the tuning logs into this folder "
+                   "(run.sh's UNTUNED: tuned vs untuned in one run); artifacts only, no reference, no weights")
     args = p.parse_args()
+    if args.untuned:
+        return prepare_untuned(args.workloads, args.target, args.untuned)
     args.work.mkdir(parents=True, exist_ok=True)
     for i, w in enumerate(args.workloads):
         # 32 prompt tokens and 16 decode steps keep each reference small (17 rows of the 49152-token vocabulary)

@@ -251,13 +251,55 @@ def _run_label(run: Path) -> str:
     return f"{date} {commit}".strip()
 
 
+def tuned_vs_untuned(runs: tuple[Path, ...], stem: Path, command: str) -> str:
+    """Each workload's artifact compiled with the tuning logs (ours.json) and without (ours-untuned.json), timed one
+    after the other in the same call (run.sh with UNTUNED=...): markdown and JSON at `stem`."""
+    rows = {}
+    for run in runs:
+        for folder in sorted(f for f in run.iterdir() if (f / "ours-untuned.json").is_file()):
+            tuned, untuned = (_load(folder / n) or {} for n in ("ours.json", "ours-untuned.json"))
+            pick = {"decode_b1": "decode_tok_s", "decode_b8": "decode_batch_tok_s", "prefill_512": "prefill_tok_s"}
+            rows[folder.name] = {
+                kind: {**{m: d.get(k) for m, k in pick.items()},
+                       "prefill_2048": (d.get("extra") or {}).get("prefill_tok_s_by_len", {}).get("2048")}
+                for kind, d in (("tuned", tuned), ("untuned", untuned))}
+    if not rows:
+        raise SystemExit("report: no workload has ours-untuned.json (run.sh with UNTUNED=...)")
+    doc = {"meta": {"runs": [_run_label(r) for r in runs], "command": command, "build": build_description(*runs)},
+           "workloads": rows}
+    metrics = ("decode_b1", "decode_b8", "prefill_512", "prefill_2048")
+    lines = [f"# H200: tuned vs untuned, end to end ({doc['meta']['runs'][0]})", "",
+             f"luce-compile alone ({doc['meta']['build']}); each workload's artifact compiled with the shipped "
+             "tuning logs (autotune_logs/sm_90) and with `--no-tune-logs`, same weights, timed one after the other "
+             "in one device call (luce_runtime.bench: decode after a 512-token prompt, b=8 aggregate; prefill of 512 "
+             "and 2048 tokens).", "", f"Command: `{command}`", "",
+             "| workload | " + " | ".join(f"{METRIC_NAMES[m]} tuned / untuned" for m in metrics) + " |",
+             "|---|" + "---|" * len(metrics)]
+    for name, r in rows.items():
+        cells = []
+        for m in metrics:
+            t, u = r["tuned"][m], r["untuned"][m]
+            cells.append(f"{_fmt(t, ',.0f')} / {_fmt(u, ',.0f')} ({t / u:.2f}×)" if t and u else "n/a")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    text = "\n".join(lines) + "\n"
+    stem.with_suffix(".md").write_text(text)
+    return text
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", type=Path, nargs="+", help="the fetched $OUT of each device call of this run")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--name", help="file name stem under --out (default h200-<date of the first run>)")
     p.add_argument("--command", default="bash benchmarks/h200/run.sh  # device call, carry [\".gpucheck/h200\"]")
+    p.add_argument("--tuned-vs-untuned", type=Path, metavar="STEM",
+                   help="only write the tuned vs untuned record (runs of run.sh with UNTUNED=...) at STEM.md/.json")
     args = p.parse_args()
+    if args.tuned_vs_untuned:
+        print(tuned_vs_untuned(tuple(args.run), args.tuned_vs_untuned, args.command))
+        return 0
     import importlib.metadata
 
     import tvm

@@ -12,6 +12,8 @@
 # nothing else running): per workload, luce-compile, torch and llama.cpp timings (medians of REPEAT runs). WORKLOADS="a b" limits the set; a warm machine reuses the build and
 # the GGUFs under .gpucheck/h200/work, so the set can also be split over two calls of 10 minutes. LLAMA_CPP=0 skips
 # llama.cpp (its build is 5 of the ~7 minutes): luce-compile and torch only, e.g. to re-measure after a change.
+# UNTUNED=.gpucheck/h200-untuned (benchmarks/h200/prepare.py --untuned, carried too) also times each workload's
+# artifact compiled without the tuning logs, right after the tuned one: tuned vs untuned in the same run.
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Raw outputs go to $RAW; $OUT gets them as one tarball, refreshed after every workload (the device tool returns at
@@ -63,6 +65,14 @@ for w in $WORKLOADS; do
   python3 -m luce_runtime.bench $H/$w/artifact --prompt-len 512 --gen-len 128 --batch 8 --repeat $REPEAT \
     --prefill-lens 2048 > "$O/ours.json" 2> "$O/ours.err"
   stamp "$w luce-compile rc=$?"
+  if [ -n "$UNTUNED" ] && [ -d "$UNTUNED/$w/artifact" ]; then
+    # the same model compiled --no-tune-logs (prepare.py --untuned): its weights are the tuned artifact's (tuning
+    # changes schedules, never the weight layout; the engine checks the file against the manifest)
+    cp "$H/$w/artifact/weights.bin" "$UNTUNED/$w/artifact/weights.bin" &&
+      python3 -m luce_runtime.bench "$UNTUNED/$w/artifact" --prompt-len 512 --gen-len 128 --batch 8 --repeat $REPEAT \
+        --prefill-lens 2048 > "$O/ours-untuned.json" 2> "$O/ours-untuned.err"
+    stamp "$w luce-compile untuned rc=$?"
+  fi
   python3 benchmarks/peers/torch_peer.py "$G" --out "$O/torch.json" --repeat $REPEAT > "$O/torch.log" 2>&1
   stamp "$w torch rc=$?"
   [ "$LLAMA_CPP" = 1 ] || { pack; continue; }

@@ -7,12 +7,16 @@ every key tile visited under the causal mask. This one is flash attention (Flash
 16 query rows, no reduction across warps) on WMMA 16×16×16:
 - a block takes TQ = 16·warps query rows of one KV head; a row is (token, query head of the KV head's group), as in
   TVM's kernel, so a group's heads share every key and value load;
-- per step of `keys` keys: the block stages K and V in shared memory (rounded to float16), each warp computes its
-  16 × keys scores from its Q fragments (loaded once per tile) into shared memory (float32), the online softmax
-  runs there (two lanes a row), writes P in float16 and rescales the warp's running output O (float32, shared),
-  and O += P·V goes through WMMA with O as the accumulator's starting value;
+- Q goes to float16 through K's shared buffer, `keys` rows at a time, into each warp's WMMA fragments, which it keeps
+  for the whole tile;
+- per step of `keys` keys: the block stages K and V in shared memory (rounded to float16); each warp computes its
+  16 × keys scores into shared memory (float32); the online softmax runs in registers, two lanes a row (the row's
+  running max and sum, the lane's half of the row's O, all float32), and writes P in float16; the step's P·V goes
+  through the score buffer in passes of up to 64 columns into the lanes' O;
 - under the causal mask a tile stops at its last row's last visible key, and the heaviest tiles (the last rows)
-  are taken first; blocks walk tiles over the batch (tile += blocks) as TVM's kernel does.
+  are taken first; blocks walk tiles over the batch (tile += blocks) as TVM's kernel does, the KV head as blockIdx.x.
+- every buffer is static shared memory (48 KiB): the largest tile of TILES that fits, 4 warps × 64 keys at head
+  dim 64, 4 × 32 at 128, 2 × 32 at 256.
 Same signature, same outputs (O, and the base-2 log-sum-exp the cache merges partial states with), same masked
 score handling (-5e4 start, no NaN for a row with no visible key). `rotary_mode` is ignored: luce-compile applies
 RoPE in the graph (RopeMode.NONE), so the cache never asks for inline rotation.
@@ -24,6 +28,7 @@ kernel. scripts/device_check.py checks it against float64 numpy with that roundi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -49,16 +54,22 @@ class PrefillTile:
         return FRAG * self.warps
 
 
+def pv_width(keys: int, d_v: int) -> int:
+    """Columns of P·V a pass: the step's P·V leaves through the score buffer, in passes of this width."""
+    return min(d_v, max(keys, 64))
+
+
 def shared_bytes(tile: PrefillTile, d: int, d_v: int) -> int:
-    """Shared memory of one block: Q, K, V, P (float16), and the scores, then a step's P·V (float32)."""
+    """Shared memory of one block: K (Q staged through it first), V, P (float16), and the scores, then a step's P·V
+    in passes of pv_width columns (float32)."""
     tq, tk = tile.rows, tile.keys
-    halves = tq * d + tk * d + tk * (d_v + PAD_F16) + tq * (tk + PAD_F16)
-    return 2 * halves + 4 * tq * (max(tk, d_v) + PAD_F32)
+    halves = tk * d + tk * (d_v + PAD_F16) + tq * (tk + PAD_F16)
+    return 2 * halves + 4 * tq * (max(tk, pv_width(tk, d_v)) + PAD_F32)
 
 
 # Static shared memory only: TVM's sync planner treats every dynamic shared buffer as one (the merge pass may overlap
-# them), so with them it puts a barrier between any two accesses. Best first; the first that fits is taken: 4×32 at
-# head dim 64 (39 KiB), 2×32 at 128 (44 KiB), 1×16 at 256 (41 KiB).
+# them), so with them it puts a barrier between any two accesses. Best first; the first that fits is taken: 4×64 at
+# head dim 64 (44 KiB), 4×32 at 128 (39 KiB), 2×32 at 256 (44 KiB).
 TILES = (PrefillTile(4, 64), PrefillTile(4, 32), PrefillTile(2, 32), PrefillTile(2, 16), PrefillTile(1, 16))
 STATIC_SHARED_BYTES = 48 * 1024
 
@@ -116,7 +127,8 @@ class _RaggedPrefill:
         self.tq, self.tk, self.warps = tile.rows, tile.keys, tile.warps
         self.threads = 32 * tile.warps
         self.blocks = max(1, -(-tile.blocks_per_sm * sm_count // h_kv))
-        self.ld_s, self.ld_p, self.ld_v = max(self.tk, d_v) + PAD_F32, self.tk + PAD_F16, d_v + PAD_F16
+        self.pv = pv_width(self.tk, d_v)
+        self.ld_s, self.ld_p, self.ld_v = max(self.tk, self.pv) + PAD_F32, self.tk + PAD_F16, d_v + PAD_F16
 
     def args(self) -> None:
         h_kv, h_q, d, d_v, dtype = self.h_kv, self.h_q, self.d, self.d_v, self.dtype
@@ -141,7 +153,6 @@ class _RaggedPrefill:
 
     def buffers(self) -> None:
         tq, tk, d, d_v = self.tq, self.tk, self.d, self.d_v
-        self.q_s = B.alloc_buffer((tq, d), F16, scope="shared")
         self.k_s = B.alloc_buffer((tk, d), F16, scope="shared")
         self.v_s = B.alloc_buffer((tk, self.ld_v), F16, scope="shared")
         self.p_s = B.alloc_buffer((tq, self.ld_p), F16, scope="shared")
@@ -200,23 +211,32 @@ class _RaggedPrefill:
         tq, tk, d, d_v, threads, tx = self.tq, self.tk, self.d, self.d_v, self.threads, self.tx
         q0, kv0 = self.q_indptr[b], self.kv_indptr[b]
         qo_n, kv_n = self.q_indptr[b + 1] - q0, self.kv_indptr[b + 1] - kv0
-        # Q, rounded to float16; rows past the sequence are zeros (computed, never stored)
-        with B.serial(0, -(-tq * d // threads)) as e:
-            idx = e * threads + tx
-            with B.If(idx < tq * d), B.Then():
-                i, j = idx // d, idx % d
-                tok, head = self.rows_of(row0 + i)
-                _store(self.q_s, [i, j], tirx.Cast(F16, tirx.if_then_else(
-                    tok < qo_n, self.q[q0 + tirx.min(tok, qo_n - 1), head, j], tirx.const(0, self.dtype))))
         _store(self.m_run, 0, _f32(MASKED))  # TVM's start: a row without a visible key ends with O = 0
         _store(self.d_run, 0, _f32(1.0))
         with B.serial(0, d_v // 2) as c:
             _store(self.o_reg, c, _f32(0.0))
-        _sync()
-        r0 = self.warp * FRAG
-        for kk in range(d // FRAG):
-            B.evaluate(T.tvm_load_matrix_sync(self.q_frag.data, FRAG, FRAG, FRAG, kk,
-                                              _ptr(self.q_s, r0 * d + kk * FRAG, "r"), d, "row_major"))
+        # Q, rounded to float16, staged through K's buffer `tk` rows at a time into the warps' fragments (held for
+        # the whole tile); rows past the sequence are zeros (computed, never stored)
+        chunks = -(-tq // tk)
+        for chunk in range(chunks):
+            if chunk:
+                _sync()  # the previous chunk's warps have their fragments
+            with B.serial(0, -(-tk * d // threads)) as e:
+                idx = e * threads + tx
+                i, j = idx // d, idx % d
+                with B.If(tirx.all(idx < tk * d, chunk * tk + i < tq)), B.Then():
+                    tok, head = self.rows_of(row0 + chunk * tk + i)
+                    _store(self.k_s, [i, j], tirx.Cast(F16, tirx.if_then_else(
+                        tok < qo_n, self.q[q0 + tirx.min(tok, qo_n - 1), head, j], tirx.const(0, self.dtype))))
+            _sync()
+            r0 = self.warp * FRAG - chunk * tk  # the warp's first row within the chunk
+            with contextlib.ExitStack() as only_the_chunks_warps:
+                if chunks > 1:
+                    only_the_chunks_warps.enter_context(B.If(self.warp // (tk // FRAG) == chunk))
+                    only_the_chunks_warps.enter_context(B.Then())
+                for kk in range(d // FRAG):
+                    B.evaluate(T.tvm_load_matrix_sync(self.q_frag.data, FRAG, FRAG, FRAG, kk,
+                                                      _ptr(self.k_s, r0 * d + kk * FRAG, "r"), d, "row_major"))
         # keys a tile needs: under the causal mask, up to its last row's last visible key
         last_tok = tirx.min(qo_n - 1, (row0 + tq - 1) // self.group)
         kv_end = tirx.if_then_else(self.causal > 0, tirx.min(kv_n, last_tok + kv_n - qo_n + 1), kv_n)
@@ -279,26 +299,35 @@ class _RaggedPrefill:
             B.evaluate(T.tvm_load_matrix_sync(self.p_frag.data, FRAG, FRAG, FRAG, kk,
                                               _ptr(self.p_s, r0 * self.ld_p + kk * FRAG, "r"), self.ld_p,
                                               "row_major"))
-        for jd in range(d_v // FRAG):
-            B.evaluate(T.tvm_fill_fragment(self.acc.data, FRAG, FRAG, FRAG, 0, _f32(0.0)))
-            for kk in range(tk // FRAG):
-                B.evaluate(T.tvm_load_matrix_sync(self.v_frag.data, FRAG, FRAG, FRAG, 0,
-                                                  _ptr(self.v_s, kk * FRAG * self.ld_v + jd * FRAG, "r"), self.ld_v,
-                                                  "row_major"))
-                B.evaluate(T.tvm_mma_sync(self.acc.data, 0, self.p_frag.data, kk, self.v_frag.data, 0,
-                                          self.acc.data, 0))
-            B.evaluate(T.tvm_store_matrix_sync(self.acc.data, FRAG, FRAG, FRAG, 0,
-                                               _ptr(self.s_s, r0 * self.ld_s + jd * FRAG, "w"), self.ld_s,
-                                               "row_major"))
+        pv = self.pv
+        for pc in range(d_v // pv):  # passes of pv columns through the score buffer
+            if pc:
+                _sync()  # every lane has read the last pass
+            for jd in range(pv // FRAG):
+                B.evaluate(T.tvm_fill_fragment(self.acc.data, FRAG, FRAG, FRAG, 0, _f32(0.0)))
+                for kk in range(tk // FRAG):
+                    B.evaluate(T.tvm_load_matrix_sync(
+                        self.v_frag.data, FRAG, FRAG, FRAG, 0,
+                        _ptr(self.v_s, kk * FRAG * self.ld_v + pc * pv + jd * FRAG, "r"), self.ld_v, "row_major"))
+                    B.evaluate(T.tvm_mma_sync(self.acc.data, 0, self.p_frag.data, kk, self.v_frag.data, 0,
+                                              self.acc.data, 0))
+                B.evaluate(T.tvm_store_matrix_sync(self.acc.data, FRAG, FRAG, FRAG, 0,
+                                                   _ptr(self.s_s, r0 * self.ld_s + jd * FRAG, "w"), self.ld_s,
+                                                   "row_major"))
+            self._pv_into_registers(pc)
+
+    def _pv_into_registers(self, pc: int) -> None:
+        pv, i, half = self.pv, self.row, self.half
         _sync()
-        with B.serial(0, d_v // 2) as c:
-            _store(self.o_reg, c, self.o_reg[c] + self.s_s[i, c * 2 + half])
+        with B.serial(0, pv // 2) as c:
+            _store(self.o_reg, pc * (pv // 2) + c, self.o_reg[pc * (pv // 2) + c] + self.s_s[i, c * 2 + half])
 
     def epilogue(self, row0, q0, qo_n) -> None:
         tok, head = self.rows_of(row0 + self.row)
         with B.If(tok < qo_n), B.Then():
+            half_pass = self.pv // 2  # o_reg[c]: pass c // half_pass, column 2·(c % half_pass) + half within it
             with B.serial(0, self.d_v // 2) as c:
-                _store(self.output, [q0 + tok, head, c * 2 + self.half],
-                       tirx.Cast(self.dtype, self.o_reg[c] / self.d_run[0]))
+                col = c // half_pass * self.pv + c % half_pass * 2 + self.half
+                _store(self.output, [q0 + tok, head, col], tirx.Cast(self.dtype, self.o_reg[c] / self.d_run[0]))
             _store(self.lse, [q0 + tok, head], self.m_run[0] + tirx.log2(self.d_run[0]))
         _sync()  # the next tile overwrites the shared tiles

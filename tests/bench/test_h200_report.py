@@ -112,3 +112,18 @@ def test_a_later_run_replaces_only_the_engines_it_measured(report, tmp_path):
     text = report.markdown(doc)
     assert "run 1: t1 abc; run 2: t2 def" in text
     assert "| tiny | llama.cpp (run 1) |" in text and "| tiny | luce-compile (run 2) |" in text
+
+
+@pytest.mark.unit
+def test_tuned_vs_untuned_pairs_each_workloads_two_artifacts(report, tmp_path):
+    fabricate(tmp_path / "run")
+    tuned = json.loads((tmp_path / "run" / "tiny" / "ours.json").read_text())
+    slower = {**tuned, "decode_tok_s": 320.0, "prefill_tok_s": 8_000.0, "extra": {"prefill_tok_s_by_len": {}}}
+    (tmp_path / "run" / "tiny" / "ours-untuned.json").write_text(json.dumps(slower))
+    text = report.tuned_vs_untuned((tmp_path / "run",), tmp_path / "out" / "tvu", "cmd")
+    row = json.loads((tmp_path / "out" / "tvu.json").read_text())["workloads"]["tiny"]
+    assert row["tuned"]["decode_b1"] == 400.0 and row["untuned"]["decode_b1"] == 320.0
+    assert row["untuned"]["prefill_2048"] is None  # not measured: shown as n/a, never as a ratio
+    assert "400 / 320 (1.25×)" in text and "10,000 / 8,000 (1.25×)" in text and "| n/a |" in text
+    with pytest.raises(SystemExit, match="ours-untuned"):
+        report.tuned_vs_untuned((tmp_path / "out",), tmp_path / "x", "cmd")

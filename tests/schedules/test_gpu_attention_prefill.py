@@ -15,6 +15,7 @@ from luce_schedules.gpu.attention_prefill import (
     STATIC_SHARED_BYTES,
     PrefillTile,
     default_tile,
+    pv_width,
     ragged_prefill,
     shared_bytes,
 )
@@ -29,12 +30,12 @@ CUDA = Target({"kind": "cuda", "arch": "sm_90", "max_num_threads": 1024, "thread
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("d,want", [(64, (4, 32)), (128, (2, 32)), (256, (1, 16))])
+@pytest.mark.parametrize("d,want", [(64, (4, 64)), (128, (4, 32)), (256, (2, 32))])
 def test_the_largest_tile_that_fits_static_shared_memory(d, want):
     tile = default_tile(d, d)
     assert (tile.warps, tile.keys) == want
     assert shared_bytes(tile, d, d) <= STATIC_SHARED_BYTES
-    assert shared_bytes(PrefillTile(4, 64), 64, 64) > STATIC_SHARED_BYTES  # the first in the list never fits at 64
+    assert shared_bytes(PrefillTile(4, 64), 128, 128) > STATIC_SHARED_BYTES
 
 
 @pytest.mark.unit
@@ -64,8 +65,10 @@ def test_cuda_uses_wmma_static_shared_memory_and_few_barriers(h_kv, h_q, d):
     static = sum(int(n) * (2 if t == "half" else 4)
                  for t, n in re.findall(r"__shared__ alignas\(\d+\) (half|float) \w+\[(\d+)\];", src))
     assert static == shared_bytes(tile, d, d) <= STATIC_SHARED_BYTES
-    # the planner's barriers: one after the tile's Q, five a key step, one after the tile (measured: 7 in all)
-    assert src.count("__syncthreads()") <= 8
+    # the planner's barriers, each one written in the kernel: two a Q chunk, four a key step and two a P·V pass, one
+    # after the tile (7 at head dim 64, 11 at 128, 13 at 256); a barrier in a per-element loop would add thousands
+    chunks, passes = -(-tile.rows // tile.keys), d // pv_width(tile.keys, d)
+    assert src.count("__syncthreads()") == 2 * chunks - 1 + 3 + 2 * passes + 1
 
 
 @pytest.mark.unit
