@@ -110,7 +110,8 @@ INT8_FORMATS: dict[GGMLQuantizationType, Q8Format] = {
     GGMLQuantizationType.Q4_1: Q8Format("Q8_1", "nibbles"),
     GGMLQuantizationType.Q5_0: Q8Format("Q8_0", "nibbles", with_isum=True),
     GGMLQuantizationType.Q5_1: Q8Format("Q8_1", "nibbles"),
-    GGMLQuantizationType.Q8_0: Q8Format("Q8_0", "natural"),
+    # Q8_0 also takes Σq (`xi`): the many-row kernel dots w + 128 as its unsigned operand and subtracts 128·Σq
+    GGMLQuantizationType.Q8_0: Q8Format("Q8_0", "natural", with_isum=True),
     GGMLQuantizationType.Q4_K: Q8Format("Q8_K", "nibbles"),
     GGMLQuantizationType.Q5_K: Q8Format("Q8_K", "nibbles"),
     GGMLQuantizationType.Q6_K: Q8Format("Q8_K", "nibbles"),
@@ -292,7 +293,8 @@ def int8_matmul(
     def position(k: tirx.Expr) -> tirx.Expr:
         return k // QK8 * QK8 + fmt.element_position(k % QK8)
 
-    if fmt.with_isum:  # Σ q·x − offset·Σx: the integer of Σ (q − offset)·x
+    centred = 0
+    if fmt.with_isum:  # Σ q·x − offset·Σx: the integer of Σ (q − offset)·x (Q8_0: offset 0)
         centred, offset = offset, 0
     i = te.reduce_axis(_i64(0, dot), name="i")
     isum = te.compute(
@@ -303,7 +305,7 @@ def int8_matmul(
         ),
         name="block_dot",
     )
-    if fmt.with_isum:
+    if centred:
         isum = te.compute(
             _i64(rows, n_out, n_in // dot),
             lambda r, n, b: isum[r, n, b] - centred * acts["xi"][r, b],
@@ -355,41 +357,32 @@ class _Module(Protocol):
     def _planes(self, tensor: str) -> list[nn.Tensor]: ...
 
 
-def _int8_rows(x: nn.Tensor, cache: dict) -> Rows | None:
-    """The rows an input has if it is decode's or verify's, else None (prefill keeps its float32 GEMMs): a static 1
-    (decode1), decode's batch B, or verify's token count S. decode's hidden states are (B, 1, K) with B a Var (its
-    tokens are (batch, 1)); prefill's and verify's are (1, T, K), verify's T being the Var that relax_model's verify
-    puts in `cache` while it is traced. The LM head's input is flattened to (rows, K); it is decode's when rows is
-    the very Var seen in decode's (B, 1, K) inputs, which every layer's matmuls show before the LM head."""
+def _int8_rows(x: nn.Tensor) -> Rows | None:
+    """The rows of an input whose leading dims are all 1 but at most one, that one (static or a Var), else None
+    (the float32 kernels): decode1's static 1, decode's batch B of (B, 1, K), prefill's and verify's token count S
+    of (1, S, K), and the LM head's (N, K) (prefill's logit rows, or decode's B). Since issue 13's prefill part,
+    prefill takes the int8 kernels too, as llama.cpp's prompt processing quantizes its activations to 8 bits."""
     lead = x.shape[:-1]
-    verify = cache.get("verify_rows")
-    if verify is not None:  # (1, S, K) or (S, K): verify's rows; nothing else is traced meanwhile
-        last = lead[-1]
-        ones = all(isinstance(d, int) and d == 1 for d in lead[:-1])
-        return verify if ones and not isinstance(last, int) and last.same_as(verify) else None
-    if all(isinstance(d, int) and d == 1 for d in lead):
+    wide = [d for d in lead if not (isinstance(d, int) and d == 1)]
+    if not wide:
         return 1
-    if len(lead) == 2 and isinstance(lead[0], tirx.Var) and isinstance(lead[1], int) and lead[1] == 1:
-        cache["decode_batch"] = lead[0]
-        return lead[0]
-    batch = cache.get("decode_batch")
-    if len(lead) == 1 and batch is not None and lead[0].same_as(batch):
-        return batch
+    if len(wide) == 1 and isinstance(wide[0], (tirx.Var, int)):
+        return wide[0]
     return None
 
 
 def int8_linear(m: _Module, x: nn.Tensor, tensor: str, cache: dict) -> nn.Tensor | None:
     """x (..., K) float32 @ Wᵀ → (..., N) with 8-bit activations, or None where this path does not apply: the input
-    is not decode's (`_int8_rows`: decode1's GEMVs and the batched decode take it, prefill does not), or the
-    weight type has no integer kernel. A lone and a batched sequence get the same arithmetic: each row is quantized
-    on its own and the batched kernel runs the GEMV's sums row by row. `cache` maps an input already quantized in a
+    has more than one wide leading dim (`_int8_rows`; decode, prefill and verify all take it), or the weight type has
+    no integer kernel. A lone and a batched sequence get the same arithmetic: each row is quantized on its own and
+    the batched kernel runs the GEMV's sums row by row. `cache` maps an input already quantized in a
     format to its quantized tensors, so the Q/K/V (and gate/up) matmuls of one input quantize it once; it is keyed
     by the input tensor, and each value keeps that tensor alive so that its id cannot be taken by another tensor
     meanwhile."""
     info = m.graph.weights[tensor]
     fmt = int8_format(info.ggml_type)
     n, k = info.shape
-    rows = _int8_rows(x, cache) if fmt is not None and x.dtype == "float32" else None
+    rows = _int8_rows(x) if fmt is not None and x.dtype == "float32" else None
     if rows is None:
         return None
     batch = 1 if rows == 1 else "dynamic"

@@ -10,8 +10,8 @@ version; the manifest's "runtime" section records it):
   decode1(tokens (1, 1) int32, kv, params): the same for one sequence, with GEMV kernels (batch-1 latency).
   verify(tokens (1, S) int32, kv, params) → (logits (S, V) f32, kv): only where decode takes 8-bit activations
       (precision int8): prefill's graph with every row's logits, its matmuls decode's integer ones, so speculative
-      drafts are judged with decode's arithmetic and at its per-row cost (the float32 GEMMs dequantize every weight
-      for a handful of rows: 1 row cost 4x a decode step on Qwen2.5-Coder-1.5B).
+      drafts are judged with decode's arithmetic and at its per-row cost. Under int8 prefill's own matmuls are
+      integer too (issue 13: 8-bit activations for every row count, as llama.cpp's prompt processing).
 Weights are parameters in the planes layout of `lower/quant_layout.py` (never dequantized in memory); each matmul
 and the embedding are our fused dequantizing TIR kernels; attention and RoPE'd keys live in TIRPagedKVCache.
 """
@@ -48,10 +48,11 @@ def param_name(tensor: str, plane: str) -> str:
 @dataclass(frozen=True)
 class LowerOptions:
     dtype: str = "float32"  # activations and the KV cache
-    # decode GEMVs of Q4_0/Q4_1/Q8_0 weights: "int8" quantizes activations to 8 bits as llama.cpp does and uses
-    # integer dot products (lower/cpu_int8.py); "f32" keeps the exact float32 kernels (for checks); "auto" is int8
-    # on CPUs with AVX512-VNNI, else f32. compile_model resolves it (auto by default); lowering on its own stays
-    # exact: int8 decode differs from the plain float64 oracle by the activation rounding (~2e-2 of the logits).
+    # matmuls of the types in cpu_int8.INT8_FORMATS (decode, verify and prefill): "int8" quantizes activations to
+    # 8 bits as llama.cpp does and uses integer dot products (lower/cpu_int8.py); "f32" keeps the exact float32
+    # kernels (for checks); "auto" is int8 on CPUs with AVX512-VNNI, else f32. compile_model resolves it (auto by
+    # default); lowering on its own stays exact: int8 differs from the plain float64 oracle by the activation
+    # rounding (~2e-2 of the logits).
     precision: str = "f32"
 
 
@@ -115,13 +116,8 @@ class GraphModule(nn.Module):
         return self._forward(tokens, kv, None), kv
 
     def verify(self, tokens: nn.Tensor, kv: PagedKVCache):
-        """prefill with every row's logits through the int8 matmuls (cpu_int8._int8_rows: the tokens' Var marks the
-        rows while this function is traced)."""
-        self._quantized["verify_rows"] = tokens.shape[1]
-        try:
-            return self._forward(tokens, kv, None), kv
-        finally:
-            del self._quantized["verify_rows"]
+        """prefill with every row's logits (under int8 prefill's matmuls are the integer ones too: cpu_int8)."""
+        return self._forward(tokens, kv, None), kv
 
     # ---- the interpreter ----------------------------------------------------------------------------------------
     def _forward(self, tokens: nn.Tensor, kv: PagedKVCache, logit_rows: nn.Tensor | None) -> nn.Tensor:

@@ -197,7 +197,7 @@ def _unit_terms(
         blocks = T.Ramp(u * count, 1, count) if count > 1 else u  # a Ramp of one lane is refused
         f32 = f"float32x{count}" if count > 1 else "float32"
         total = _fold([_group_dot(kind, bufs, a, g, weights(g)) for g in (u * count + j for j in range(count))])
-        if "xi" in bufs:  # Q4_0/Q5_0: Σ q·x − offset·Σx per block, exactly ggml's Σ (q − offset)·x
+        if "xi" in bufs and kind in QUANT_OFFSET:  # Q4_0/Q5_0 (not Q8_0): Σ q·x − offset·Σx, ggml's Σ (q − offset)·x
             total = total - bufs["xi"][a, blocks] * _splat(T.int32(QUANT_OFFSET[kind]), count)
         scale = T.Cast(f32, bufs["d"][n, blocks]) * bufs["xd"][a, blocks]
         acc = T.fma(scale, T.Cast(f32, total), acc)
@@ -237,6 +237,7 @@ def block_group(n_in: int) -> int:
 
 
 TILE = 16  # activation rows that share one unpacking of a weight group (rows 1..16: decode's batch, verify's k+1)
+ROW_TILE = 4  # activation rows in flight in int8_gemm's body (more than TILE rows: prefill)
 
 
 def vnni_gemv(
@@ -247,13 +248,15 @@ def vnni_gemv(
     `rows` here are weight rows. A batch of activation rows is taken TILE at a time: each weight row's `unroll`
     units are unpacked once into a local buffer (L1) and dotted with every activation row of the tile, as ggml's
     vec_dot with nrc amortises its weight loads. Each activation row gets exactly the GEMV's sums in the GEMV's
-    order (the unpacked bytes are the same integers), so a row of a batch equals that row alone, to the bit."""
+    order (the unpacked bytes are the same integers), so a row of a batch equals that row alone, to the bit.
+    Past TILE rows (prefill) a batch takes int8_gemm's body instead: same integers, float sums in another order."""
+    from luce_schedules.cpu import int8_gemm  # it builds on this module's helpers
+
     definition = int8_matmul(kind, n_out, n_in, batch=batch)
     k_quant = kind.endswith("_K")
     lanes = LANES if k_quant else block_group(n_in)  # the accumulator's float32 lanes
     per_unit = GROUPS if k_quant else lanes  # groups of 32 values per unit
     units = n_in // QK_K if k_quant else n_in // QK8 // lanes
-    tasks = n_out // (rows * chunk)
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("main")
         T.func_attr({"tirx.noalias": True})
@@ -264,35 +267,54 @@ def vnni_gemv(
         for name in ("qs", "qh"):
             if name in bufs and bufs[name].dtype == "uint32":
                 bufs[name] = _byte_view(bufs[name])
-        with T.parallel(0, tasks) as c:
-            acc = T.decl_buffer((rows * TILE, lanes), "float32", scope="local")
-            # decode1 (one static row) dots the unpacked weights in registers; a batch goes through wq, wo
-            slots = unroll * per_unit
-            staged = None
-            if batch != 1:
-                staged = (
-                    T.decl_buffer((slots, QK8), "int8", scope="local"),
-                    T.decl_buffer((slots, LANES), "int32", scope="local"),
-                )
-            every = T.Ramp(0, 1, lanes) if lanes > 1 else 0
-            zero = T.Broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0)
-            total_rows = T.Cast("int32", y.shape[0])
-            with T.serial(0, chunk) as g, T.serial(0, 1 if staged is None else (total_rows + TILE - 1) // TILE) as t:
-                count = 1 if staged is None else T.Bind(T.min(TILE, total_rows - t * TILE))
-                with T.unroll(0, rows) as r, T.serial(0, count) as a:
-                    T.buffer_store(acc, zero, [r * TILE + a, every])
-                with T.serial(0, units // unroll) as u0, T.unroll(0, rows) as r:
-                    n = T.Bind((c * chunk + g) * rows + r)
-                    base = u0 * unroll * per_unit  # the first group of these `unroll` units
-                    weights = _stage_weights(kind, bufs, n, base, staged)
-                    with T.serial(0, count) as a:
-                        total = acc[r * TILE + a, every]
-                        for j in range(unroll):
-                            total = _unit_terms(kind, bufs, t * TILE + a, n, u0 * unroll + j, total, weights)
-                        T.buffer_store(acc, total, [r * TILE + a, every])
-                with T.unroll(0, rows) as r, T.serial(0, count) as a:
-                    T.buffer_store(y, _lane_sum(acc, r * TILE + a, lanes), [t * TILE + a, (c * chunk + g) * rows + r])
+        geometry = (lanes, per_unit, units)
+        if batch == 1 or not int8_gemm.supports(n_out):
+            _tiles_body(kind, bufs, y, geometry, (rows, chunk, unroll), batch)
+        else:  # more than TILE rows (prefill): the output-lane body, its own loops (int8_gemm.py)
+            with T.If(T.Cast("int32", y.shape[0]) > TILE):
+                with T.Then():
+                    int8_gemm.gemm_body(kind, bufs, y, n_out, n_in, ROW_TILE)
+                with T.Else():
+                    _tiles_body(kind, bufs, y, geometry, (rows, chunk, unroll), batch)
     return builder.get()
+
+
+def _tiles_body(
+    kind: str, bufs: Bufs, y: tirx.Buffer, geometry: tuple[int, int, int], knobs: tuple[int, int, int], batch: int | str
+) -> None:
+    """The GEMV, or the batch TILE activation rows at a time (vnni_gemv's docstring). geometry: the accumulator's
+    lanes, groups per unit, units per row; knobs: weight rows per step, chunk, unroll."""
+    lanes, per_unit, units = geometry
+    rows, chunk, unroll = knobs
+    tasks = int(y.shape[1]) // (rows * chunk)
+    with T.parallel(0, tasks) as c:
+        acc = T.decl_buffer((rows * TILE, lanes), "float32", scope="local")
+        # decode1 (one static row) dots the unpacked weights in registers; a batch goes through wq, wo
+        slots = unroll * per_unit
+        staged = None
+        if batch != 1:
+            staged = (
+                T.decl_buffer((slots, QK8), "int8", scope="local"),
+                T.decl_buffer((slots, LANES), "int32", scope="local"),
+            )
+        every = T.Ramp(0, 1, lanes) if lanes > 1 else 0
+        zero = T.Broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0)
+        total_rows = T.Cast("int32", y.shape[0])
+        with T.serial(0, chunk) as g, T.serial(0, 1 if staged is None else (total_rows + TILE - 1) // TILE) as t:
+            count = 1 if staged is None else T.Bind(T.min(TILE, total_rows - t * TILE))
+            with T.unroll(0, rows) as r, T.serial(0, count) as a:
+                T.buffer_store(acc, zero, [r * TILE + a, every])
+            with T.serial(0, units // unroll) as u0, T.unroll(0, rows) as r:
+                n = T.Bind((c * chunk + g) * rows + r)
+                base = u0 * unroll * per_unit  # the first group of these `unroll` units
+                weights = _stage_weights(kind, bufs, n, base, staged)
+                with T.serial(0, count) as a:
+                    total = acc[r * TILE + a, every]
+                    for j in range(unroll):
+                        total = _unit_terms(kind, bufs, t * TILE + a, n, u0 * unroll + j, total, weights)
+                    T.buffer_store(acc, total, [r * TILE + a, every])
+            with T.unroll(0, rows) as r, T.serial(0, count) as a:
+                T.buffer_store(y, _lane_sum(acc, r * TILE + a, lanes), [t * TILE + a, (c * chunk + g) * rows + r])
 
 
 def _stage_weights(

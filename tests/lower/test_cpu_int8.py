@@ -135,7 +135,7 @@ def test_quantize_rounds_half_to_even():
     """ggml's x86 quantizer rounds with _MM_ROUND_NEAREST (rint), not roundf: 2.5 → 2, 3.5 → 4, −2.5 → −2."""
     x = np.zeros((1, 32), np.float32)
     x[0, :4] = [127.0, 2.5, 3.5, -2.5]  # amax 127: the scale is exactly 1
-    (q, _) = quantized_inputs(x, "Q8_0")
+    q = quantized_inputs(x, "Q8_0")[0]
     assert list(q[0, :4]) == [127, 2, 4, -2]
 
 
@@ -217,9 +217,9 @@ def test_resolve_precision_picks_int8_with_vnni():
 
 @pytest.mark.parametrize("precision,int8_calls", [("int8", True), ("f32", False)])
 def test_lowering_quantizes_each_input_once(precision, int8_calls):
-    """decode1 and the batched decode with precision int8: one quantize per matmul input (Q/K/V share one, gate/up
-    another), one int8 GEMV (GEMM for the batch) per matmul and the LM head; prefill keeps the float32 GEMMs. f32
-    emits no int8 kernel at all."""
+    """decode1, the batched decode, prefill and verify with precision int8: one quantize per matmul input (Q/K/V
+    share one, gate/up another), one int8 GEMV (GEMM for more rows) per matmul and the LM head (issue 13: prefill
+    takes them too). f32 emits no int8 kernel at all."""
     import re
 
     from luce_compile.gguf.reader import read_gguf
@@ -231,8 +231,8 @@ def test_lowering_quantizes_each_input_once(precision, int8_calls):
     mod, _ = lower_graph(graph, HOST, LowerOptions(precision=precision))
     layers = graph.config.n_layer
     want = (4 * layers + 1, 7 * layers + 1) if int8_calls else (0, 0)
-    for function, kind in (("decode1", "gemv"), ("decode", "gemm")):  # decode: the batch, one row per sequence
+    functions = [("decode1", "gemv"), ("decode", "gemm"), ("prefill", "gemm")]  # decode: one row per sequence
+    for function, kind in functions + ([("verify", "gemm")] if int8_calls else []):
         script = mod[function].script()
         quantizes = len(re.findall(r"R\.call_tir\(quantize_q8", script))
         assert (quantizes, len(re.findall(rf"R\.call_tir\(int8_{kind}", script))) == want, function
-    assert "int8_" not in mod["prefill"].script() and "quantize_q8" not in mod["prefill"].script()

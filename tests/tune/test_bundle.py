@@ -37,13 +37,13 @@ def run_bench(bundle: Path, out: Path) -> dict:
 
 @pytest.mark.unit
 def test_tune_bench_times_a_cpu_bundle_runtime_only_and_its_results_ingest(tiny_workloads, logs, tmp_path):
-    ws = [w for w in tiny_workloads if w.function in ("gemm_q8_0_64x64", "int8_gemv_q8_0_64x64")]
+    ws = [w for w in tiny_workloads if w.function in ("int8_gemm_q8_0_64x64", "int8_gemv_q8_0_64x64")]
     bundle = tmp_path / "bundle"
-    index = build_bundle(ws, get_target("cpu"), "tiny", bundle, trials=3, logs_dir=logs, extents={"batch": 4})
+    index = build_bundle(ws, get_target("cpu"), "tiny", bundle, trials=3, logs_dir=logs, extents={"rows": 4})
     assert len(index["candidates"]) == 6 and sum(c["default"] for c in index["candidates"]) == 2
     assert all((bundle / c["library"]).is_file() for c in index["candidates"] if "library" in c)
-    gemm = next(w for w in index["workloads"] if w["function"] == "gemm_q8_0_64x64")
-    assert gemm["call_args"][0] == {"shape": [4, 64], "dtype": "float32", "scalar": False}
+    gemm = next(w for w in index["workloads"] if w["function"] == "int8_gemm_q8_0_64x64")
+    assert gemm["call_args"][0] == {"shape": [4, 64], "dtype": "int8", "scalar": False}
 
     out = tmp_path / "results.json"
     child = run_bench(bundle, out)
@@ -71,7 +71,7 @@ def test_tune_bench_times_a_cpu_bundle_runtime_only_and_its_results_ingest(tiny_
     tuning = Tuning.load("cpu", logs)
     assert all(tuning.lookup(w.key) is not None for w in ws)  # what compile will look up
 
-    again = build_bundle(ws, get_target("cpu"), "tiny", bundle, trials=4, logs_dir=logs, extents={"batch": 4})
+    again = build_bundle(ws, get_target("cpu"), "tiny", bundle, trials=4, logs_dir=logs, extents={"rows": 4})
     # round two: the default again (its winner is confirmed against it) and the candidates round one did not time
     assert len(again["candidates"]) == 4 and sum(c["default"] for c in again["candidates"]) == 2
 
