@@ -71,7 +71,11 @@ def _tuned(tuning: Tuning, rule, name: str, func: tirx.PrimFunc, target: tvm.tar
     result = default
     if kernel.record is not None:
         try:
-            tuned = rule.apply(func, target, kernel.record["knobs"])
+            knobs = kernel.record["knobs"]
+            # a rule whose tuned knobs hold only near the extent they were measured at gets that extent too
+            measured = getattr(rule, "apply_measured", None)
+            tuned = (measured(func, target, knobs, kernel.record.get("measured_at") or {}) if measured
+                     else rule.apply(func, target, knobs))
         except SCHEDULE_ERRORS as err:
             tuned, kernel.error = None, f"{type(err).__name__}: {err}"
         if tuned is None:

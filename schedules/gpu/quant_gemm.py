@@ -50,7 +50,17 @@ class QuantGEMM(GPURule):
     DEFAULTS: ClassVar[dict[str, int]] = dict(TensorCoreGEMM.DEFAULTS)
     SPACE: ClassVar[dict[str, tuple[int, ...]]] = dict(TensorCoreGEMM.SPACE)
 
-    def apply(self, func: tirx.PrimFunc, target: Target, knobs=None):
+    # A tuned tile runs up to this multiple of the rows it was measured at, the default tile above: tiles tuned at
+    # 512 rows won 1.09-1.25x there and lost 0.89-0.90x at 2048 on the H200 (results/h200/2026-12-01-tuned-vs-
+    # untuned.md), where dlight's 128x128 tile fills the GPU without help. 2x: halfway, on a log scale.
+    TRUSTED_ROWS = 2
+
+    def apply_measured(self, func: tirx.PrimFunc, target: Target, knobs, measured_at: dict[str, int]):
+        """apply() with a tuning record's knobs, which hold only near the extent the record was measured at."""
+        rows = max(measured_at.values(), default=0)
+        return self.apply(func, target, knobs, tuned_up_to=self.TRUSTED_ROWS * rows if rows else None)
+
+    def apply(self, func: tirx.PrimFunc, target: Target, knobs=None, *, tuned_up_to: int | None = None):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name not in ("cuda", "rocm"):
             return None
         blocks = match_matmul(s_tir.Schedule(func))
@@ -64,10 +74,15 @@ class QuantGEMM(GPURule):
         func = func.without_attr(TENSOR_CORE_TWIN) if twin is not None else func
         with target:
             gemm = tensor_core_gemm(func, twin, target, tile) if twin is not None and dispatch else None
+            # a tuned tile with a row limit: the default tile takes the rows above it
+            above = (tensor_core_gemm(func, twin, target, self.knobs())
+                     if gemm is not None and tuned_up_to and tile != self.knobs() else None)
             gemm = gemm or dl.gpu.Matmul().apply(func, target, False)
             low = {limit: dl.gpu.LowBatchGEMV(bucket).apply(func, target, False)
                    for limit, bucket in (LOW_BATCH if dispatch else ())}
         low = {limit: sch for limit, sch in low.items() if isinstance(sch, s_tir.Schedule)}
+        if above is not None and low and tuned_up_to > max(low):
+            low, gemm = {**low, tuned_up_to: gemm}, above
         gemm = gemm if isinstance(gemm, s_tir.Schedule | Dispatched) else None
         if gemm is None or not low:
             return [gemm] if isinstance(gemm, Dispatched) else gemm
@@ -92,7 +107,7 @@ def tensor_core_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, target: Target,
     return Dispatched(IRModule({"main": func.with_body(body)}))
 
 
-def dispatch_on_batch(func: tirx.PrimFunc, batch: tirx.Var, low: dict[int, s_tir.Schedule],
+def dispatch_on_batch(func: tirx.PrimFunc, batch: tirx.Var, low: dict[int, s_tir.Schedule | Dispatched],
                       gemm: s_tir.Schedule | Dispatched) -> tirx.PrimFunc:
     """func whose body runs low[limit]'s schedule for the smallest limit ≥ batch, else gemm's. Every schedule was
     made from func itself (or rebound to it: tensor_core_gemm), so all bodies refer to func's own parameters."""

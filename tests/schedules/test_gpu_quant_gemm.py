@@ -92,6 +92,23 @@ def test_twin_runs_on_tensor_cores_above_the_buckets(qtype):
 
 
 @pytest.mark.unit
+def test_a_tuned_tile_runs_up_to_twice_its_measured_rows_the_default_above():
+    func = with_tensor_core_twin(quant_matmul("Q4_1", 256, 512), "Q4_1", 256, 512)
+    tuned = {"warps_m": 2, "warps_n": 2, "frags_m": 2, "frags_n": 1, "k_frags": 4, "vector": 4}
+    (out,) = QuantGEMM().apply_measured(func, TARGET, tuned, {"batch": 512})
+    branches = _branches(out.mod["main"])
+    assert [limit for limit, _ in branches] == [limit for limit, _ in LOW_BATCH] + [2 * 512]
+    tuned_text, default_text = branches[-1][1].split("else:", 1)
+    # the tuned tile (64 rows: the batch padded to 64) below the limit, dlight's 128-row tile above it
+    assert "(batch + T.int64(63))" in tuned_text and "(batch + T.int64(127))" not in tuned_text
+    assert "(batch + T.int64(127))" in default_text and "(batch + T.int64(63))" not in default_text
+    # the rule's own defaults as a record, or a record measured nowhere: one tensor-core branch, as before
+    for knobs, measured in ((QuantGEMM().knobs(), {"batch": 512}), (tuned, {})):
+        (out,) = QuantGEMM().apply_measured(func, TARGET, knobs, measured)
+        assert [limit for limit, _ in _branches(out.mod["main"])] == [limit for limit, _ in LOW_BATCH]
+
+
+@pytest.mark.unit
 def test_without_a_twin_the_simt_matmul_stays():
     (out,) = QuantGEMM().apply(quant_matmul("Q4_1", 256, 512), TARGET)
     assert "wmma" not in out.mod["main"].script()
