@@ -342,8 +342,9 @@ def check_gemms(args: argparse.Namespace) -> int:
 
 
 # ---- prefill attention (schedules/gpu/attention_prefill.py) --------------------------------------------------------
-# (h_kv, h_q, head dim): SmolLM2, Llama-1B, Qwen3-0.6B, Gemma-3-1B, plain multi-head
-ATTENTION_SHAPES = ((3, 9, 64), (8, 32, 64), (8, 16, 128), (1, 4, 256), (4, 4, 64))
+# (h_kv, h_q, head dim): SmolLM2, Llama-1B, Qwen3-0.6B, Gemma-3-1B, plain multi-head, and head dims whose P·V takes
+# narrower passes (96: Phi-3's; 80)
+ATTENTION_SHAPES = ((3, 9, 64), (8, 32, 64), (8, 16, 128), (1, 4, 256), (4, 4, 64), (8, 32, 96), (2, 8, 80))
 
 
 def build_attention(args: argparse.Namespace) -> int:
@@ -363,7 +364,8 @@ def build_attention(args: argparse.Namespace) -> int:
     out = Path(args.dir)
     (out / "lib").mkdir(parents=True, exist_ok=True)
     entries = []
-    for h_kv, h_q, d in ATTENTION_SHAPES:
+    shapes = [tuple(int(x) for x in a.split(",")) for a in args.shapes] if args.shapes else ATTENTION_SHAPES
+    for h_kv, h_q, d in shapes:
         tile = default_tile(d, d)
         kernels = {"tensor_core": ragged_prefill(h_kv, h_q, d, d, "float32", tile=tile,
                                                   sm_count=int(info.facts["sm_count"]))}
@@ -506,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     ab = sub.add_parser("attention-build", help="build machine: prefill attention kernels (ours, TVM's) per shape")
     ab.add_argument("--dir", required=True)
     ab.add_argument("--target", default="sm_90")
+    ab.add_argument("--shapes", nargs="*", help="h_kv,h_q,d each (default: ATTENTION_SHAPES)")
     ab.add_argument("--variants", nargs="*", default=[], help="more tensor-core tiles at head dim 64: w,keys,per_sm")
     ab.set_defaults(func=build_attention)
     a = sub.add_parser("attention", help="GPU machine: prefill attention kernels against float64, then timed")

@@ -55,8 +55,9 @@ class PrefillTile:
 
 
 def pv_width(keys: int, d_v: int) -> int:
-    """Columns of P·V a pass: the step's P·V leaves through the score buffer, in passes of this width."""
-    return min(d_v, max(keys, 64))
+    """Columns of P·V a pass: the step's P·V leaves through the score buffer, in passes of this width: the widest
+    multiple of 16 that divides d_v and fits the buffer's max(keys, 64) columns (48 at head dim 96, 16 at 80)."""
+    return max(w for w in range(FRAG, min(d_v, max(keys, 64)) + 1, FRAG) if d_v % w == 0)
 
 
 def shared_bytes(tile: PrefillTile, d: int, d_v: int) -> int:
@@ -74,16 +75,20 @@ TILES = (PrefillTile(4, 64), PrefillTile(4, 32), PrefillTile(2, 32), PrefillTile
 STATIC_SHARED_BYTES = 48 * 1024
 
 
-def default_tile(d: int, d_v: int) -> PrefillTile:
-    for tile in TILES:
-        if shared_bytes(tile, d, d_v) <= STATIC_SHARED_BYTES:
-            return tile
-    raise ValueError(f"head dim {d}/{d_v}: no prefill attention tile fits 48 KiB of static shared memory; "
-                     "compile with --precision f32 (TVM's SIMT kernel)")
+def default_tile(d: int, d_v: int) -> PrefillTile | None:
+    """The first tile of TILES that fits static shared memory; None when none does (TVM's kernel stays)."""
+    return next((tile for tile in TILES if shared_bytes(tile, d, d_v) <= STATIC_SHARED_BYTES), None)
+
+
+# A lane holds half its row's O and a warp its rows' Q fragments in registers: at head dim 256 that is ~250 registers
+# (ptxas: 255, 48 bytes spilled); past it the kernel would live in local memory, and TVM's kernel serves.
+MAX_HEAD_DIM = 256
 
 
 def supports(d: int, d_v: int, dtype: str) -> bool:
-    return d % FRAG == 0 and d_v % FRAG == 0 and dtype in (F32, F16)
+    """WMMA tiles the head dims, they fit the registers and a tile fits, and the cache is float32 or float16."""
+    return (d % FRAG == 0 and d_v % FRAG == 0 and max(d, d_v) <= MAX_HEAD_DIM and dtype in (F32, F16)
+            and default_tile(d, d_v) is not None)
 
 
 def ragged_prefill(h_kv: int, h_q: int, d: int, d_v: int, dtype: str, *, tile: PrefillTile,
@@ -91,7 +96,8 @@ def ragged_prefill(h_kv: int, h_q: int, d: int, d_v: int, dtype: str, *, tile: P
     """batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset, output, lse,
     causal, rotary_mode, rope_scale, rope_theta, sm_scale): TVM's signature and buffer declarations."""
     if not supports(d, d_v, dtype):
-        raise ValueError(f"tensor-core prefill attention needs head dims divisible by {FRAG}, got {d}/{d_v}")
+        raise ValueError(f"tensor-core prefill attention: head dims {d}/{d_v} with a {dtype} cache are not taken "
+                         f"(multiples of {FRAG} up to {MAX_HEAD_DIM}); TVM's kernel serves them")
     return _RaggedPrefill(h_kv, h_q, d, d_v, dtype, tile, sm_count).build()
 
 

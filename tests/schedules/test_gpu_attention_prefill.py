@@ -18,6 +18,7 @@ from luce_schedules.gpu.attention_prefill import (
     pv_width,
     ragged_prefill,
     shared_bytes,
+    supports,
 )
 from tvm import IRModule
 from tvm.relax.frontend.nn.llm import _prefill_kernels, kv_cache
@@ -36,6 +37,20 @@ def test_the_largest_tile_that_fits_static_shared_memory(d, want):
     assert (tile.warps, tile.keys) == want
     assert shared_bytes(tile, d, d) <= STATIC_SHARED_BYTES
     assert shared_bytes(PrefillTile(4, 64), 128, 128) > STATIC_SHARED_BYTES
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("d,width", [(64, 64), (128, 64), (256, 64), (96, 48), (80, 16), (48, 48)])
+def test_pv_passes_cover_every_column(d, width):
+    tile = default_tile(d, d)
+    assert pv_width(tile.keys, d) == width and d % width == 0
+
+
+@pytest.mark.unit
+def test_head_dims_without_a_tile_are_left_to_tvm():
+    assert not supports(72, 72, "float32")  # not a multiple of 16
+    assert not supports(576, 512, "float32") and not supports(320, 320, "float32")  # O would not fit registers
+    assert supports(96, 96, "float32") and not supports(64, 64, "bfloat16")
 
 
 @pytest.mark.unit
