@@ -1,6 +1,6 @@
-"""Integer dot-product matmuls for decode, with llama.cpp's arithmetic (ggml-cpu's vec_dot_q4_0_q8_0, q4_1_q8_1,
-q5_0_q8_0, q5_1_q8_1, q8_0_q8_0, q4_K_q8_K, q5_K_q8_K, q6_K_q8_K): the activation vector is quantized to 8 bits
-once per matmul input, then each block of a weight row is an exact integer dot product with the activation block.
+"""Integer dot-product matmuls (decode, verify, prefill), with llama.cpp's arithmetic (ggml-cpu's vec_dot_q4_0_q8_0,
+q4_1_q8_1, q5_0_q8_0, q5_1_q8_1, q8_0_q8_0, q4_K_q8_K, q5_K_q8_K, q6_K_q8_K): the activations are quantized to 8
+bits once per matmul input, then each block of a weight row is an exact integer dot product with the activation block.
 - 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): each block's integer dot is scaled by one float FMA with d_w·d_x
   (and, for Q4_1/Q5_1, plus the min term m_w·s_x). Q4_0/Q5_0 dot the centred quants (q − 8, q − 16).
 - K-quants (256-value super-blocks): the integer dots of the sub-blocks (32 values for Q4_K/Q5_K, 16 for Q6_K)
@@ -64,8 +64,9 @@ class Q8Format:
 
     name: str  # "Q8_0", "Q8_1" or "Q8_K"
     order: str  # "natural" or "nibbles" (see the module docstring)
-    # Q8_0 for Q4_0/Q5_0: also Σq per block (`xi`, int32), so that the kernel dots the stored unsigned quants and
-    # subtracts offset·Σq (the same integer as ggml's Σ(q − offset)·x) instead of moving w's sign onto x per row
+    # Q8_0 activations: also Σq per block (`xi`, int32), so that the kernel dots the stored unsigned quants (Q4_0,
+    # Q5_0; Q8_0's w + 128 in the many-row body) and subtracts offset·Σq (the same integer as ggml's Σ(q − offset)·x)
+    # instead of moving w's sign onto x per row
     with_isum: bool = False
 
     @property
