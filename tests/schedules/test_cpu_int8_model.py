@@ -38,6 +38,9 @@ LONG = 24  # prompt tokens: past the 16 rows of the batched tiles, so prefill ru
 TIE = 1e-4  # in 8-bit steps: float32 activations differ from the oracle's by up to ~1e-6 relative, 1e-4 at |q| = 127
 TIE16 = 1e-3  # in fp16 steps, for the fp16-rounded d and s of Q8_0/Q8_1: 5e-7 relative (measured: the first
 # decode step agrees to ~1e-7; ties of a few 1e-4 steps are common: one input's d is seen by Q, K and V)
+# Q5_1's ~1,000 fp16-rounded scales a prompt and step make ties common: about 85% of one-token prompts have one
+# (estimated from 10 tries failing 1 run in 6, 2026-12-01); 100 tries fail ~1e-6 of runs and cost a few seconds
+PROMPT_TRIES = 100
 
 
 def _fp16_margin(values: np.ndarray) -> float:
@@ -94,7 +97,7 @@ def test_int8_matches_emulating_oracle(quant, overrides, tmp_path, rng):
     artifact = compile_module.compile_model(gguf, "cpu", tmp_path / "model", use_cache=False, precision="int8")
     assert json.loads((artifact / "manifest.json").read_text())["kernels"]["precision"] == "int8"
     engine = Engine(artifact, EngineOptions(max_batch=1, max_context=64, prefill_chunk=32))
-    for _ in range(10):  # a prompt whose rows and first decode step have no activation on a rounding tie
+    for _ in range(PROMPT_TRIES):  # a prompt whose rows and first decode step have no activation on a rounding tie
         oracle = DecodeRounding(gguf)
         prompt = rng.integers(0, int(engine.config["n_vocab"]), 1).tolist()
         want = [oracle.prefill(prompt)[-1]]
@@ -104,7 +107,7 @@ def test_int8_matches_emulating_oracle(quant, overrides, tmp_path, rng):
             break
     else:
         pytest.fail(
-            f"10 prompts in a row put an activation within {TIE} of an 8-bit rounding tie or a scale "
+            f"{PROMPT_TRIES} prompts in a row put an activation within {TIE} of an 8-bit rounding tie or a scale "
             f"within {TIE16} of an fp16 one"
         )
     for _ in range(STEPS - 1):
