@@ -257,12 +257,8 @@ def tuned_vs_untuned(runs: tuple[Path, ...], stem: Path, command: str) -> str:
     rows = {}
     for run in runs:
         for folder in sorted(f for f in run.iterdir() if (f / "ours-untuned.json").is_file()):
-            tuned, untuned = (_load(folder / n) or {} for n in ("ours.json", "ours-untuned.json"))
-            pick = {"decode_b1": "decode_tok_s", "decode_b8": "decode_batch_tok_s", "prefill_512": "prefill_tok_s"}
-            rows[folder.name] = {
-                kind: {**{m: d.get(k) for m, k in pick.items()},
-                       "prefill_2048": (d.get("extra") or {}).get("prefill_tok_s_by_len", {}).get("2048")}
-                for kind, d in (("tuned", tuned), ("untuned", untuned))}
+            rows[folder.name] = {kind: ours_row(d) if (d := _load(folder / name)) else {}
+                                 for kind, name in (("tuned", "ours.json"), ("untuned", "ours-untuned.json"))}
     if not rows:
         raise SystemExit("report: no workload has ours-untuned.json (run.sh with UNTUNED=...)")
     doc = {"meta": {"runs": [_run_label(r) for r in runs], "command": command, "build": build_description(*runs)},
@@ -278,7 +274,7 @@ def tuned_vs_untuned(runs: tuple[Path, ...], stem: Path, command: str) -> str:
     for name, r in rows.items():
         cells = []
         for m in metrics:
-            t, u = r["tuned"][m], r["untuned"][m]
+            t, u = r["tuned"].get(m), r["untuned"].get(m)
             cells.append(f"{_fmt(t, ',.0f')} / {_fmt(u, ',.0f')} ({t / u:.2f}×)" if t and u else "n/a")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     stem.parent.mkdir(parents=True, exist_ok=True)

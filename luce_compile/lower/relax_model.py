@@ -223,7 +223,7 @@ def prefill_attention_tiles(target: tvm.target.Target, head_dim: int, dtype: str
 @contextlib.contextmanager
 def tensor_core_prefill_attention(target: tvm.target.Target, precision: str) -> Iterator[None]:
     """With precision f16 on CUDA, the cache's ragged prefill kernel (a prefill from an empty cache: all of
-    pp512/pp2048's attention) is schedules/gpu/attention_prefill.py's, on tensor cores: 5-29x TVM's at 2048 tokens
+    pp512/pp2048's attention) is schedules/gpu/attention_prefill.py's, on tensor cores: 7-49x TVM's at 2048 tokens
     on the H200 (benchmarks/results/h200/2026-12-01-attention.md). TIRPagedKVCache takes no kernel as a parameter:
     the factory it calls is swapped for the duration and restored, whatever happens. Head dims WMMA cannot tile
     keep TVM's kernel."""

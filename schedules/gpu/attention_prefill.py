@@ -32,6 +32,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 
+from luce_schedules.gpu.tensor_gemm import DEFAULT_SHARED_BYTES
 from tvm import tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
@@ -72,12 +73,11 @@ def shared_bytes(tile: PrefillTile, d: int, d_v: int) -> int:
 # them), so with them it puts a barrier between any two accesses. Best first; the first that fits is taken: 4×64 at
 # head dim 64 (44 KiB), 4×32 at 128 (39 KiB), 2×32 at 256 (44 KiB).
 TILES = (PrefillTile(4, 64), PrefillTile(4, 32), PrefillTile(2, 32), PrefillTile(2, 16), PrefillTile(1, 16))
-STATIC_SHARED_BYTES = 48 * 1024
 
 
 def default_tile(d: int, d_v: int) -> PrefillTile | None:
     """The first tile of TILES that fits static shared memory; None when none does (TVM's kernel stays)."""
-    return next((tile for tile in TILES if shared_bytes(tile, d, d_v) <= STATIC_SHARED_BYTES), None)
+    return next((tile for tile in TILES if shared_bytes(tile, d, d_v) <= DEFAULT_SHARED_BYTES), None)
 
 
 # A lane holds half its row's O and a warp its rows' Q fragments in registers: at head dim 256 that is ~250 registers

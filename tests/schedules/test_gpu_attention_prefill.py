@@ -12,7 +12,6 @@ import re
 
 import pytest
 from luce_schedules.gpu.attention_prefill import (
-    STATIC_SHARED_BYTES,
     PrefillTile,
     default_tile,
     pv_width,
@@ -20,6 +19,7 @@ from luce_schedules.gpu.attention_prefill import (
     shared_bytes,
     supports,
 )
+from luce_schedules.gpu.tensor_gemm import DEFAULT_SHARED_BYTES
 from tvm import IRModule
 from tvm.relax.frontend.nn.llm import _prefill_kernels, kv_cache
 from tvm.target import Target
@@ -35,8 +35,8 @@ CUDA = Target({"kind": "cuda", "arch": "sm_90", "max_num_threads": 1024, "thread
 def test_the_largest_tile_that_fits_static_shared_memory(d, want):
     tile = default_tile(d, d)
     assert (tile.warps, tile.keys) == want
-    assert shared_bytes(tile, d, d) <= STATIC_SHARED_BYTES
-    assert shared_bytes(PrefillTile(4, 64), 128, 128) > STATIC_SHARED_BYTES
+    assert shared_bytes(tile, d, d) <= DEFAULT_SHARED_BYTES
+    assert shared_bytes(PrefillTile(4, 64), 128, 128) > DEFAULT_SHARED_BYTES
 
 
 @pytest.mark.unit
@@ -79,7 +79,7 @@ def test_cuda_uses_wmma_static_shared_memory_and_few_barriers(h_kv, h_q, d):
     assert "extern __shared__" not in src
     static = sum(int(n) * (2 if t == "half" else 4)
                  for t, n in re.findall(r"__shared__ alignas\(\d+\) (half|float) \w+\[(\d+)\];", src))
-    assert static == shared_bytes(tile, d, d) <= STATIC_SHARED_BYTES
+    assert static == shared_bytes(tile, d, d) <= DEFAULT_SHARED_BYTES
     # the planner's barriers, each one written in the kernel: two a Q chunk, four a key step and two a P·V pass, one
     # after the tile (7 at head dim 64, 11 at 128, 13 at 256); a barrier in a per-element loop would add thousands
     chunks, passes = -(-tile.rows // tile.keys), d // pv_width(tile.keys, d)
