@@ -92,7 +92,7 @@ class GraphModule(nn.Module):
         c = self.graph.config
         kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
         with prefill_attention_tiles(self.target, c.head_dim, self.options.dtype), \
-                tensor_core_prefill_attention(self.target, self.precision):
+                tensor_core_prefill_attention(self.target, self.precision), cpu_prefill_attention(self.target):
             return TIRPagedKVCache(
                 attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
                 prefill_chunk_size=prefill_chunk_size, page_size=page_size,
@@ -248,6 +248,32 @@ def tensor_core_prefill_attention(target: tvm.target.Target, precision: str) -> 
         yield
     finally:
         kv_cache._attention_prefill_ragged = original
+
+
+@contextlib.contextmanager
+def cpu_prefill_attention(target: tvm.target.Target) -> Iterator[None]:
+    """On the CPU (llvm), the cache's ragged prefill kernel (all of a prompt's attention from an empty cache) is
+    schedules/cpu/attention_prefill.py's: parallel and vectorized where TVM's runs on one thread, scalar (10x at
+    512 tokens; benchmarks/README.md, issue 13). Swapped as tensor_core_prefill_attention swaps CUDA's; a dtype
+    or head size it does not take keeps TVM's kernel."""
+    from luce_schedules.cpu.attention_prefill import ragged_prefill_cpu, supports
+    from tvm.relax.frontend.nn.llm import kv_cache
+
+    if target.kind.name != "llvm":
+        yield
+        return
+    original = kv_cache._attention_prefill_ragged_cpu
+
+    def factory(h_kv, h_q, d_qk, d_v, dtype, rope_scaling):  # noqa: ANN001, ANN202  (TVM's signature)
+        if not supports(d_qk, d_v, dtype):
+            return original(h_kv, h_q, d_qk, d_v, dtype, rope_scaling)
+        return ragged_prefill_cpu(h_kv, h_q, d_qk)
+
+    kv_cache._attention_prefill_ragged_cpu = factory
+    try:
+        yield
+    finally:
+        kv_cache._attention_prefill_ragged_cpu = original
 
 
 def _embedding(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:

@@ -1,0 +1,206 @@
+"""Prefill attention on the CPU: a drop-in for TVM's ragged prefill kernel (`_attention_prefill_ragged_cpu`,
+batch_prefill_ragged_kv in relax/frontend/nn/llm/_prefill_kernels.py), the kernel a prefill from an empty cache
+spends its attention in.
+
+TVM's CPU kernel walks every (sequence, query, key, head) in serial loops on one thread, scalar, with libm's exp2
+per score: perf put 29% of SmolLM2-135M's pp512 samples in it on the main thread alone while the pool's second
+thread sat in sched_yield (~1.5 of 2.5 s, benchmarks/README.md, issue 13). This one is flash attention on the
+CPU, float32 throughout:
+- a parallel task takes TQ query tokens of one sequence and one KV head; its rows are (token, query head of the KV
+  head's group), so the group's heads share every key and value load (GQA);
+- Q·Kᵀ runs with the lanes along keys: a block of KB keys is transposed once into a local (D, KB) buffer, then
+  RB rows at a time take D broadcast FMAs each (RB accumulators in registers, one K load per RB FMAs);
+- the online softmax works in base 2 (Q is scaled by sm_scale·log2 e when it is staged), with a vectorized
+  polynomial exp2 (libm's is scalar: one call per score was TVM's kernel's second cost);
+- P·V runs with the lanes along the head dimension: per 16 columns, RB rows of O accumulate KB value rows;
+- under the causal mask a tile stops at its last row's last visible key;
+- tasks are numbered tile-major in zigzag order (0, n-1, 1, n-2, ...): TVM splits a parallel loop into one
+  contiguous range per thread, and the late (causal: heavy) tiles would otherwise all fall to the last thread.
+Same signature and outputs as TVM's kernel: O and the base-2 log-sum-exp (in units of sm_scale·log2 e scores) that
+the cache merges partial states with when a prefix is already cached. `rotary_mode` must be 0: luce-compile
+applies RoPE in the graph (RopeMode.NONE), so the cache never asks for inline rotation (asserted in the kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+LANES = 16  # float32 lanes of one AVX-512 register; LLVM splits them on narrower machines
+KB = LANES  # keys per block: one score vector per row
+RB = 4  # rows whose scores (and O columns) are computed together: RB accumulators, one K or V load per RB FMAs
+TQ = 16  # query tokens per task: at SmolLM2's 3 KV heads, 96 tasks for a 512-token prompt on 2 threads
+MASKED = -1.0e30  # a masked score: its weight is exp2(MASKED - max) = 2^-125 (_exp2's clamp), nothing beside 1
+# the running max before any key: above MASKED, so that a row whose first block is all masked (only when a sequence
+# has fewer keys than queries) sums 2^-125s, not 2^0s; below any real score
+EMPTY = -1.0e29
+LOG2E = math.log2(math.e)
+# 2^f = e^(f ln 2) for f in [-0.5, 0.5] by its Taylor series to degree 7: truncation error (ln2/2)^8/8! = 5e-9,
+# below float32's rounding; coefficients (ln 2)^i / i!, highest first for Horner
+EXP2_COEFFS = tuple(math.log(2) ** i / math.factorial(i) for i in range(7, -1, -1))
+
+
+def supports(d_qk: int, d_v: int, dtype: str) -> bool:
+    """float32 (the CPU build's cache dtype), one head size for keys and values, whole 16-lane column vectors."""
+    return dtype == "float32" and d_qk == d_v and d_qk % LANES == 0
+
+
+def _exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """2^x for x <= 0, vectorizable: x = n + f with n = round(x), 2^f by polynomial, 2^n added to its exponent bits.
+    x is clamped at -125 so that the exponent stays normal (2^-125 in place of 0: nothing next to a visible key's
+    weight >= 2^0 = 1 at the running max)."""
+    x = T.max(x, T.float32(-125.0))
+    n = T.round(x)
+    f = x - n
+    p = T.float32(EXP2_COEFFS[0])
+    for c in EXP2_COEFFS[1:]:
+        p = p * f + T.float32(c)
+    bits = T.reinterpret("int32", p) + T.shift_left(T.Cast("int32", n), 23)
+    return T.reinterpret("float32", bits)
+
+
+def ragged_prefill_cpu(h_kv: int, h_q: int, d: int, tile_q: int = TQ) -> tirx.PrimFunc:
+    """TVM's batch_prefill_ragged_kv (float32, d_qk = d_v = d), multi-threaded and vectorized (module docstring)."""
+    group = h_q // h_kv
+    rows = tile_q * group  # score rows of a task: (token, head of the group), token-major
+    assert rows % RB == 0, "TQ·group must be a multiple of RB"
+    chunks = d // LANES
+
+    @T.macro
+    def _tile(q, k, v, q_indptr, kv_indptr, output, lse, causal, sm_scale, b, r0, hk):  # noqa: ANN001
+        qs = T.decl_buffer((rows, d), "float32", scope="local")  # Q · sm_scale · log2 e
+        kt = T.decl_buffer((d, KB), "float32", scope="local")  # the key block, transposed
+        s = T.decl_buffer((RB, KB), "float32", scope="local")  # scores, then probabilities
+        acc = T.decl_buffer((RB, LANES), "float32", scope="local")
+        o = T.decl_buffer((rows, d), "float32", scope="local")
+        m = T.decl_buffer((rows,), "float32", scope="local")  # running max (base 2)
+        den = T.decl_buffer((rows,), "float32", scope="local")  # running sum of 2^(score - m)
+        red = T.decl_buffer((RB, 2), "float32", scope="local")  # a row's block max, then its new max and scale
+        q0 = q_indptr[b]
+        kv0 = kv_indptr[b]
+        n_q = q_indptr[b + 1] - q0
+        n_kv = kv_indptr[b + 1] - kv0
+        n_rows = T.min(tile_q, n_q - r0)
+        diag = n_kv - n_q  # causal: query row i sees keys 0 .. i + diag
+        kv_end = T.if_then_else(causal > 0, T.min(n_kv, r0 + n_rows + diag), n_kv)
+        scale = sm_scale * T.float32(LOG2E)
+        for r in T.serial(rows):
+            m[r] = T.float32(EMPTY)
+            den[r] = T.float32(0)
+            for c in T.vectorized(d):
+                o[r, c] = T.float32(0)
+                qs[r, c] = T.if_then_else(
+                    r // group < n_rows, q[q0 + r0 + r // group, hk * group + r % group, c] * scale, T.float32(0))
+        for kb in T.serial((kv_end + KB - 1) // KB):
+            n_keys = T.min(KB, n_kv - kb * KB)
+            for j in T.serial(KB):
+                for c in T.serial(d):
+                    kt[c, j] = T.if_then_else(j < n_keys, k[kv0 + kb * KB + j, hk, c], T.float32(0))
+            for rb in T.serial(rows // RB):
+                # scores of RB rows: one K vector per RB broadcast FMAs
+                for i in T.unroll(RB):
+                    for j in T.vectorized(KB):
+                        s[i, j] = T.float32(0)
+                for c in T.serial(d):
+                    for i in T.unroll(RB):
+                        for j in T.vectorized(KB):
+                            s[i, j] = s[i, j] + qs[rb * RB + i, c] * kt[c, j]
+                for i in T.unroll(RB):
+                    # the last visible key of this row (causal) or of the sequence
+                    limit = T.if_then_else(causal > 0, T.min(n_kv, r0 + (rb * RB + i) // group + diag + 1), n_kv)
+                    for j in T.vectorized(KB):
+                        s[i, j] = T.if_then_else(kb * KB + j < limit, s[i, j], T.float32(MASKED))
+                    red[i, 0] = m[rb * RB + i]
+                    for j in T.serial(KB):
+                        red[i, 0] = T.max(red[i, 0], s[i, j])
+                    red[i, 1] = T.exp2(m[rb * RB + i] - red[i, 0])  # rescales what was summed under the old max
+                    m[rb * RB + i] = red[i, 0]
+                    for j in T.vectorized(KB):
+                        s[i, j] = _exp2(s[i, j] - red[i, 0])
+                    den[rb * RB + i] = den[rb * RB + i] * red[i, 1]
+                    for j in T.serial(KB):
+                        den[rb * RB + i] = den[rb * RB + i] + s[i, j]
+                # P·V: per 16 columns, RB rows of O accumulate the block's value rows (only the keys that exist)
+                for cc in T.serial(chunks):
+                    for i in T.unroll(RB):
+                        for c in T.vectorized(LANES):
+                            acc[i, c] = o[rb * RB + i, cc * LANES + c] * red[i, 1]
+                    for j in T.serial(n_keys):
+                        for i in T.unroll(RB):
+                            for c in T.vectorized(LANES):
+                                acc[i, c] = acc[i, c] + s[i, j] * v[kv0 + kb * KB + j, hk, cc * LANES + c]
+                    for i in T.unroll(RB):
+                        for c in T.vectorized(LANES):
+                            o[rb * RB + i, cc * LANES + c] = acc[i, c]
+        for r in T.serial(n_rows * group):
+            # a row with no key at all (an empty sequence's keys) writes 0 and a log-sum-exp that merges as weight 0
+            for c in T.vectorized(d):
+                output[q0 + r0 + r // group, hk * group + r % group, c] = T.if_then_else(
+                    den[r] > T.float32(0), o[r, c] / den[r], T.float32(0))
+            lse[q0 + r0 + r // group, hk * group + r % group] = T.if_then_else(
+                den[r] > T.float32(0), m[r] + T.log2(den[r]), T.float32(EMPTY))
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def batch_prefill_ragged_kv(
+        var_q: T.handle,  # (qo_len, h_q, d)
+        var_q_indptr: T.handle,  # (batch_size + 1,)
+        var_k: T.handle,  # (kv_len, h_kv, d)
+        var_v: T.handle,  # (kv_len, h_kv, d)
+        var_kv_indptr: T.handle,  # (batch_size + 1,)
+        var_q_rope_position: T.handle,  # (qo_len,): unused (rotary_mode 0)
+        var_k_rope_pos_offset: T.handle,  # (batch_size,): unused
+        var_output: T.handle,  # (qo_len, h_q, d)
+        var_lse: T.handle,  # (qo_len, h_q)
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        batch_size = T.int32()
+        qo_len = T.int32()
+        kv_len = T.int32()
+        q_indptr_elem_offset = T.int32()
+        kv_indptr_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (qo_len, h_q, d), "float32")
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        k = T.match_buffer(var_k, (kv_len, h_kv, d), "float32")
+        v = T.match_buffer(var_v, (kv_len, h_kv, d), "float32")
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",  # noqa: F841
+                                         elem_offset=q_rope_position_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",  # noqa: F841
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        output = T.match_buffer(var_output, (qo_len, h_q, d), "float32")
+        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+
+        assert rotary_mode == 0, "luce-compile's CPU prefill attention takes keys with RoPE applied (RopeMode.NONE)"
+        # every sequence's tiles fit in ceil(qo_len / TQ) + batch_size slots; the slots past the last tile are empty
+        slots = (qo_len + tile_q - 1) // tile_q + batch_size
+        for task in T.parallel(slots * h_kv):
+            hk = task % h_kv
+            zz = task // h_kv
+            tile = T.if_then_else(zz % 2 == 0, zz // 2, slots - 1 - zz // 2)
+            found = T.decl_buffer((3,), "int32", scope="local")  # sequence, its first row in the tile, tiles before
+            found[0] = -1
+            found[1] = 0
+            found[2] = 0
+            for b in T.serial(batch_size):
+                n_tiles = (q_indptr[b + 1] - q_indptr[b] + tile_q - 1) // tile_q
+                if found[0] < 0 and tile < found[2] + n_tiles:
+                    found[0] = b
+                    found[1] = (tile - found[2]) * tile_q
+                found[2] = found[2] + n_tiles
+            if found[0] >= 0:
+                b_seq = found[0]
+                r_first = found[1]
+                _tile(q, k, v, q_indptr, kv_indptr, output, lse, causal, sm_scale, b_seq, r_first, hk)
+    # fmt: on
+
+    return batch_prefill_ragged_kv
