@@ -252,28 +252,34 @@ def tensor_core_prefill_attention(target: tvm.target.Target, precision: str) -> 
 
 @contextlib.contextmanager
 def cpu_prefill_attention(target: tvm.target.Target) -> Iterator[None]:
-    """On the CPU (llvm), the cache's ragged prefill kernel (all of a prompt's attention from an empty cache) is
-    schedules/cpu/attention_prefill.py's: parallel and vectorized where TVM's runs on one thread, scalar (10x at
-    512 tokens; benchmarks/README.md, issue 13). Swapped as tensor_core_prefill_attention swaps CUDA's; a dtype
-    or head size it does not take keeps TVM's kernel."""
-    from luce_schedules.cpu.attention_prefill import ragged_prefill_cpu, supports
+    """On the CPU (llvm), the cache's prefill kernels are schedules/cpu/attention_prefill.py's: parallel and
+    vectorized where TVM's run on one thread, scalar (benchmarks/README.md, issue 13: pp512 3.2x on SmolLM2 and
+    Qwen3-0.6B; 5.6x for SmolLM2's 2048 tokens in 512-token chunks). The ragged one takes a prompt's own tokens, the
+    paged ones (plain and sliding-window) a cached prefix.
+    Swapped as tensor_core_prefill_attention swaps CUDA's; a dtype or head size they do not take keeps TVM's."""
+    from luce_schedules.cpu.attention_prefill import paged_prefill_cpu, ragged_prefill_cpu, supports
     from tvm.relax.frontend.nn.llm import kv_cache
 
     if target.kind.name != "llvm":
         yield
         return
-    original = kv_cache._attention_prefill_ragged_cpu
+    originals = kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu
 
-    def factory(h_kv, h_q, d_qk, d_v, dtype, rope_scaling):  # noqa: ANN001, ANN202  (TVM's signature)
+    def ragged(h_kv, h_q, d_qk, d_v, dtype, rope_scaling):  # noqa: ANN001, ANN202  (TVM's signature)
         if not supports(d_qk, d_v, dtype):
-            return original(h_kv, h_q, d_qk, d_v, dtype, rope_scaling)
+            return originals[0](h_kv, h_q, d_qk, d_v, dtype, rope_scaling)
         return ragged_prefill_cpu(h_kv, h_q, d_qk)
 
-    kv_cache._attention_prefill_ragged_cpu = factory
+    def paged(h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size=16, sliding_window_size=1024):  # noqa: ANN001, ANN202
+        if not supports(d, d, dtype):
+            return originals[1](h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size, sliding_window_size)
+        return paged_prefill_cpu(h_kv, h_q, d, sliding_window, page_size, sliding_window_size)
+
+    kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu = ragged, paged
     try:
         yield
     finally:
-        kv_cache._attention_prefill_ragged_cpu = original
+        kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu = originals
 
 
 def _embedding(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:

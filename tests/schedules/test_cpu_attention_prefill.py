@@ -1,14 +1,15 @@
-"""schedules/cpu/attention_prefill.py: the CPU ragged prefill attention against a float64 numpy reference (fresh
-random inputs each run: several ragged sequences, head dims 64/128/256, GQA), TVM's signature, and the swap in
-lower/relax_model.py (llvm only, restored after). Tolerance 2e-5: float32 sums over at most a few hundred keys
-(seen: ~2e-6, as TVM's own kernel), far below the 1e-3 the model tests allow."""
+"""schedules/cpu/attention_prefill.py: the CPU ragged and paged prefill attention against a float64 numpy
+reference (fresh random inputs each run: several ragged sequences, head dims 64/128/256, GQA; pages in random order,
+sliding windows with sinks), TVM's signatures, and the swap in lower/relax_model.py (llvm only, restored after).
+Tolerance 2e-5: float32 sums over at most a few hundred keys (seen: ~2e-6, as TVM's own kernels), far below the
+1e-3 the model tests allow."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import tvm
-from luce_schedules.cpu.attention_prefill import ragged_prefill_cpu, supports
+from luce_schedules.cpu.attention_prefill import paged_prefill_cpu, ragged_prefill_cpu, supports
 from tvm.relax.frontend.nn.llm import _prefill_kernels, kv_cache
 from tvm.target import Target
 
@@ -24,20 +25,23 @@ def _build(func: tvm.tirx.PrimFunc) -> tvm.runtime.Module:
         return tvm.compile(tvm.IRModule({"main": func}), target=CPU)
 
 
-def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_ptr: np.ndarray, kv_ptr: np.ndarray, scale: float,
-              causal: bool) -> tuple[np.ndarray, np.ndarray]:
-    """float64 attention per sequence and head; the base-2 log-sum-exp of scale·q·k, as TVM's kernel returns it."""
+def reference(q: np.ndarray, q_ptr: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray], scale: float,
+              causal: bool, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """float64 attention per sequence and head over each sequence's keys/values (S_kv, H_kv, D); the base-2
+    log-sum-exp of scale·q·k, as TVM's kernels return it. Causal is end-aligned (the last query sees every key);
+    with a window, TVM's sliding mask under causal: row i sees the last window - i - 1 keys."""
     out, lse = np.zeros(q.shape), np.zeros(q.shape[:2])
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // keys[0].shape[1]
     for b in range(len(q_ptr) - 1):
-        rows, keys = slice(q_ptr[b], q_ptr[b + 1]), slice(kv_ptr[b], kv_ptr[b + 1])
-        qb, kb, vb = (x.astype(np.float64) for x in (q[rows], k[keys], v[keys]))
-        n_q, n_kv = len(qb), len(kb)
-        visible = np.arange(n_kv)[None] <= np.arange(n_q)[:, None] + n_kv - n_q  # (S_q, S_kv): causal, end-aligned
+        rows = slice(q_ptr[b], q_ptr[b + 1])
+        qb, kb, vb = q[rows].astype(np.float64), keys[b].astype(np.float64), values[b].astype(np.float64)
+        i, j = np.arange(len(qb))[:, None], np.arange(len(kb))[None]  # (S_q, 1), (1, S_kv)
+        if causal and window:
+            visible = j >= np.maximum(len(kb) - np.maximum(window - i - 1, 0), 0)
+        else:
+            visible = (j <= i + len(kb) - len(qb)) if causal else np.ones((len(qb), len(kb)), bool)
         for h in range(q.shape[1]):
-            s = qb[:, h] @ kb[:, h // group].T * scale  # (S_q, S_kv)
-            if causal:
-                s = np.where(visible, s, -np.inf)
+            s = np.where(visible, qb[:, h] @ kb[:, h // group].T * scale, -np.inf)  # (S_q, S_kv)
             top = s.max(axis=1, keepdims=True)
             p = np.exp(s - top)
             out[rows, h] = p / p.sum(axis=1, keepdims=True) @ vb[:, h // group]
@@ -65,7 +69,7 @@ def _run(lib: tvm.runtime.Module, q, k, v, q_ptr, kv_ptr, scale: float, causal: 
     ],
 )
 @pytest.mark.parametrize("causal", [True, False])
-def test_matches_float64_reference(h_kv, h_q, d, q_lens, kv_extra, causal):
+def test_ragged_matches_float64_reference(h_kv, h_q, d, q_lens, kv_extra, causal):
     rng = np.random.default_rng()  # fresh inputs each run
     q_ptr = np.concatenate([[0], np.cumsum(q_lens)])
     kv_ptr = np.concatenate([[0], np.cumsum(np.add(q_lens, kv_extra))])
@@ -74,14 +78,73 @@ def test_matches_float64_reference(h_kv, h_q, d, q_lens, kv_extra, causal):
     v = rng.standard_normal((kv_ptr[-1], h_kv, d)).astype(np.float32)
     scale = float(rng.uniform(0.5, 2.0) / np.sqrt(d))  # sm_scale is an argument: not only 1/sqrt(d)
     out, lse = _run(_build(ragged_prefill_cpu(h_kv, h_q, d)), q, k, v, q_ptr, kv_ptr, scale, causal)
-    want_out, want_lse = reference(q, k, v, q_ptr, kv_ptr, scale, causal)
+    per_seq = [slice(kv_ptr[b], kv_ptr[b + 1]) for b in range(len(q_lens))]
+    want_out, want_lse = reference(q, q_ptr, [k[x] for x in per_seq], [v[x] for x in per_seq], scale, causal)
     np.testing.assert_allclose(out, want_out, atol=TOL, rtol=0)
     np.testing.assert_allclose(lse, want_lse, atol=TOL * 10, rtol=TOL)  # |lse| ~ 10-100: relative
 
 
-def test_signature_is_tvms():
-    ours = ragged_prefill_cpu(3, 9, 64)
-    theirs = _prefill_kernels._attention_prefill_ragged_cpu(3, 9, 64, 64, "float32", {})
+PAGE = 16  # TVM's CPU paged kernel's page size (its factory's default, the one the cache builds)
+
+
+def _pages(rng: np.random.Generator, h_kv: int, d: int, kv_lens: list[int], sinks: list[int] | None,
+           offsets: list[int] | None) -> tuple[list[np.ndarray], ...]:
+    """A page pool in random order and each sequence's logical keys/values as the kernel must read them: key j sits
+    at slot j, or past the sink at j - sink + offset (sliding: the window's start in the sequence's pages)."""
+    stored = [n if sinks is None else (n if n <= s else n - s + o) for n, s, o in
+              zip(kv_lens, sinks or kv_lens, offsets or kv_lens, strict=True)]
+    n_pages = [-(-n // PAGE) for n in stored]
+    pool = rng.standard_normal((sum(n_pages) + 3, 2, h_kv, PAGE, d)).astype(np.float32)  # (P, K/V, H_kv, page, D)
+    order = [int(x) for x in rng.permutation(len(pool))]
+    indptr, keys, values, last = [0], [], [], []
+    for b, n in enumerate(kv_lens):
+        ids = order[indptr[-1]:indptr[-1] + n_pages[b]]
+        indptr.append(indptr[-1] + n_pages[b])
+        last.append(stored[b] - (n_pages[b] - 1) * PAGE if n_pages[b] else 0)
+        pos = [j if sinks is None or j < sinks[b] else j - sinks[b] + offsets[b] for j in range(n)]
+        keys.append(np.stack([pool[ids[p // PAGE], 0, :, p % PAGE] for p in pos]))
+        values.append(np.stack([pool[ids[p // PAGE], 1, :, p % PAGE] for p in pos]))
+    info = np.array(last if sinks is None else [last, offsets, sinks], np.int32)  # (B,) or (3, B), as TVM's
+    return pool, np.array(order[:indptr[-1]], np.int32), np.array(indptr, np.int32), info, keys, values
+
+
+@pytest.mark.parametrize(
+    "h_kv,h_q,d,q_lens,kv_lens,window",
+    [
+        (3, 9, 64, [20, 7], [50, 33], 0),  # a cached prefix of 50 and 33 keys, partial last pages
+        (8, 16, 128, [40], [64], 0),  # whole pages
+        (1, 4, 256, [5, 9], [40, 70], 32),  # sliding window 32: sinks 4 and 0, windows starting at 3 and 17
+    ],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_matches_float64_reference(h_kv, h_q, d, q_lens, kv_lens, window, causal):
+    rng = np.random.default_rng()
+    sinks, offsets = ([4, 0], [3, 17]) if window else (None, None)
+    pool, page_ids, page_ptr, info, keys, values = _pages(rng, h_kv, d, kv_lens, sinks, offsets)
+    q_ptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((q_ptr[-1], h_q, d)).astype(np.float32)
+    scale = float(1 / np.sqrt(d))
+    lib = _build(paged_prefill_cpu(h_kv, h_q, d, bool(window), sliding_window_size=window or 1024))
+    dev = tvm.cpu()
+    out = tvm.runtime.tensor(np.full(q.shape, np.nan, np.float32), dev)
+    lse = tvm.runtime.tensor(np.full(q.shape[:2], np.nan, np.float32), dev)
+    args = [q, q_ptr, pool, page_ptr, page_ids, info, np.zeros(len(q_lens), np.int32), np.zeros(len(q), np.int32)]
+    lib["main"](*(tvm.runtime.tensor(a, dev) for a in args), out, lse, int(causal), 0, 1.0, 1e4, scale)
+    want_out, want_lse = reference(q, q_ptr, keys, values, scale, causal, window)
+    np.testing.assert_allclose(out.numpy(), want_out, atol=TOL, rtol=0)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=TOL * 10, rtol=TOL)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged", "paged sliding"])
+def test_signature_is_tvms(kind):
+    if kind == "ragged":
+        ours = ragged_prefill_cpu(3, 9, 64)
+        theirs = _prefill_kernels._attention_prefill_ragged_cpu(3, 9, 64, 64, "float32", {})
+    else:
+        sliding = kind.endswith("sliding")
+        ours = paged_prefill_cpu(3, 9, 64, sliding)
+        theirs = _prefill_kernels._attention_prefill_cpu(3, 9, 64, "float32", sliding, {})
+        assert ours.attrs["global_symbol"] == theirs.attrs["global_symbol"]
     assert [p.name for p in ours.params] == [p.name for p in theirs.params]
     for mine, their in zip(ours.params, theirs.params, strict=True):
         a, b = mine.ty, their.ty  # a buffer parameter's type is its buffer (TVM 0.27)
@@ -106,15 +169,17 @@ def test_declines_what_it_does_not_take(d_qk, d_v, dtype):
 
 
 def test_swapped_only_for_llvm_and_restored():
-    original = kv_cache._attention_prefill_ragged_cpu
+    originals = kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu
     with cpu_prefill_attention(Target({"kind": "cuda", "arch": "sm_90"})):
-        assert kv_cache._attention_prefill_ragged_cpu is original
+        assert (kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu) == originals
     with cpu_prefill_attention(CPU):
-        swapped = kv_cache._attention_prefill_ragged_cpu
-        assert swapped is not original
-        assert "T.parallel(" in swapped(3, 9, 64, 64, "float32", {}).script()
-        assert "T.parallel(" not in swapped(3, 9, 64, 64, "float16", {}).script()  # TVM's, for what we decline
-    assert kv_cache._attention_prefill_ragged_cpu is original
+        ragged, paged = kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu
+        assert (ragged, paged) != originals
+        assert "T.parallel(" in ragged(3, 9, 64, 64, "float32", {}).script()
+        assert "T.parallel(" not in ragged(3, 9, 64, 64, "float16", {}).script()  # TVM's, for what we decline
+        assert "T.parallel(" in paged(3, 9, 64, "float32", True, {}, sliding_window_size=512).script()
+        assert "T.parallel(" not in paged(3, 9, 72, "float32", False, {}).script()
+    assert (kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu) == originals
     with pytest.raises(RuntimeError), cpu_prefill_attention(CPU):
         raise RuntimeError("restored even so")
-    assert kv_cache._attention_prefill_ragged_cpu is original
+    assert (kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu) == originals
