@@ -127,6 +127,9 @@ class Runner:
         self.pages = t.zeros((kv["n_layers"], b * self.max_pages, 2, kv["kv_heads"], prog.page_size, kv["head_dim"]),
                              dtype=t.float16, device=dev)
         self.page_table = t.arange(b * self.max_pages, dtype=t.int32, device=dev).reshape(b, self.max_pages)
+        # the kernel takes the pool flat with each layer's offset (TVM's cache gives it one tensor per layer)
+        layer_elems = self.pages[0].numel()
+        self.kv_layer_offset = t.arange(kv["n_layers"], dtype=t.int64, device=dev) * layer_elems
         self.arena = t.zeros(prog.arena_size, dtype=t.float32, device=dev)
         self.amax_val = t.zeros((b, max(1, prog.lm_tiles)), dtype=t.float32, device=dev)
         self.amax_idx = t.zeros((b, max(1, prog.lm_tiles)), dtype=t.int32, device=dev)
@@ -153,7 +156,8 @@ class Runner:
         order the build recorded (build.json "params")."""
         self.epoch += 1
         a, z = self.cur, 1 - self.cur
-        named = {"tokens": self.tok[a], "lengths": self.len[a], "page_table": self.page_table, "pages": self.pages,
+        named = {"tokens": self.tok[a], "lengths": self.len[a], "page_table": self.page_table,
+                 "pages": self.pages.view(-1), "kv_layer_offset": self.kv_layer_offset,
                  "arena": self.arena, "amax_val": self.amax_val, "amax_idx": self.amax_idx, "token_out": self.tok[z],
                  "lengths_out": self.len[z], "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps,
                  "counters": self.counters, "status": self.status, "profile": self.profile,

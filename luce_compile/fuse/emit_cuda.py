@@ -123,12 +123,15 @@ class MegakernelEmitter:
         p, nb = self.p, self.nb
         kv = p.kv
         max_pages = -(-p.tg.max_context // p.page_size)
-        self.n_pages = tirx.Var("n_pages", "int32")
+        # the KV pool is TVM's own: PagedKVCache keeps one page tensor per layer (pages, 2, kv heads, page size,
+        # head dim), each a separate allocation, so the kernel takes layer 0's tensor flat and each layer's offset
+        # from it in elements (int64: the allocations may lie far apart, before or after layer 0's)
+        self.n_kv = tirx.Var("n_kv", "int64")
         self.tokens = B.arg("tokens", B.buffer((nb,), "int32"))
         self.lengths = B.arg("lengths", B.buffer((nb,), "int32"))
         self.page_table = B.arg("page_table", B.buffer((nb, max_pages), "int32"))
-        self.pages = B.arg("pages", B.buffer((kv["n_layers"], self.n_pages, 2, kv["kv_heads"], p.page_size,
-                                               kv["head_dim"]), self.kv_dtype))
+        self.pages = B.arg("pages", B.buffer((self.n_kv,), self.kv_dtype))
+        self.kv_offset = B.arg("kv_layer_offset", B.buffer((kv["n_layers"],), "int64"))
         self.arena = B.arg("arena", B.buffer((p.arena_size,), F32))
         self.amax_val = B.arg("amax_val", B.buffer((nb, max(1, p.lm_tiles)), F32))
         self.amax_idx = B.arg("amax_idx", B.buffer((nb, max(1, p.lm_tiles)), "int32"))
@@ -282,7 +285,7 @@ class MegakernelEmitter:
                     blk = e // per_page
                     page = self.page_table[b, p_lo + blk // 2]
                     r = e % per_page
-                    return self.pages[self.col(P.KV_LAYER), page, blk % 2, g, r // d, r % d]
+                    return self.kv_at(self.col(P.KV_LAYER), page, blk % 2, g, r // d, r % d)
                 self._prefetch_range(at, n_pages * 2 * per_page, (chunk // ps + 1) * 2 * per_page, self.kv_dtype,
                                      contiguous=False)
 
@@ -556,8 +559,17 @@ class MegakernelEmitter:
             pos = self.lengths[b]
             page = self.page_table[b, pos // self.p.page_size]
             f = lo + r
-            self.store(self.pages, [self.col(P.KV_LAYER), page, which, f // d, pos % self.p.page_size, f % d],
-                       self.smem[env(slot, b, r)].astype(self.kv_dtype))
+            self.store(self.pages, self.kv_index(self.col(P.KV_LAYER), page, which, f // d, pos % self.p.page_size,
+                                                 f % d), self.smem[env(slot, b, r)].astype(self.kv_dtype))
+
+    def kv_index(self, layer, page, which, head, slot, c) -> tirx.Expr:
+        """Element (page, K|V, head, slot, feature) of a layer's pages in TVM's layout, from layer 0's start."""
+        kv, ps = self.p.kv, self.p.page_size
+        within = (((page.astype("int64") * 2 + which) * kv["kv_heads"] + head) * ps + slot) * kv["head_dim"] + c
+        return self.kv_offset[layer] + within
+
+    def kv_at(self, layer, page, which, head, slot, c) -> tirx.Expr:
+        return self.pages[self.kv_index(layer, page, which, head, slot, c)]
 
     def block_argmax(self, extent: int, n, value, index) -> tuple[tirx.Buffer, tirx.Buffer]:
         """The largest value(i) over i < n (extent bounds n) and the lowest index(i) that has it, in every thread:
@@ -798,7 +810,7 @@ class MegakernelEmitter:
                 for hh in range(group):
                     self.store(s, hh, f32(0))
                 with B.unroll(0, d) as c:  # every key's loads in flight at once
-                    kval = self.pages[layer, page, 0, g, slot, c].astype(F32)
+                    kval = self.kv_at(layer, page, 0, g, slot, c).astype(F32)
                     for hh in range(group):
                         self.store(s, hh, s[hh] + self.smem[q_at + hh * d + c] * kval)
                 for hh in range(group):
@@ -827,7 +839,7 @@ class MegakernelEmitter:
                         pg, sl = self.page_table[b, jj // ps], jj % ps
                         for c in range(per_lane):
                             dim = tirx.min(c * 32 + self.lane, d - 1)
-                            v = self.pages[layer, pg, 1, g, sl, dim].astype(F32)
+                            v = self.kv_at(layer, pg, 1, g, sl, dim).astype(F32)
                             for hh in range(group):
                                 i = hh * per_lane + c
                                 self.store(o, i, o[i] + self.smem[p_at + (self.warp * group + hh) * 32 + kk] * v)
