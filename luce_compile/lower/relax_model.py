@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import tvm
-from luce_runtime.contract import REQUIRED_FUNCTIONS, Fn, KVCacheArgs
+from luce_runtime.contract import KV_PAGES_PROBE, REQUIRED_FUNCTIONS, Fn, KVCacheArgs
 from tvm import relax, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op, spec
@@ -92,7 +92,8 @@ class GraphModule(nn.Module):
         c = self.graph.config
         kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
         with prefill_attention_tiles(self.target, c.head_dim, self.options.dtype), \
-                tensor_core_prefill_attention(self.target, self.precision), cpu_prefill_attention(self.target):
+                tensor_core_prefill_attention(self.target, self.precision), kv_pages_probe(), \
+                cpu_prefill_attention(self.target):
             return TIRPagedKVCache(
                 attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
                 prefill_chunk_size=prefill_chunk_size, page_size=page_size,
@@ -280,6 +281,21 @@ def cpu_prefill_attention(target: tvm.target.Target) -> Iterator[None]:
         yield
     finally:
         kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu = originals
+
+
+@contextlib.contextmanager
+def kv_pages_probe() -> Iterator[None]:
+    """The cache's debug_get_kv becomes the runtime's KV_PAGES_PROBE (luce_runtime.contract says why): an extern
+    function the VM looks up by name when it loads the module. TIRPagedKVCache takes no function as a parameter:
+    the factory it calls is swapped for the duration and restored, whatever happens."""
+    from tvm.relax.frontend.nn.llm import kv_cache
+
+    original = kv_cache._kv_cache_debug_get_kv
+    kv_cache._kv_cache_debug_get_kv = lambda *_args: relax.ExternFunc(KV_PAGES_PROBE)
+    try:
+        yield
+    finally:
+        kv_cache._kv_cache_debug_get_kv = original
 
 
 def _embedding(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:

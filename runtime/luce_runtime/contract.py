@@ -18,7 +18,13 @@ from typing import Any
 
 from luce_runtime.errors import ArtifactError
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # 2: the cache's debug_get_kv is the runtime's KV_PAGES_PROBE (see there)
+
+# The KV cache's `f_debug_get_kv` slot holds this global function, which the runtime registers before it loads a
+# module (luce_runtime/kv_pages.py). TVM's PagedKVCache hands its page tensors out nowhere else: through it the
+# runtime learns each layer's page tensor and a sequence's page ids, so the megakernel reads and writes the same
+# pages as prefill and per-op decode (one KV pool for every path).
+KV_PAGES_PROBE = "luce.kv_pages_probe"
 
 
 class Fn(StrEnum):
