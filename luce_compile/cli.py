@@ -264,7 +264,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"[{time.perf_counter() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
     compile_model(gguf, args.target, out, use_cache=not args.no_cache, overwrite=args.force, progress=progress,
-                  precision=args.precision, tune_logs=args.tune_logs, use_tune_logs=not args.no_tune_logs)
+                  precision=args.precision, tune_logs=args.tune_logs, use_tune_logs=not args.no_tune_logs,
+                  megakernel=not args.no_megakernel)
     print(out)
     return 0
 
@@ -400,7 +401,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from luce_runtime.bench import bench_artifact  # after compiling: the runtime loads TVM's runtime library only
 
     result = bench_artifact(path, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
-                            repeat=args.repeat, prefill_lens=args.prefill_lens)
+                            repeat=args.repeat, prefill_lens=args.prefill_lens, megakernel=not args.no_megakernel)
     d = result.to_dict()
     if args.json:
         print(json.dumps(d, indent=2))
@@ -522,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "oracle; auto = int8 on such CPUs, f16 on CUDA, else f32 (default)")
     s.add_argument("--force", action="store_true",
                    help="replace an existing artifact at -o (anything else there is always refused)")
+    s.add_argument("--no-megakernel", action="store_true",
+                   help="CUDA targets: build without the decode megakernels (one persistent kernel per decode step "
+                        "of 1-8 sequences, which the engine otherwise runs); every step takes the per-op kernels")
     logs = s.add_mutually_exclusive_group()
     logs.add_argument("--tune-logs", type=Path, metavar="DIR",
                       help="tuning records to take kernel knobs from: DIR/<target>/*.jsonl (default: the shipped "

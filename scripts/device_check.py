@@ -237,6 +237,37 @@ def check_batched(engine, sizes: tuple[int, ...] = (2, 5, 8), steps: int = 16, s
     return {"sequences": list(sizes), "steps": steps, "max_rel_diff": worst, "ok": worst <= BATCH_TOL}
 
 
+def check_paths(engine, per_op, steps: int = 64, seed: int = 2) -> dict:
+    """The megakernel's decode against the per-op kernels' on the same artifact: one prefill each (the same
+    kernels), then greedy steps teacher-forced with the per-op ids, at batch 1 and at 3 sequences (the batch-4
+    kernel with a repeated padding row). Both decode in float32 over the same float32 pages; they differ only in
+    summation order, so the logits must agree to 1e-4 of the row's largest (BATCH_TOL) and the ids until a near tie."""
+    rng = np.random.default_rng(seed)
+    worst, mismatched, checked = 0.0, 0, 0
+    for n_seq in (1, 3):
+        prompts = [[int(t) for t in rng.integers(1, 49152, int(n))] for n in rng.integers(8, 40, n_seq)]
+        rows = {}
+        for which, eng in (("op", per_op), ("mk", engine)):  # the per-op ids first: the megakernel is fed them
+            seqs = [eng.add_sequence() for _ in prompts]
+            last = np.stack([eng.prefill([s], [p])[0] for s, p in zip(seqs, prompts, strict=True)])
+            out = [last]
+            for step in range(steps):
+                tokens = [int(t) for t in np.argmax(rows["op"][step] if which == "mk" else last, axis=-1)]
+                last = eng.decode(seqs, tokens)
+                out.append(last)
+            for s in seqs:
+                eng.remove_sequence(s)
+            rows[which] = out
+        for got, want in zip(rows["mk"][1:], rows["op"][1:], strict=True):
+            for g, w in zip(got, want, strict=True):
+                worst = max(worst, _rel(g, w))
+                if not near_tie(w):
+                    checked += 1
+                    mismatched += int(np.argmax(g)) != int(np.argmax(w))
+    return {"steps": steps, "sequences": [1, 3], "max_rel_diff": worst, "ids_checked": checked,
+            "ids_mismatched": mismatched, "ok": worst <= BATCH_TOL and mismatched == 0}
+
+
 def time_engine(engine, prompt_len: int = 512, prefill_lens: tuple[int, ...] = (2048,), steps: int = 128) -> dict:
     """Decode (batch 1, after a prompt_len prompt) and prefill speed, measured by luce_runtime.bench.bench_engine:
     the method and the medians of `luce-compile bench` and the H200 table, written in this record's fields."""
@@ -285,6 +316,11 @@ def run(args: argparse.Namespace) -> int:
     half = result["spec"].get("precision", "f32") == "f16"
     checks = {"oracle": check_oracle(engine, np.load(folder / "reference.npz"), REL_TOL_F16 if half else REL_TOL),
               "batched": check_batched(engine, joint_prefill=not half)}
+    result["decode_path"] = engine.decode_path
+    if engine.megakernel is not None:
+        per_op = Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=False))
+        checks["megakernel_vs_per_op"] = check_paths(engine, per_op)
+        del per_op
     result["checks"] = checks
     if not args.no_timing:
         result["timing"] = time_engine(engine)

@@ -60,7 +60,7 @@ def compiler_fingerprint() -> str:
 
 def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, use_cache: bool = True,
                   overwrite: bool = False, progress: Progress | None = None, precision: str = "auto",
-                  tune_logs: Path | None = None, use_tune_logs: bool = True) -> Path:
+                  tune_logs: Path | None = None, use_tune_logs: bool = True, megakernel: bool = True) -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
     An existing out_dir is replaced only if it is an artifact and `overwrite` is set (the CLI's --force); anything
@@ -69,7 +69,9 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     integer dot products where the CPU has them, "f32" the exact float32 kernels (oracle checks), "int8" insists.
     Tunable kernels take the knobs of their records in `tune_logs` (default: the shipped autotune_logs/; a target
     without records of its own takes the nearest measured target's), or their rule defaults with use_tune_logs off;
-    nothing is searched here. The manifest's kernels.tuning says what each kernel got.
+    nothing is searched here. The manifest's kernels.tuning says what each kernel got. On CUDA targets the decode
+    step is also built as megakernels (fuse/build.py; the engine runs them for batches up to 8), unless
+    `megakernel` is off (--no-megakernel); the manifest's "megakernel" section says why a build has none.
     """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -80,7 +82,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     precision = resolve_precision(precision, info.tvm_target())  # refuses int8 where it cannot run, before work
     tuning = load_tuning(info, tune_logs, use_tune_logs)
     # the records are part of the key: new records (or --no-tune-logs) make a new build, never a stale reuse
-    key = f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}-{tuning.digest()}"
+    key = (f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}-{tuning.digest()}"
+           f"{'' if megakernel or info.kind != 'cuda' else '-nomk'}")
     cached = cache_dir() / "artifacts" / key
     if use_cache and (cached / "manifest.json").is_file():
         say(f"reusing the cached build {cached}")
@@ -89,7 +92,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
         return out_dir
     gguf = read_gguf(gguf_path)
     graph = build_graph(gguf)  # refuses unsupported models before any work
-    built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision), tuning)
+    built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision), tuning, megakernel)
     try:
         if use_cache:
             _copy_tree(built, cached, overwrite=True)  # the cache is ours: a stale entry is replaced
@@ -120,7 +123,7 @@ def _cached_summary(cached: Path) -> str:
 
 
 def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: Progress,
-           options: LowerOptions, tuning: Tuning | None = None) -> Path:
+           options: LowerOptions, tuning: Tuning | None = None, megakernel: bool = True) -> Path:
     import tvm
 
     target = info.tvm_target()
@@ -138,6 +141,15 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     work = Path(tempfile.mkdtemp(prefix="luce-build-"))
     library = work / "model.so"
     binaries = export_checked(executable, info, library)  # refuses a GPU library without real device binaries
+    extra_files: dict[str, Path] = {}
+    if info.kind == "cuda":
+        if megakernel:
+            from luce_compile.fuse.build import artifact_megakernels
+
+            say("generating the decode megakernels")
+            mk_section, extra_files = artifact_megakernels(graph, info.name, work, options.dtype)
+        else:
+            mk_section = {"skipped": "built with --no-megakernel"}
     say("writing the artifact (weights repacked into kernel planes)")
     contract = RuntimeContract(kv_dtype=options.dtype,
                                functions=tuple(str(f) for f in exported_functions(options.precision)))
@@ -151,9 +163,11 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
         "runtime": contract.to_manifest(),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }
+    if info.kind == "cuda":
+        manifest["megakernel"] = mk_section
     return write_artifact(work / "artifact", manifest_fields=manifest, weights=_weights(gguf, params),
                           export_fn=lambda path: shutil.copyfile(library, path),
-                          tokenizer_metadata=_tokenizer_metadata(gguf))
+                          tokenizer_metadata=_tokenizer_metadata(gguf), extra_files=extra_files)
 
 
 def _target_fields(info: TargetInfo, target) -> dict:

@@ -17,8 +17,9 @@ import numpy as np
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse.plan import CostModel
-from luce_compile.fuse.program import Program, build_program
-from luce_compile.graph.ir import Graph
+from luce_compile.fuse.program import PROFILE_CLOCKS, Program, build_program
+from luce_compile.graph.ir import LOGITS, Graph
+from luce_compile.lower.quant_layout import plane_specs
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,14 @@ class MegakernelOptions:
     # a matvec's K passes are unrolled up to this many (every load of a step in flight at once); ncu (run6) puts 20%
     # of the warps' time in instruction-cache misses of the unrolled loops: 1 is the variant to time next
     unroll_passes: int = 4
+
+
+def _buffer_dtype(param) -> str:
+    """A kernel argument's element dtype ("" for a scalar argument)."""
+    try:
+        return str(param.dtype)
+    except AttributeError:  # tirx: dtype is only defined on buffer-typed vars
+        return ""
 
 
 def kernel_name(batch: int) -> str:
@@ -101,7 +110,9 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
 
     funcs = {kernel_name(b): emit(b, p) for b, p in programs.items()}
     for b, p in programs.items():  # the argument order callers must follow (the runtime passes them by position)
-        p.param_names = [str(v.name) for v in funcs[kernel_name(b)].params]
+        func = funcs[kernel_name(b)]
+        p.param_names = [str(v.name) for v in func.params]
+        p.param_dtypes = {str(v.name): _buffer_dtype(v) for v in func.params}
     target = info.tvm_target()
     start = time.perf_counter()
     with gpu_toolchain(info.kind, info.archs or (info.name,), info.name), target:
@@ -110,3 +121,50 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
     out.parent.mkdir(parents=True, exist_ok=True)
     executable.export_library(str(out))
     return programs
+
+
+MODULE_FILE = "megakernel.so"
+TABLES_FILE = "megakernel.npz"
+
+
+def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: str) -> tuple[dict, dict[str, Path]]:
+    """Compile the megakernels for an artifact: the manifest's "megakernel" section and the files it names
+    (luce_runtime/megakernel.py reads both). The section says why when there is none: a target or model the
+    generator does not cover yet is built without one, and the engine runs the per-op path."""
+    from luce_compile.lower.relax_model import param_name
+
+    if graph.config.sliding_window and any(graph.config.sliding or ()):
+        # TVM's cache keeps a sliding window's keys in a ring of pages with sinks, which the megakernel's
+        # attention does not read
+        return {"skipped": "sliding-window layers (TVM's cache pages them as a ring)"}, {}
+    options = MegakernelOptions(max_context=min(int(graph.config.n_ctx_train), 4096), kv_dtype=kv_dtype)
+    try:
+        programs = compile_megakernels(graph, target_name, work / MODULE_FILE, options)
+    except UnsupportedError as e:
+        log.info("no megakernel: %s", e)
+        return {"skipped": str(e)}, {}
+    tables: dict[str, np.ndarray] = {}
+    kernels = {}
+    for b, p in programs.items():
+        for field in ("tasks", "queue_len", "deps"):
+            tables[f"b{b}_{field}"] = np.ascontiguousarray(getattr(p, field), dtype=np.int32)
+        weights = {}
+        for name, o, slot in p.weight_args():
+            layers = p.stacked_tensors(o, slot)
+            if len(p.graph.weights[layers[0]].shape) == 1:
+                weights[name] = [param_name(t, "w") for t in layers]
+            else:
+                for plane in plane_specs(p.graph.weights[layers[0]].ggml_type, *p.graph.weights[layers[0]].shape):
+                    weights[f"{name}_{plane}"] = [param_name(t, plane) for t in layers]
+        kernels[str(b)] = {
+            "name": kernel_name(b), "batch": b, "params": p.param_names, "param_dtypes": p.param_dtypes,
+            "weights": weights, "arena_size": int(p.arena_size), "n_counters": int(p.n_counters),
+            "lm_tiles": int(p.lm_tiles), "logits_at": int(p.arena[LOGITS]), "vocab": int(p.width(LOGITS)),
+            "n_queues": int(len(p.queue_len)), "profile_clocks": PROFILE_CLOCKS,
+            "fingerprint": program_fingerprint(p)}
+    np.savez(work / TABLES_FILE, **tables)
+    kv = next(iter(programs.values())).kv
+    section = {"module": MODULE_FILE, "tables": TABLES_FILE, "batches": sorted(programs),
+               "max_context": options.max_context, "page_size": options.page_size, "kv_dtype": kv_dtype,
+               "kv": dict(kv), "options": dataclasses.asdict(options), "kernels": kernels}
+    return section, {MODULE_FILE: work / MODULE_FILE, TABLES_FILE: work / TABLES_FILE}

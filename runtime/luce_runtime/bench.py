@@ -176,18 +176,19 @@ def _decode_step_seconds(engine, prompts: list[list[int]], tokens: list[int], st
 
 
 def bench_artifact(artifact, *, prompt_len: int, gen_len: int, batch: int, repeat: int = 3,
-                   prefill_lens: Sequence[int] = (), prefill_repeat: int | None = None) -> BenchResult:
+                   prefill_lens: Sequence[int] = (), prefill_repeat: int | None = None,
+                   megakernel: bool = True) -> BenchResult:
     """Load an artifact on its device and bench it (luce-compile bench and `python -m luce_runtime.bench`).
     Each prompt is prefilled in one call (the chunk is the longest prompt), as llama.cpp's pp benchmarks do."""
     from luce_runtime.engine import Engine, EngineOptions
 
     longest = max([prompt_len, *prefill_lens])  # max(x) of one int raises: the list form works with no --prefill-lens
     engine = Engine(artifact, EngineOptions(max_batch=max(batch, 1), max_context=longest + gen_len + 8,
-                                            prefill_chunk=max(longest, 16)))
+                                            prefill_chunk=max(longest, 16), megakernel=megakernel))
     load_before = machine_load()
     timings = bench_engine(engine, prompt_len=prompt_len, gen_len=gen_len, batch=batch, repeat=repeat,
                            prefill_lens=prefill_lens, prefill_repeat=prefill_repeat)
-    extra: dict[str, Any] = {"load_avg_1m": load_before}
+    extra: dict[str, Any] = {"load_avg_1m": load_before, "decode_path": engine.decode_path}
     if "prefill_by_len" in timings:
         extra["prefill_tok_s_by_len"] = timings.pop("prefill_by_len")
     manifest = engine.artifact.manifest
@@ -208,6 +209,8 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--prefill-lens", type=int, nargs="*", default=[], help="also time prefill of these lengths")
+    parser.add_argument("--no-megakernel", action="store_true",
+                        help="decode with the per-op kernels even where the artifact has a megakernel (A/B runs)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_arguments(p)
     args = p.parse_args(argv)
     result = bench_artifact(args.artifact, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
-                            repeat=args.repeat, prefill_lens=args.prefill_lens)
+                            repeat=args.repeat, prefill_lens=args.prefill_lens, megakernel=not args.no_megakernel)
     print(json.dumps(result.to_dict(), indent=2))
     return 0
 

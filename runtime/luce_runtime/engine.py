@@ -34,6 +34,8 @@ from tvm.runtime import vm as tvm_vm  # noqa: E402
 from luce_runtime.artifact import Artifact, load_artifact  # noqa: E402
 from luce_runtime.contract import OPTIONAL_FUNCTIONS, REQUIRED_FUNCTIONS, Fn, KVCacheArgs, RuntimeContract  # noqa: E402
 from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
+from luce_runtime.kv_pages import KVPages  # noqa: E402
+from luce_runtime.megakernel import Megakernel  # noqa: E402
 from luce_runtime.sampler import Sampler, SamplingParams, find_stop  # noqa: E402
 from luce_runtime.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
 
@@ -50,6 +52,9 @@ class EngineOptions:
     max_context: int = 0  # tokens per sequence; 0 → the model's training context, capped at 4096
     prefill_chunk: int = 0  # prompt tokens per prefill call (longer prompts go in chunks); 0 → the artifact's
     page_size: int = 0  # tokens per KV page; 0 → the artifact's
+    # decode steps of 1-8 sequences run the artifact's megakernel when it has one that fits (CUDA; off: the per-op
+    # kernels always, as for checks against them)
+    megakernel: bool = True
 
 
 def kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
@@ -215,6 +220,30 @@ class Engine:
         self.total_pages = self._kv.free_pages()
         self._live: dict[int, int] = {}  # seq id → tokens in its cache
         self._next_id = 0
+        self.megakernel = self._load_megakernel(weights)
+
+    def _load_megakernel(self, weights: dict[str, np.ndarray]) -> Megakernel | None:
+        """The artifact's decode megakernels, when this engine can run them (else None, and the reason logged)."""
+        section = self.artifact.manifest.get("megakernel")
+        self.decode_path = "per-op kernels"  # what decode() runs, with the reason when not the megakernel
+        if not self.options.megakernel or section is None:
+            if section is not None:
+                self.decode_path += " (the megakernel is turned off)"
+            return None
+        sm_count = int(self.device.multi_processor_count or 0)
+        why = Megakernel.refusal(section, kv_dtype=self.contract.kv_dtype, page_size=self.page_size,
+                                 max_context=self.max_context, sliding_window=self.sliding_window, sm_count=sm_count)
+        if why:
+            log.info("engine: decode runs the per-op kernels, not the megakernels: %s", why)
+            self.decode_path += f" (no megakernel: {why})"
+            return None
+        self.decode_path = f"megakernel for 1-{max(int(b) for b in section['batches'])} sequences, per-op above"
+        c = self.config
+        self._pages = KVPages(self._kv.cache, int(c["n_layer"]), int(c["n_head_kv"]), int(c["head_dim"]),
+                              self.page_size, self.max_context, self.contract.kv_dtype)
+        self._mk_pages: dict[int, list[int]] = {}  # seq id → its page ids as last read (dropped when they may move)
+        self._mk_kv: tuple | None = None  # layer 0's pages flat, each layer's offset from it (on the device)
+        return Megakernel(self.artifact.root, section, self.device, weights)
 
     # ---- facts -----------------------------------------------------------------------------------------------------
     @property
@@ -256,6 +285,7 @@ class Engine:
                               f"{self._live[parent]}; fork between 1 and that many.")
         seq_id = self._new_id()
         self._kv.fork(parent, seq_id, length)
+        self._pages_moved(parent)  # the parent's last page is shared now: its next append copies it
         self._register(seq_id, length)
         return seq_id
 
@@ -271,12 +301,14 @@ class Engine:
         if n:
             self._kv.popn(seq_id, n)
             self._live[seq_id] -= n
+            self._pages_moved(seq_id)
 
     def remove_sequence(self, seq_id: int) -> None:
         """Free a sequence and its pages (pages shared with a fork stay until the fork is removed too)."""
         self._check(seq_id)
         self._kv.remove(seq_id)
         del self._live[seq_id]
+        self._pages_moved(seq_id)
 
     @contextmanager
     def sequence(self) -> Iterator[int]:
@@ -374,7 +406,52 @@ class Engine:
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One token for each sequence, all in one batched step; logits (B, V) float32."""
         self._check_step(seq_ids, [[t] for t in tokens])
+        if self.megakernel is not None and self.megakernel.kernel_for(len(seq_ids)) is not None:
+            return self._megakernel_step(list(seq_ids), [int(t) for t in tokens])
         return self._forward(list(seq_ids), [[t] for t in tokens], Fn.DECODE1 if len(seq_ids) == 1 else Fn.DECODE)
+
+    def _megakernel_step(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
+        """decode() through the megakernel: TVM's cache reserves each new token's slot (begin of forward, which
+        allocates a page at a page boundary), the kernel writes its keys and values there and attends over the
+        sequence's pages, and the forward ends as the per-op one does."""
+        lengths = [self._live[s] for s in seq_ids]
+        self._kv.begin(seq_ids, [1] * len(seq_ids))
+        try:
+            pages = [self._page_ids(s, n + 1) for s, n in zip(seq_ids, lengths, strict=True)]
+            if self._mk_kv is None:
+                first = self._pages.layers[0]
+                flat = first._create_view((int(np.prod(first.shape)),), first.dtype, 0)
+                self._mk_kv = (flat, tvm.runtime.tensor(self._pages.layer_offsets(), self.device))
+            logits = self.megakernel.step(tokens, lengths, pages, *self._mk_kv)
+        except BaseException:
+            self._kv.end()
+            for sid in seq_ids:
+                self._mk_pages.pop(sid, None)
+                self._undo_append(sid, 1)
+            raise
+        self._kv.end()
+        for sid in seq_ids:
+            self._live[sid] += 1
+        return logits
+
+    def _page_ids(self, seq_id: int, length: int) -> list[int]:
+        """The page ids holding a sequence's first `length` positions: read once, then one page more at each page
+        boundary (a page never moves while only megakernel steps append to its sequence)."""
+        known = self._mk_pages.get(seq_id)
+        need = -(-length // self.page_size)
+        if known is None or len(known) < need - 1:
+            known = self._pages.page_ids(seq_id, length)
+        elif len(known) < need:
+            start = (need - 1) * self.page_size
+            known = [*known, int(self._pages.slots(seq_id, start, start + 1)[0]) // self.page_size]
+        self._mk_pages[seq_id] = known
+        return known
+
+    def _pages_moved(self, *seq_ids: int) -> None:
+        """Sequences whose page ids TVM may have changed (a per-op append, fork, pop or removal)."""
+        if self.megakernel is not None:
+            for sid in seq_ids:
+                self._mk_pages.pop(sid, None)
 
     def verify(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Append each token list to its sequence in one forward (speculative verify: the last accepted token and
@@ -404,6 +481,7 @@ class Engine:
         tokens are popped again, so the pool is as it was and every sequence can go on. Prefill returns the logits
         of each sequence's last token, or of every token with every_row (verify)."""
         lens = [len(t) for t in tokens]
+        self._pages_moved(*seq_ids)
         self._kv.begin(seq_ids, lens)
         try:
             if fn in (Fn.PREFILL, Fn.VERIFY):
@@ -430,6 +508,7 @@ class Engine:
         """Pop the n tokens a failed step appended beyond the sequence's counted length; where the cache cannot (a
         sequence past its sliding window: TVM's popn does not undo the window's wrap-around), drop the sequence
         instead of keeping a corrupt one."""
+        self._pages_moved(seq_id)
         if self._can_pop(self._live[seq_id] + n):
             self._kv.popn(seq_id, n)
             return

@@ -179,3 +179,48 @@ def test_registry_facts_and_multi_arch():
     assert int(rocm.attrs["thread_warp_size"]) == 32 and int(rocm.attrs["max_num_threads"]) == 256
     with pytest.raises(LuceError, match="only CUDA archs combine"):
         get_target("sm_90,gfx1201")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sm_90", "gfx1201"])
+def test_cuda_artifacts_carry_the_decode_megakernels(name, built, tiny_gguf):
+    """CUDA artifacts carry the megakernels (one per batch size, real cubins), their task tables (the programs the
+    generator plans from this graph) and, per stacked weight argument, the per-op planes of its layers, which
+    the runtime stacks into exactly the GGUF's planes; ROCm artifacts have none yet."""
+    import numpy as np
+    from luce_runtime.artifact import load_artifact
+    from luce_runtime.megakernel import _stack_weights
+
+    from luce_compile.fuse.build import MegakernelOptions, kernel_name, plan_programs, program_fingerprint
+    from luce_compile.gguf.reader import read_gguf
+    from luce_compile.graph.registry import open_graph
+    from luce_compile.lower.quant_layout import weight_planes
+    from luce_compile.lower.relax_model import PLANE_SEP
+
+    artifact, info = built(name), get_target(name)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    if info.kind != "cuda":
+        assert "megakernel" not in manifest
+        return
+    mk = manifest["megakernel"]
+    assert mk["batches"] == [1, 2, 4, 8] and {mk["module"], mk["tables"]} <= set(manifest["files"])
+    (binary,) = check_library(artifact / mk["module"], info).binaries
+    assert {f"{kernel_name(b)}_kernel" for b in mk["batches"]} <= set(binary.kernels[info.name])
+    graph, _ = open_graph(tiny_gguf)
+    options = MegakernelOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in mk["options"].items()})
+    programs = plan_programs(graph, info.facts, options)
+    tables = np.load(artifact / mk["tables"])
+    for b, prog in programs.items():
+        assert mk["kernels"][str(b)]["fingerprint"] == program_fingerprint(prog)
+        assert np.array_equal(tables[f"b{b}_tasks"], prog.tasks)
+    gguf = read_gguf(tiny_gguf)
+    stacked = _stack_weights(mk, load_artifact(artifact).weights(), tvm.cpu())
+    assert len(stacked) >= 10
+    for arg, layers in mk["kernels"]["1"]["weights"].items():
+        want = []
+        for param in layers:
+            tensor, plane = param.split(PLANE_SEP)
+            t = gguf.tensor(tensor)
+            planes = weight_planes(gguf.raw(tensor), t.ggml_type, 2) if len(t.shape) == 2 else None
+            want.append(planes[plane] if planes else gguf.dequantize(tensor).astype(np.float32))
+        assert np.array_equal(stacked[arg].numpy(), np.stack(want)), arg

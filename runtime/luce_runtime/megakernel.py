@@ -1,0 +1,157 @@
+"""The artifact's decode megakernels (issue 11): one persistent kernel runs a whole decode step of 1-8 sequences.
+
+The compiler (luce_compile/fuse/build.artifact_megakernels) writes megakernel.so, the task tables of each batch
+size (megakernel.npz) and the manifest's "megakernel" section: every kernel's arguments in order, which per-op
+weights each stacked weight argument holds (one per layer), the arena layout. This module only loads and launches
+them; the engine decides when (Engine.decode) and hands over the KV pages of TVM's cache (luce_runtime.kv_pages).
+
+A step of n sequences runs the smallest kernel of batch >= n; the rows past n repeat the last real row (same
+token, length and pages), so they compute and write the same bytes as that row: no scratch pages are needed.
+Every block of a persistent kernel must be resident at once (they wait on each other's counters), so a kernel is
+only used on a GPU with at least as many SMs as it has queues; the bounded waits report a stall in `status`
+instead of hanging, and the step raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import tvm
+
+from luce_runtime.errors import ArtifactError, LuceError
+
+log = logging.getLogger(__name__)
+
+
+class MegakernelError(LuceError, RuntimeError):
+    """A megakernel step failed on the device (a block gave up waiting: the step's results are not usable)."""
+
+
+class _Kernel:
+    """One batch size's kernel with its buffers on the device."""
+
+    def __init__(self, fn, spec: dict, tables: dict, weights: dict, device, max_pages: int):
+        self.fn, self.spec, self.batch = fn, spec, int(spec["batch"])
+        b, dev = self.batch, device
+        key = f"b{self.batch}_"
+        self.tasks = tvm.runtime.tensor(tables[key + "tasks"], dev)
+        self.queue_len = tvm.runtime.tensor(tables[key + "queue_len"], dev)
+        self.deps = tvm.runtime.tensor(tables[key + "deps"], dev)
+        n_queues, max_tasks = int(spec["n_queues"]), int(tables[key + "tasks"].shape[1])
+        zeros = lambda shape, dtype: tvm.runtime.tensor(np.zeros(shape, dtype=dtype), dev)  # noqa: E731
+        self.arena = zeros(int(spec["arena_size"]), np.float32)
+        lm = max(1, int(spec["lm_tiles"]))
+        self.amax_val, self.amax_idx = zeros((b, lm), np.float32), zeros((b, lm), np.int32)
+        self.counters = zeros(int(spec["n_counters"]), np.int32)  # never reset: waits compare with count x epoch
+        self.status = zeros((n_queues, 4), np.int32)
+        self.profile = zeros((n_queues, max_tasks, int(spec["profile_clocks"])), np.int64)
+        self.tokens, self.lengths = zeros(b, np.int32), zeros(b, np.int32)
+        self.token_out, self.lengths_out = zeros(b, np.int32), zeros(b, np.int32)
+        self.page_table_host = np.zeros((b, max_pages), dtype=np.int32)
+        self.page_table = zeros((b, max_pages), np.int32)
+        self.logits = self.arena._create_view((b, int(spec["vocab"])), "float32", 4 * int(spec["logits_at"]))
+        self.weights = weights
+        self.epoch = 0
+
+    def launch(self, pages, kv_layer_offset) -> None:
+        self.epoch += 1
+        named = {"tokens": self.tokens, "lengths": self.lengths, "page_table": self.page_table, "pages": pages,
+                 "kv_layer_offset": kv_layer_offset, "arena": self.arena, "amax_val": self.amax_val,
+                 "amax_idx": self.amax_idx, "token_out": self.token_out, "lengths_out": self.lengths_out,
+                 "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps, "counters": self.counters,
+                 "status": self.status, "profile": self.profile, "profiling": 0, "epoch": self.epoch}
+        self.fn(*(named[n] if n in named else self.weights[n] for n in self.spec["params"]))
+
+    def check(self) -> None:
+        st = self.status.numpy()
+        stuck = np.nonzero(st[:, 0])[0]
+        if len(stuck):
+            first = [(int(q), *map(int, st[q])) for q in stuck[:4]]
+            raise MegakernelError(f"megakernel_b{self.batch}: {len(stuck)} blocks gave up waiting at step "
+                                  f"{self.epoch} ((block, queue position + 1, counter, target, seen): {first}); "
+                                  "serve with the per-op path (`--no-megakernel` when compiling) and report it.")
+
+
+class Megakernel:
+    """The decode megakernels of an artifact, ready to launch on one device."""
+
+    def __init__(self, root: Path, section: dict, device, params: dict[str, np.ndarray]):
+        self.section = section
+        self.batches = sorted(int(b) for b in section["batches"])
+        self.max_context, self.page_size = int(section["max_context"]), int(section["page_size"])
+        self.max_pages = -(-self.max_context // self.page_size)
+        self.vocab = int(next(iter(section["kernels"].values()))["vocab"])
+        module = tvm.runtime.load_module(str(root / section["module"]))
+        with np.load(root / section["tables"]) as npz:
+            tables = {k: npz[k] for k in npz.files}
+        stacked = _stack_weights(section, params, device)
+        self.kernels = {}
+        for spec in section["kernels"].values():
+            weights = {n: stacked[n] for n in spec["weights"]}
+            self.kernels[int(spec["batch"])] = _Kernel(module[spec["name"]], spec, tables, weights, device,
+                                                       self.max_pages)
+
+    @classmethod
+    def refusal(cls, section: dict | None, *, kv_dtype: str, page_size: int, max_context: int,
+                sliding_window: int, sm_count: int) -> str | None:
+        """Why this engine cannot run the artifact's megakernels (None: it can)."""
+        if not section:
+            return "the artifact has none (built for the CPU or by an older luce-compile)"
+        if "kernels" not in section:
+            return f"the artifact has none: {section.get('skipped', 'not built')}"
+        if section["kv_dtype"] != kv_dtype or int(section["page_size"]) != page_size:
+            return (f"they were built for {section['kv_dtype']} pages of {section['page_size']} tokens, the cache "
+                    f"holds {kv_dtype} pages of {page_size}")
+        if max_context > int(section["max_context"]):
+            return f"they serve contexts up to {section['max_context']} tokens, the engine {max_context}"
+        if sliding_window:
+            return "sliding-window layers"
+        need = max(int(k["n_queues"]) for k in section["kernels"].values())
+        if sm_count < need:
+            return f"they were planned for {need} SMs and this GPU has {sm_count}; recompile for this GPU"
+        return None
+
+    def kernel_for(self, n: int) -> int | None:
+        """The batch size of the kernel that steps n sequences (None: more than the largest)."""
+        return next((b for b in self.batches if b >= n), None)
+
+    def step(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]],
+             kv_pages, kv_layer_offset) -> np.ndarray:
+        """One decode step: token i at position lengths[i] of the sequence whose page ids are pages[i] (covering
+        that position); keys and values go into the cache's pages. The logits (n, vocab) float32."""
+        n = len(tokens)
+        k = self.kernels[self.kernel_for(n)]
+        rows = [*range(n), *([n - 1] * (k.batch - n))]  # padding rows repeat the last real row
+        k.page_table_host[:] = 0
+        for r, i in enumerate(rows):
+            k.page_table_host[r, :len(pages[i])] = pages[i]
+        k.page_table.copyfrom(k.page_table_host)
+        k.tokens.copyfrom(np.array([tokens[i] for i in rows], dtype=np.int32))
+        k.lengths.copyfrom(np.array([lengths[i] for i in rows], dtype=np.int32))
+        k.launch(kv_pages, kv_layer_offset)
+        logits = k.logits.numpy()[:n]
+        k.check()
+        return logits
+
+
+def _stack_weights(section: dict, params: dict[str, np.ndarray], device) -> dict[str, object]:
+    """Each stacked weight argument: the per-op weights of its layers on a leading axis, in the kernel's dtype
+    (norm vectors stored as float16 are widened; the rest are the per-op planes as they are)."""
+    out = {}
+    for spec in section["kernels"].values():
+        for name, layers in spec["weights"].items():
+            if name in out:
+                continue
+            missing = [p for p in layers if p not in params]
+            if missing:
+                raise ArtifactError(f"megakernel: weight {name} stacks {missing[:2]}, which the artifact does not "
+                                    "hold; the artifact is damaged: recompile it.")
+            dtype = spec["param_dtypes"][name]
+            stacked = np.stack([np.asarray(params[p]) for p in layers])
+            if str(stacked.dtype) != dtype:
+                stacked = stacked.astype(dtype)
+            out[name] = tvm.runtime.tensor(np.ascontiguousarray(stacked), device)
+    return out
