@@ -14,6 +14,7 @@
 # llama.cpp (its build is 5 of the ~7 minutes): luce-compile and torch only, e.g. to re-measure after a change.
 # UNTUNED=.gpucheck/h200-untuned (benchmarks/h200/prepare.py --untuned, carried too) also times each workload's
 # artifact compiled without the tuning logs, right after the tuned one: tuned vs untuned in the same run.
+# PEROP=1 also times each artifact's decode with the per-op kernels (bench --no-megakernel): ours-perop.json.
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Raw outputs go to $RAW; $OUT gets them as one tarball, refreshed after every workload (the device tool returns at
@@ -65,6 +66,11 @@ for w in $WORKLOADS; do
   python3 -m luce_runtime.bench $H/$w/artifact --prompt-len 512 --gen-len 128 --batch 8 --repeat $REPEAT \
     --prefill-lens 2048 > "$O/ours.json" 2> "$O/ours.err"
   stamp "$w luce-compile rc=$?"
+  if [ "${PEROP:-0}" = 1 ]; then  # the same artifact decoding with the per-op kernels: megakernel vs per-op, same run
+    python3 -m luce_runtime.bench $H/$w/artifact --prompt-len 512 --gen-len 128 --batch 8 --repeat $REPEAT \
+      --no-megakernel > "$O/ours-perop.json" 2> "$O/ours-perop.err"
+    stamp "$w luce-compile per-op rc=$?"
+  fi
   if [ -n "$UNTUNED" ] && [ -d "$UNTUNED/$w/artifact" ]; then
     # the same model compiled --no-tune-logs (prepare.py --untuned): its weights are the tuned artifact's (tuning
     # changes schedules, never the weight layout; the engine checks the file against the manifest)
