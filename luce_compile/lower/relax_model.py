@@ -194,10 +194,23 @@ def prefill_tiles(head_dim: int, dtype: str) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
+def swapped(module: object, **replacements: object) -> Iterator[None]:
+    """TIRPagedKVCache takes none of its kernels or tile heuristics as a parameter: the module attributes it calls
+    are replaced for the duration and restored, whatever happens (the swaps below)."""
+    originals = {name: getattr(module, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
 def prefill_attention_tiles(target: tvm.target.Target, head_dim: int, dtype: str) -> Iterator[None]:
     """While TIRPagedKVCache builds its kernels, TVM's prefill tile heuristic answers with prefill_tiles (CUDA
-    only: nothing was measured on ROCm). TVM has no parameter for it: its config function is swapped for the
-    duration and restored, whatever happens."""
+    only: nothing was measured on ROCm), its config function swapped."""
     from tvm.relax.frontend.nn.llm import _prefill_kernels
 
     tiles = prefill_tiles(head_dim, dtype)
@@ -214,20 +227,16 @@ def prefill_attention_tiles(target: tvm.target.Target, head_dim: int, dtype: str
             tile_y += d
         return num_blocks, load_vec, group_size, bdx, num_warps, queries, tile_y, keys
 
-    _prefill_kernels._get_prefill_kernel_config = config
-    try:
+    with swapped(_prefill_kernels, _get_prefill_kernel_config=config):
         yield
-    finally:
-        _prefill_kernels._get_prefill_kernel_config = original
 
 
 @contextlib.contextmanager
 def tensor_core_prefill_attention(target: tvm.target.Target, precision: str) -> Iterator[None]:
     """With precision f16 on CUDA, the cache's ragged prefill kernel (a prefill from an empty cache: all of
     pp512/pp2048's attention) is schedules/gpu/attention_prefill.py's, on tensor cores: 7-49x TVM's at 2048 tokens
-    on the H200 (benchmarks/results/h200/2026-12-01-attention.md). TIRPagedKVCache takes no kernel as a parameter:
-    the factory it calls is swapped for the duration and restored, whatever happens. Head dims WMMA cannot tile
-    keep TVM's kernel."""
+    on the H200 (benchmarks/results/h200/2026-12-01-attention.md): the factory is swapped. Head dims WMMA cannot
+    tile keep TVM's kernel."""
     from luce_schedules.gpu.attention_prefill import default_tile, ragged_prefill, supports
     from tvm.relax.frontend.nn.llm import kv_cache
 
@@ -244,11 +253,8 @@ def tensor_core_prefill_attention(target: tvm.target.Target, precision: str) -> 
             return original(h_kv, h_q, d_qk, d_v, dtype, rope_scaling, tgt)
         return ragged_prefill(h_kv, h_q, d_qk, d_v, dtype, tile=default_tile(d_qk, d_v), sm_count=sm_count)
 
-    kv_cache._attention_prefill_ragged = factory
-    try:
+    with swapped(kv_cache, _attention_prefill_ragged=factory):
         yield
-    finally:
-        kv_cache._attention_prefill_ragged = original
 
 
 @contextlib.contextmanager
@@ -276,26 +282,18 @@ def cpu_prefill_attention(target: tvm.target.Target) -> Iterator[None]:
             return originals[1](h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size, sliding_window_size)
         return paged_prefill_cpu(h_kv, h_q, d, sliding_window, page_size, sliding_window_size)
 
-    kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu = ragged, paged
-    try:
+    with swapped(kv_cache, _attention_prefill_ragged_cpu=ragged, _attention_prefill_cpu=paged):
         yield
-    finally:
-        kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu = originals
 
 
 @contextlib.contextmanager
 def kv_pages_probe() -> Iterator[None]:
     """The cache's debug_get_kv becomes the runtime's KV_PAGES_PROBE (luce_runtime.contract says why): an extern
-    function the VM looks up by name when it loads the module. TIRPagedKVCache takes no function as a parameter:
-    the factory it calls is swapped for the duration and restored, whatever happens."""
+    function the VM looks up by name when it loads the module (the factory swapped)."""
     from tvm.relax.frontend.nn.llm import kv_cache
 
-    original = kv_cache._kv_cache_debug_get_kv
-    kv_cache._kv_cache_debug_get_kv = lambda *_args: relax.ExternFunc(KV_PAGES_PROBE)
-    try:
+    with swapped(kv_cache, _kv_cache_debug_get_kv=lambda *_args: relax.ExternFunc(KV_PAGES_PROBE)):
         yield
-    finally:
-        kv_cache._kv_cache_debug_get_kv = original
 
 
 def _embedding(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
