@@ -240,7 +240,15 @@ class Scheduler:
                 self._active.append(r)
 
     def _start_sequence(self, r: GenRequest) -> None:
-        """A new sequence for r, forked from the cached prompt sharing the longest prefix with it when that is long."""
+        """A new sequence for r, forked from the cached prompt sharing the longest prefix with it when that is long.
+
+        A seeded sampled request always prefills its whole prompt, so that the same seed replays the same text: a
+        cached prefix's attention sums in another order (prefix pages, then the rest, merged), ~1e-7 of the logits,
+        which 8-bit activations can turn into ~1e-3 (an activation at a rounding boundary) and a sample into
+        another token (seen with the parallel CPU prefill attention)."""
+        if r.params.seed is not None and r.params.temperature > 0:
+            r.seq = self.engine.add_sequence()
+            return
         best, best_len = None, 0
         for sid, toks in self._prefixes.items():
             n = _common_prefix(toks, r.prompt)
