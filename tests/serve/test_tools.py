@@ -228,3 +228,29 @@ def test_qwen_native_template_tool_loop(qwen):
                                            max_tokens=40, temperature=0)
     # the 0.5B model tends to repeat its call as text even then (the 1.5B is the one to judge answers with)
     assert final.choices[0].message.tool_calls is None and final.choices[0].message.content
+
+
+def test_responses_previous_response_id_continues_a_stored_response(server, oai):
+    """A continued response is the response to its whole conversation sent as input items (greedy: the same
+    prompt, the same ids); responses are stored unless store is false, fetched by id, and forgotten on delete."""
+    import openai
+
+    greedy = dict(model=server.model, max_output_tokens=8, temperature=0)
+    first = oai.responses.create(input="My name is Ada. Say hello.", instructions="Be brief.", **greedy)
+    assert first.store is True and oai.responses.retrieve(first.id).output_text == first.output_text
+    again = oai.responses.create(previous_response_id=first.id, input="Say it again.", **greedy)
+    spelled = oai.responses.create(input=[{"role": "user", "content": "My name is Ada. Say hello."}, *first.output,
+                                          {"role": "user", "content": "Say it again."}], **greedy)
+    assert again.previous_response_id == first.id
+    assert again.usage.input_tokens == spelled.usage.input_tokens > first.usage.input_tokens
+    assert again.output_text == spelled.output_text
+    with oai.responses.stream(previous_response_id=again.id, input="Once more.", **greedy) as stream:
+        # 8 tokens usually end incomplete, whose last event is response.incomplete (get_final_response wants completed)
+        streamed = [e.response for e in stream if e.type in ("response.completed", "response.incomplete")][-1]
+    assert oai.responses.retrieve(streamed.id).output_text == streamed.output_text
+    oai.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(previous_response_id=first.id, input="Hello?", **greedy)
+    unstored = oai.responses.create(input="Hi.", store=False, **greedy)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(unstored.id)

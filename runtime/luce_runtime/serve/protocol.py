@@ -24,7 +24,7 @@ MAX_N = 8  # choices per request: each one is a live sequence
 
 # API parameters we know but do not implement: refused with 400 and the parameter's name rather than ignored
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix", "echo", "best_of", "audio", "modalities",
-               "prediction", "thinking", "container", "output_config", "previous_response_id", "conversation",
+               "prediction", "thinking", "container", "output_config", "conversation",
                "background", "reasoning")
 # a tool's name as both APIs restrict it (it is also written into the prompt and the grammar)
 TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
@@ -279,9 +279,9 @@ class ResponsesRequest(_Strict):
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedChoice | None = None
     parallel_tool_calls: bool = True
     text: ResponsesText | None = None
-    # nothing is stored: a response cannot be fetched or continued later (store=true is accepted, as clients
-    # send it by default, and previous_response_id is refused)
+    # stored unless false (responses_api.ResponseStore: in memory, the newest kept), continued by id
     store: bool | None = None
+    previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None
@@ -292,7 +292,6 @@ class ResponsesRequest(_Strict):
     safety_identifier: str | None = None
     speculative: bool = True  # luce extension: false keeps this request out of speculative decoding
     # refused by name (UNSUPPORTED)
-    previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
     reasoning: Any = None

@@ -2,13 +2,17 @@
 `client.responses` sends and reads it: input items (messages, function_call, function_call_output), instructions,
 function tools, tool_choice, text.format (json_object / json_schema, grammar-constrained), streaming events.
 
-Nothing is stored: a response cannot be retrieved or continued by id (previous_response_id is refused); a client
-sends the whole conversation as input items, as the SDK's tool loop does with `input += response.output`.
+Responses are stored unless the request says `store: false` (OpenAI's default), in memory and for this server's
+life only, the newest STORED_RESPONSES of them: `previous_response_id` continues one (its conversation, its
+output included, goes before the new input; its instructions do not carry over, as OpenAI documents), GET
+/v1/responses/{id} returns one and DELETE forgets it. A client may as well send the whole conversation as input
+items, as the SDK's tool loop does with `input += response.output`.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +27,38 @@ from luce_runtime.tools import Tool, ToolCall, prepare_chat
 
 router = APIRouter()
 _TEXT_PARTS = ("input_text", "output_text", "text")
+STORED_RESPONSES = 1024  # the newest responses kept for previous_response_id and GET (each is its conversation)
+
+
+class ResponseStore:
+    """id → (the response, its conversation as chat messages with its output appended), the newest kept."""
+
+    def __init__(self, limit: int = STORED_RESPONSES):
+        self.limit = limit
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        self._items[response["id"]] = (response, conversation)
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        if response_id not in self._items:
+            raise ApiError(404, f"Response with id '{response_id}' not found: this server keeps the newest "
+                                f"{self.limit} responses stored (store true) in memory, for its life only; send the "
+                                "conversation as input items instead.", param=param, code="not_found")
+        return self._items[response_id]
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._items[response_id]
+
+
+def _store(request: Request) -> ResponseStore:
+    app = request.app
+    if not hasattr(app.state, "responses"):
+        app.state.responses = ResponseStore()
+    return app.state.responses
 
 
 def _part_text(content: Any, where: str) -> str:
@@ -71,14 +107,28 @@ def _item_message(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -
                             "function_call_output are).", param=where)
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def _messages(body: ResponsesRequest, before: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of a request: its instructions, then `before` (a previous response's conversation), then
+    its input."""
     out = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    out += [dict(m) for m in before]
+    start = len(out)
     if isinstance(body.input, str):
         return out + [{"role": "user", "content": body.input}]
     for i, item in enumerate(body.input):
         _item_message(item, f"input[{i}]", out)
-    if len(out) == (1 if body.instructions else 0):
+    if len(out) == start:
         raise ApiError(400, "input is empty; give a string or at least one item.", param="input")
+    return out
+
+
+def _conversation(messages: list[dict[str, Any]], instructions: str | None,
+                  output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What a later previous_response_id continues: the messages without this request's instructions, then the
+    output items as the assistant's turn."""
+    out = messages[1:] if instructions else list(messages)
+    for i, item in enumerate(output):
+        _item_message(item, f"output[{i}]", out)
     return out
 
 
@@ -126,7 +176,11 @@ async def responses(request: Request):
     body = await parse_body(request, ResponsesRequest)
     svc.check_model(body.model)
     plan = _plan(svc, body)
-    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, _messages(body), plan.offered), param="input")
+    store = _store(request)
+    before = [] if body.previous_response_id is None else store.get(body.previous_response_id,
+                                                                     "previous_response_id")[1]
+    messages = _messages(body, before)
+    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, messages, plan.offered), param="input")
     limit = svc.check_budget(len(prompt), body.max_output_tokens, "max_output_tokens")
     params = sampling(svc, max_tokens=limit, stop=None, max_stop=0, stop_param="stop",
                       temperature=body.temperature, top_p=body.top_p)
@@ -137,17 +191,37 @@ async def responses(request: Request):
             "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
                             else body.tool_choice.model_dump()) or "auto",
             "parallel_tool_calls": body.parallel_tool_calls, "temperature": body.temperature, "top_p": body.top_p,
-            "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {}, "store": False,
+            "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
+            "store": body.store is not False, "previous_response_id": body.previous_response_id,
             "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                                 if body.text and body.text.format else {"type": "text"})},
             "status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None}
+
+    def keep(final: dict[str, Any]) -> None:
+        if base["store"]:
+            store.put(final, _conversation(messages, body.instructions, final["output"]))
+
     if body.stream:
-        return StreamingResponse(_stream(events(queue, reqs), base, len(prompt), plan), media_type="text/event-stream")
+        return StreamingResponse(_stream(events(queue, reqs), base, len(prompt), plan, keep),
+                                 media_type="text/event-stream")
     text, last = await collect(queue, reqs, request)
     out = split_output(plan, text)
     output = [_message_item(new_id("msg_"), out.content, "completed")] if out.content or not out.calls else []
     output += [_call_item(c, "completed") for c in out.calls]
-    return _finished(base, output, last, len(prompt))
+    final = _finished(base, output, last, len(prompt))
+    keep(final)
+    return final
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    return _store(request).get(response_id)[0]
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    _store(request).delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
 
 
 class _Items:
@@ -217,7 +291,7 @@ class _Items:
 
 
 async def _stream(evs: AsyncIterator[Event], base: dict[str, Any], prompt_len: int,
-                  plan: OutputPlan) -> AsyncIterator[str]:
+                  plan: OutputPlan, keep) -> AsyncIterator[str]:  # noqa: ANN001  (keep: the final response → None)
     items, splitter = _Items(), StreamSplitter(plan)
     yield items.event("response.created", response=base)
     yield items.event("response.in_progress", response=base)
@@ -230,6 +304,7 @@ async def _stream(evs: AsyncIterator[Event], base: dict[str, Any], prompt_len: i
             for part in items.ops(splitter.finish()) + items.end():
                 yield part
             final = _finished(base, items.output, ev, prompt_len)
+            keep(final)
             kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
             yield items.event(kind, response=final)
     except ApiError as e:  # after the headers went out an error can only be an event
