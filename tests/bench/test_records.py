@@ -103,3 +103,19 @@ def test_device_check_record(path: Path):
     for p in timing["prefill"]:
         assert set(p) == {"tokens", "chunk", "seconds", "tok_s"}
         assert _positive(p["seconds"]) and p["tok_s"] == pytest.approx(p["tokens"] / p["seconds"])
+
+
+@pytest.mark.unit
+def test_megakernel_engine_record():
+    """The engine's megakernel on the H200 (2026-12-01): per workload, device_check's oracle and batched checks and
+    its megakernel-vs-per-op check, all passing within device_check's bars."""
+    record = json.loads((RESULTS / "h200" / "2026-12-01-megakernel-engine.json").read_text())
+    assert record["workloads"]
+    for name, run in record["workloads"].items():
+        assert run["decode_path"].startswith("megakernel"), name
+        checks = run["checks"]
+        assert checks["oracle"]["ok"] and checks["oracle"]["max_rel_err"] <= REL_TOL_F16, name
+        assert checks["batched"]["ok"] and checks["batched"]["max_rel_diff"] <= BATCH_TOL, name
+        paths = checks["megakernel_vs_per_op"]
+        assert paths["ok"] and paths["max_rel_diff"] <= BATCH_TOL and paths["ids_mismatched"] == 0, name
+        assert paths["ids_checked"] >= 100, name
