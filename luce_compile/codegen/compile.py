@@ -142,14 +142,14 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     library = work / "model.so"
     binaries = export_checked(executable, info, library)  # refuses a GPU library without real device binaries
     extra_files: dict[str, Path] = {}
-    if info.kind == "cuda":
-        if megakernel:
-            from luce_compile.fuse.build import artifact_megakernels
+    megakernel_fields: dict = {}  # the manifest's "megakernel" section: CUDA targets only
+    if info.kind == "cuda" and megakernel:
+        from luce_compile.fuse.build import artifact_megakernels
 
-            say("generating the decode megakernels")
-            mk_section, extra_files = artifact_megakernels(graph, info.name, work, options.dtype)
-        else:
-            mk_section = {"skipped": "built with --no-megakernel"}
+        say("generating the decode megakernels")
+        megakernel_fields["megakernel"], extra_files = artifact_megakernels(graph, info.name, work, options.dtype)
+    elif info.kind == "cuda":
+        megakernel_fields["megakernel"] = {"skipped": "built with --no-megakernel"}
     say("writing the artifact (weights repacked into kernel planes)")
     contract = RuntimeContract(kv_dtype=options.dtype,
                                functions=tuple(str(f) for f in exported_functions(options.precision)))
@@ -162,9 +162,8 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
                     **({"device_binaries": binaries.to_manifest()} if binaries else {})},
         "runtime": contract.to_manifest(),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        **megakernel_fields,
     }
-    if info.kind == "cuda":
-        manifest["megakernel"] = mk_section
     return write_artifact(work / "artifact", manifest_fields=manifest, weights=_weights(gguf, params),
                           export_fn=lambda path: shutil.copyfile(library, path),
                           tokenizer_metadata=_tokenizer_metadata(gguf), extra_files=extra_files)

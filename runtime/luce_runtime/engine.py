@@ -232,7 +232,7 @@ class Engine:
             return None
         sm_count = int(self.device.multi_processor_count or 0)
         why = Megakernel.refusal(section, kv_dtype=self.contract.kv_dtype, page_size=self.page_size,
-                                 max_context=self.max_context, sliding_window=self.sliding_window, sm_count=sm_count)
+                                 max_context=self.max_context, sm_count=sm_count)
         if why:
             log.info("engine: decode runs the per-op kernels, not the megakernels: %s", why)
             self.decode_path += f" (no megakernel: {why})"
@@ -242,7 +242,6 @@ class Engine:
         self._pages = KVPages(self._kv.cache, int(c["n_layer"]), int(c["n_head_kv"]), int(c["head_dim"]),
                               self.page_size, self.max_context, self.contract.kv_dtype)
         self._mk_pages: dict[int, list[int]] = {}  # seq id → its page ids as last read (dropped when they may move)
-        self._mk_kv: tuple | None = None  # layer 0's pages flat, each layer's offset from it (on the device)
         return Megakernel(self.artifact.root, section, self.device, weights)
 
     # ---- facts -----------------------------------------------------------------------------------------------------
@@ -418,16 +417,11 @@ class Engine:
         self._kv.begin(seq_ids, [1] * len(seq_ids))
         try:
             pages = [self._page_ids(s, n + 1) for s, n in zip(seq_ids, lengths, strict=True)]
-            if self._mk_kv is None:
-                first = self._pages.layers[0]
-                flat = first._create_view((int(np.prod(first.shape)),), first.dtype, 0)
-                self._mk_kv = (flat, tvm.runtime.tensor(self._pages.layer_offsets(), self.device))
-            logits = self.megakernel.step(tokens, lengths, pages, *self._mk_kv)
+            logits = self.megakernel.step(tokens, lengths, pages, *self._pages.kernel_args(self.device))
         except BaseException:
             self._kv.end()
             for sid in seq_ids:
-                self._mk_pages.pop(sid, None)
-                self._undo_append(sid, 1)
+                self._undo_append(sid, 1)  # forgets the page ids read for the step too (_pages_moved)
             raise
         self._kv.end()
         for sid in seq_ids:

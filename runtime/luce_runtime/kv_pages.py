@@ -56,6 +56,7 @@ class KVPages:
         self._scratch = tvm.runtime.empty((n_layers, max_context + 1, kv_heads, head_dim), dtype, tvm.cpu())
         self._shape = (kv_heads, head_dim)
         self.layers: list | None = None  # each layer's page tensor (TVM's, fixed for the cache's life)
+        self._kernel_args: tuple | None = None
 
     def slots(self, seq: int, start: int, end: int) -> np.ndarray:
         """page_id * page_size + offset of positions [start, end) of a sequence (end <= its length, counting
@@ -88,3 +89,13 @@ class KVPages:
         if any(o % size for o in offsets):
             raise LuceError("engine: the KV cache's layer pages are not aligned to their element size.")
         return np.array([o // size for o in offsets], dtype=np.int64)
+
+    def kernel_args(self, device) -> tuple:
+        """(layer 0's pages flat, each layer's offset from it on the device): how a kernel of ours takes the pages
+        of every layer (emit_cuda's `pages` and `kv_layer_offset`). Made once: the tensors never move."""
+        if self._kernel_args is None:
+            offsets = self.layer_offsets()  # refuses before any sequence holds a token
+            first = self.layers[0]
+            flat = first._create_view((int(np.prod(first.shape)),), first.dtype, 0)
+            self._kernel_args = (flat, tvm.runtime.tensor(offsets, device))
+        return self._kernel_args

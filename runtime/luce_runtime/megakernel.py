@@ -14,7 +14,6 @@ instead of hanging, and the step raises.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,8 +21,6 @@ import numpy as np
 import tvm
 
 from luce_runtime.errors import ArtifactError, LuceError
-
-log = logging.getLogger(__name__)
 
 
 class MegakernelError(LuceError, RuntimeError):
@@ -79,11 +76,8 @@ class Megakernel:
     """The decode megakernels of an artifact, ready to launch on one device."""
 
     def __init__(self, root: Path, section: dict, device, params: dict[str, np.ndarray]):
-        self.section = section
         self.batches = sorted(int(b) for b in section["batches"])
-        self.max_context, self.page_size = int(section["max_context"]), int(section["page_size"])
-        self.max_pages = -(-self.max_context // self.page_size)
-        self.vocab = int(next(iter(section["kernels"].values()))["vocab"])
+        max_pages = -(-int(section["max_context"]) // int(section["page_size"]))
         module = tvm.runtime.load_module(str(root / section["module"]))
         with np.load(root / section["tables"]) as npz:
             tables = {k: npz[k] for k in npz.files}
@@ -91,15 +85,12 @@ class Megakernel:
         self.kernels = {}
         for spec in section["kernels"].values():
             weights = {n: stacked[n] for n in spec["weights"]}
-            self.kernels[int(spec["batch"])] = _Kernel(module[spec["name"]], spec, tables, weights, device,
-                                                       self.max_pages)
+            self.kernels[int(spec["batch"])] = _Kernel(module[spec["name"]], spec, tables, weights, device, max_pages)
 
     @classmethod
-    def refusal(cls, section: dict | None, *, kv_dtype: str, page_size: int, max_context: int,
-                sliding_window: int, sm_count: int) -> str | None:
-        """Why this engine cannot run the artifact's megakernels (None: it can)."""
-        if not section:
-            return "the artifact has none (built for the CPU or by an older luce-compile)"
+    def refusal(cls, section: dict, *, kv_dtype: str, page_size: int, max_context: int, sm_count: int) -> str | None:
+        """Why this engine cannot run the artifact's megakernels (None: it can). Models with sliding windows get
+        none from the compiler (fuse/build.artifact_megakernels says why in the section)."""
         if "kernels" not in section:
             return f"the artifact has none: {section.get('skipped', 'not built')}"
         if section["kv_dtype"] != kv_dtype or int(section["page_size"]) != page_size:
@@ -107,8 +98,6 @@ class Megakernel:
                     f"holds {kv_dtype} pages of {page_size}")
         if max_context > int(section["max_context"]):
             return f"they serve contexts up to {section['max_context']} tokens, the engine {max_context}"
-        if sliding_window:
-            return "sliding-window layers"
         need = max(int(k["n_queues"]) for k in section["kernels"].values())
         if sm_count < need:
             return f"they were planned for {need} SMs and this GPU has {sm_count}; recompile for this GPU"

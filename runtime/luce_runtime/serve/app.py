@@ -401,6 +401,7 @@ def create_app(options: ServeOptions, service: Service | None = None) -> FastAPI
 
     app = FastAPI(title="luce-compile", lifespan=lifespan)
     app.state.service = service
+    app.state.responses = responses_api.ResponseStore()  # the Responses API's stored responses (store true)
     _install_errors(app)
     if options.api_key:
         app.add_middleware(_ApiKey, api_key=options.api_key)

@@ -55,10 +55,7 @@ class ResponseStore:
 
 
 def _store(request: Request) -> ResponseStore:
-    app = request.app
-    if not hasattr(app.state, "responses"):
-        app.state.responses = ResponseStore()
-    return app.state.responses
+    return request.app.state.responses  # made with the app (serve/app.create_app)
 
 
 def _part_text(content: Any, where: str) -> str:
