@@ -241,9 +241,10 @@ def check_paths(engine, per_op, steps: int = 64, seed: int = 2) -> dict:
     """The megakernel's decode against the per-op kernels' on the same artifact: one prefill each (the same
     kernels), then greedy steps teacher-forced with the per-op ids, at batch 1 and at 3 sequences (the batch-4
     kernel with a repeated padding row). Both decode in float32 over the same float32 pages; they differ only in
-    summation order, so the logits must agree to 1e-4 of the row's largest (BATCH_TOL) and the ids until a near tie."""
+    summation order, so the logits must agree to 1e-4 of the row's largest (BATCH_TOL) and the ids until a near tie.
+    The megakernel's argmax on the device (decode_greedy) must be the argmax of its own logits, every id."""
     rng = np.random.default_rng(seed)
-    worst, mismatched, checked = 0.0, 0, 0
+    worst, mismatched, checked, device_ids, device_mismatched = 0.0, 0, 0, 0, 0
     for n_seq in (1, 3):
         prompts = [[int(t) for t in rng.integers(1, 49152, int(n))] for n in rng.integers(8, 40, n_seq)]
         rows = {}
@@ -258,6 +259,17 @@ def check_paths(engine, per_op, steps: int = 64, seed: int = 2) -> dict:
             for s in seqs:
                 eng.remove_sequence(s)
             rows[which] = out
+        # the megakernel's own argmax on the device (Engine.decode_greedy: only ids come back), on the same inputs
+        seqs = [engine.add_sequence() for _ in prompts]
+        for s, p in zip(seqs, prompts, strict=True):
+            engine.prefill([s], [p])
+        for step in range(steps):
+            ids = engine.decode_greedy(seqs, [int(t) for t in np.argmax(rows["op"][step], axis=-1)])
+            device_ids += len(ids)
+            device_mismatched += sum(int(i) != int(np.argmax(r)) for i, r in zip(ids, rows["mk"][step + 1],
+                                                                                 strict=True))
+        for s in seqs:
+            engine.remove_sequence(s)
         for got, want in zip(rows["mk"][1:], rows["op"][1:], strict=True):
             for g, w in zip(got, want, strict=True):
                 worst = max(worst, _rel(g, w))
@@ -265,7 +277,8 @@ def check_paths(engine, per_op, steps: int = 64, seed: int = 2) -> dict:
                     checked += 1
                     mismatched += int(np.argmax(g)) != int(np.argmax(w))
     return {"steps": steps, "sequences": [1, 3], "max_rel_diff": worst, "ids_checked": checked,
-            "ids_mismatched": mismatched, "ok": worst <= BATCH_TOL and mismatched == 0}
+            "ids_mismatched": mismatched, "device_ids": device_ids, "device_ids_mismatched": device_mismatched,
+            "ok": worst <= BATCH_TOL and mismatched == 0 and device_mismatched == 0}
 
 
 def time_engine(engine, prompt_len: int = 512, prefill_lens: tuple[int, ...] = (2048,), steps: int = 128) -> dict:

@@ -332,10 +332,9 @@ def say(msg: str) -> None:
 
 
 def profile_step(runner, context: int = 512) -> dict:
-    """One step with the clocks on (the GPU's global timer, ns): per opcode, tasks, mean wait and body time, and the
-    step's span; per stage (by opcode, means over the layers): the handoff, from the previous stage's last task's end
-    to this stage's first body, and the stage's span, from that first body to its last task's end."""
-    from luce_compile.fuse.program import STAGE_COUNTER
+    """One step with the clocks on (the GPU's global timer, ns), summarized by luce_compile.fuse.program's
+    profile_summary."""
+    from luce_compile.fuse.program import profile_summary
 
     torch = runner.torch
     runner.len[runner.cur].fill_(context)
@@ -343,56 +342,7 @@ def profile_step(runner, context: int = 512) -> dict:
     runner.launch()
     torch.cuda.synchronize()
     runner.profiling = 0
-    prof = runner.profile.cpu().numpy()
-    p = runner.p
-    per: dict = {}
-    stage_times: dict[int, tuple[float, float]] = {}  # stage → (first body start, last end)
-    stage_ops: dict[int, set[int]] = {}  # stage → the opcodes its tasks ran
-    busy = []
-    for sm in range(len(p.queue_len)):
-        n = int(p.queue_len[sm])
-        if not n:
-            continue
-        t = (prof[sm, :n] - prof[prof > 0].min()).astype(np.float64) / 1e3  # ns → µs
-        busy.append((t[-1, 2] - t[0, 0], float((t[:, 2] - t[:, 1]).sum()), float((t[:, 1] - t[:, 0]).sum())))
-        for i in range(n):
-            op = p.opcodes[int(p.tasks[sm, i, 0])]
-            key = f"op{op.index} {op.kind}"
-            d = per.setdefault(key, [0, 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0.0])
-            d[0] += 1
-            d[1] += t[i, 1] - t[i, 0]
-            d[2] += t[i, 2] - t[i, 1]
-            if t.shape[1] > 5 and prof[sm, i, 3] and prof[sm, i, 5]:  # the body's phases (emit_cuda `phase`)
-                d[3] += 1
-                d[4] += t[i, 3] - t[i, 1]  # input
-                d[5] += t[i, 4] - t[i, 3]  # main loop
-                d[6] += t[i, 5] - t[i, 4]  # epilogue
-                d[7] += t[i, 2] - t[i, 5]  # writes
-            s = int(p.tasks[sm, i, STAGE_COUNTER])
-            first, last = stage_times.get(s, (np.inf, -np.inf))
-            stage_times[s] = (min(first, t[i, 1]), max(last, t[i, 2]))
-            stage_ops.setdefault(s, set()).add(op.index)
-    stages: dict = {}
-    prev_end = 0.0
-    for s in sorted(stage_times):
-        first, last = stage_times[s]
-        key = "+".join(f"op{o} {p.opcodes[o].kind}" for o in sorted(stage_ops[s]))
-        d = stages.setdefault(key, [0, 0.0, 0.0])
-        d[0] += 1
-        d[1] += first - prev_end
-        d[2] += last - first
-        prev_end = last
-    span, body, wait = (float(np.max([b[0] for b in busy])), float(np.mean([b[1] for b in busy])),
-                        float(np.mean([b[2] for b in busy])))
-    return {"clock": "globaltimer", "span_us": round(span, 1), "mean_sm_body_us": round(body, 1),
-            "mean_sm_wait_us": round(wait, 1),
-            "opcodes": {k: {"tasks": v[0], "wait_us": round(v[1] / v[0], 2), "body_us": round(v[2] / v[0], 2)}
-                        | ({"phases_us": {"input": round(v[4] / v[3], 2), "main": round(v[5] / v[3], 2),
-                                          "epilogue": round(v[6] / v[3], 2), "writes": round(v[7] / v[3], 2)}}
-                           if v[3] else {})
-                        for k, v in per.items()},
-            "stages": {k: {"stages": v[0], "handoff_us": round(v[1] / v[0], 2), "span_us": round(v[2] / v[0], 2)}
-                       for k, v in stages.items()}}
+    return profile_summary(runner.p, runner.profile.cpu().numpy())
 
 
 def run_model(folder: Path, args, torch, tvm_ffi) -> dict:

@@ -32,7 +32,11 @@ OURS = "luce-compile"
 BUILD_BEFORE_TUNING = "untuned, float32 activations"  # what runs before 2026-12-01 measured (no precision recorded)
 WORKLOADS = ("smollm2-135m", "llama-1b-body", "llama-1b-body-bf16", "qwen3-0.6b")
 ENGINES = (OURS, "llama.cpp", "torch")
+PER_OP = "luce-compile per-op"  # the same artifact decoding without its megakernel (run.sh PEROP=1), when timed
 METRICS = ("decode_b1", "decode_b8", "prefill_512", "prefill_2048")
+RETURNS_IDS = ("each luce-compile decode step returns the next greedy ids, what a greedy caller gets: the megakernel's "
+               "argmax on the device, the per-op path's on the host from its logits); llama.cpp by llama-bench's own "
+               "timer. ")
 METRIC_NAMES = {"decode_b1": "decode b=1", "decode_b8": "decode b=8", "prefill_512": "pp512", "prefill_2048": "pp2048"}
 
 
@@ -46,7 +50,8 @@ def ours_row(d: dict[str, Any]) -> dict[str, Any]:
     return {"decode_b1": d["decode_tok_s"], "decode_b8": d["decode_batch_tok_s"] if d["batch"] == 8 else None,
             "prefill_512": d["prefill_tok_s"] if d["prompt_len"] == 512 else by_len.get("512"),
             "prefill_2048": by_len.get("2048"), "weight_bytes_per_token": d["weight_bytes_per_token"],
-            "bandwidth_gb_s": d["bandwidth_gb_s"], "ttft_ms_512": d["ttft_ms"]}
+            "bandwidth_gb_s": d["bandwidth_gb_s"], "ttft_ms_512": d["ttft_ms"]} | (
+                {"decode_path": d["extra"]["decode_path"]} if "decode_path" in d.get("extra", {}) else {})
 
 
 def torch_row(d: dict[str, Any]) -> dict[str, Any]:
@@ -107,11 +112,15 @@ def collect(*runs: Path) -> dict[str, Any]:
             w = workloads.setdefault(folder.name, {"engines": {}, "check": None, "weights": None})
             for engine, row in _engine_rows(folder).items():
                 w["engines"][engine] = row | {"run": index}
+            profile = _load(folder / "profile.json")
+            if profile:
+                w["profile"] = profile
             check = _load(folder / "check.json")
             if check:
                 w["check"], w["weights"] = check.get("checks"), check.get("weights")
     for w in workloads.values():  # every table row in the same engine order
-        w["engines"] = {e: w["engines"].get(e, {"error": "not run"}) for e in ENGINES}
+        w["engines"] = {e: w["engines"].get(e, {"error": "not run"}) for e in ENGINES} | (
+            {PER_OP: w["engines"][PER_OP]} if PER_OP in w["engines"] else {})
     bandwidths = [e["bandwidth_gb_s"] for w in workloads.values() for e in w["engines"].values()
                   if e.get("bandwidth_gb_s")]
     bandwidth = statistics.median_high(bandwidths) if bandwidths else None
@@ -128,6 +137,9 @@ def _engine_rows(folder: Path) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     ours = _load(folder / "ours.json")
     rows[OURS] = ours_row(ours) if ours else {"error": (folder / "ours.err").read_text()[-2000:]}
+    if (folder / "ours-perop.json").is_file():
+        per_op = _load(folder / "ours-perop.json")
+        rows[PER_OP] = ours_row(per_op) if per_op else {"error": (folder / "ours-perop.err").read_text()[-2000:]}
     if (folder / "llama_bench.json").is_file():
         batched = (folder / "llama_batched.txt").read_text() if (folder / "llama_batched.txt").is_file() else None
         rows["llama.cpp"] = llama_cpp_row(_load(folder / "llama_bench.json"), batched,
@@ -162,7 +174,8 @@ def markdown(doc: dict[str, Any]) -> str:
              "runs bf16 weights dequantized from the same GGUF (static KV cache, the whole decode step in one CUDA "
              "graph; prefill: the better of eager and one replayed CUDA graph per prompt). luce-compile and torch are "
              "timed alike (luce_runtime.timing: host wall-clock, the GPU synchronized around each call; "
-             "luce-compile's calls return their logits, what a caller sees); llama.cpp by llama-bench's own timer. "
+             + (RETURNS_IDS if _records_decode_path(res) else "luce-compile's calls return their logits, what a "
+                "caller sees); llama.cpp by llama-bench's own timer. ") +
              "% roofline: decode b=1 over (bandwidth / the engine's weight bytes per "
              "token), bandwidth = "
              f"{_fmt(res['bandwidth_gb_s'], ',.0f')} GB/s measured in this run (device copy, read + write).", "",
@@ -174,8 +187,7 @@ def markdown(doc: dict[str, Any]) -> str:
                         + ". Each engine's row comes from the last run that measured it."]
     for name, w in res["workloads"].items():
         ours = w["engines"][OURS]
-        for engine in ENGINES:
-            e = w["engines"][engine]
+        for engine, e in w["engines"].items():
             if "error" in e:
                 lines.append(f"| {name} | {engine} | error: see the JSON | | | | | | |")
                 continue
@@ -188,19 +200,55 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{_fmt(e['decode_b8'])} | {_fmt(e['prefill_512'])} | {_fmt(e['prefill_2048'])} | "
                          f"{ratios} |")
     sizes = sorted({n for w in res["workloads"].values() for n in _batched_sizes(w.get("check"))})
+    with_paths = any("megakernel_vs_per_op" in (w.get("check") or {}) for w in res["workloads"].values())
     lines += ["", "luce-compile's correctness in the run that timed it (scripts/device_check.py: prefill + decode "
               "steps teacher-forced against the float64 oracle's logits; "
               f"{', '.join(map(str, sizes)) or 'n/a'} sequences decoded together vs each alone):", "",
-              "| workload | max rel. err vs oracle | greedy ids checked / mismatched | batched vs alone | ok |",
-              "|---|---|---|---|---|"]
+              "| workload | max rel. err vs oracle | greedy ids checked / mismatched | batched vs alone | "
+              + ("megakernel vs per-op decode (max rel. diff; ids differing; device argmax ids differing) | "
+                 if with_paths else "") + "ok |",
+              "|---|---|---|---|---|" + ("---|" if with_paths else "")]
     for name, w in res["workloads"].items():
         c = w.get("check") or {}
-        o, b = c.get("oracle", {}), c.get("batched", {})
-        ok = bool(o.get("ok") and b.get("ok"))
+        o, b, m = c.get("oracle", {}), c.get("batched", {}), c.get("megakernel_vs_per_op")
+        ok = bool(o.get("ok") and b.get("ok") and (m is None or m.get("ok")))
+        paths = "not run" if m is None else (
+            f"{_fmt(m.get('max_rel_diff'), '.1e')}; {m.get('ids_mismatched')} of {m.get('ids_checked')}; "
+            f"{m.get('device_ids_mismatched', 'n/a')} of {m.get('device_ids', 'n/a')}")
         lines.append(f"| {name} | {_fmt(o.get('max_rel_err'), '.1e')} | {o.get('ids_checked', 'n/a')} / "
                      f"{len(o.get('ids_mismatched', [])) if o else 'n/a'} | {_fmt(b.get('max_rel_diff'), '.1e')} | "
-                     f"{'yes' if ok else 'NO'} |")
+                     + (f"{paths} | " if with_paths else "") + f"{'yes' if ok else 'NO'} |")
+    lines += _profile_lines(res["workloads"])
     return "\n".join(lines) + "\n"
+
+
+def _records_decode_path(res: dict[str, Any]) -> bool:
+    """Runs since the megakernel went into the engine record each row's decode path; their decode steps return
+    greedy ids (bench_engine's Engine.decode_greedy), earlier ones the logits."""
+    return any("decode_path" in e for w in res["workloads"].values() for e in w["engines"].values())
+
+
+def _profile_lines(workloads: dict[str, Any]) -> list[str]:
+    """The megakernel's device time a step beside the host's (benchmarks/h200/engine_profile.py), and where one
+    step's time goes: the opcodes by their share of the SMs' busy time."""
+    profiled = {n: w["profile"] for n, w in workloads.items() if w.get("profile")}
+    if not profiled:
+        return []
+    lines = ["", "The megakernel's decode step (benchmarks/h200/engine_profile.py, after a "
+             f"{next(iter(profiled.values()))['context']}-token prompt): host = wall clock of Engine.decode_greedy, "
+             "device = the kernel's span in its own task clocks (GPU global timer); per SM, the mean time in task "
+             "bodies and in dependency waits; the opcodes taking most body time (tasks × mean body):", "",
+             "| workload | b | host µs/step | device µs/step | host − device | per SM: bodies / waits µs | "
+             "top opcodes (tasks × body µs) |", "|---|---|---|---|---|---|---|"]
+    for name, prof in profiled.items():
+        for b, r in prof["batches"].items():
+            s = r["profile"]
+            top = sorted(s["opcodes"].items(), key=lambda kv: -kv[1]["tasks"] * kv[1]["body_us"])[:3]
+            tops = "; ".join(f"{k}: {v['tasks']} × {v['body_us']:.1f}" for k, v in top)
+            lines.append(f"| {name} | {b} | {r['host_us_per_step']:,.1f} | {r['device_us_per_step']:,.1f} | "
+                         f"{r['host_us_per_step'] - r['device_us_per_step']:,.1f} | {s['mean_sm_body_us']:,.1f} / "
+                         f"{s['mean_sm_wait_us']:,.1f} | {tops} |")
+    return lines
 
 
 def _batched_sizes(check: dict[str, Any] | None) -> list[int]:

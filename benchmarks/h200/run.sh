@@ -15,6 +15,8 @@
 # UNTUNED=.gpucheck/h200-untuned (benchmarks/h200/prepare.py --untuned, carried too) also times each workload's
 # artifact compiled without the tuning logs, right after the tuned one: tuned vs untuned in the same run.
 # PEROP=1 also times each artifact's decode with the per-op kernels (bench --no-megakernel): ours-perop.json.
+# An artifact with megakernels also gets profile.json (benchmarks/h200/engine_profile.py): device time a step beside
+# the host's wall clock, and one step's time task by task.
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Raw outputs go to $RAW; $OUT gets them as one tarball, refreshed after every workload (the device tool returns at
@@ -42,7 +44,7 @@ if [ ! -d "$WORK/site/tvm" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" $H/bundle/*.whl || exit 3
 fi
 export PYTHONPATH=$WORK/site:$PWD/runtime:$PWD
-for w in $WORKLOADS; do
+for w in $(echo $WORKLOADS ${CHECKS-} | tr ' ' '\n' | sort -u); do
   python3 scripts/device_check.py gguf $H/$w --gguf "$WORK/$w.gguf" > "$RAW/gguf-$w.log" 2>&1 &
 done
 wait $(jobs -p | grep -v "^${BUILD:-none}$") 2>/dev/null
@@ -50,8 +52,9 @@ stamp "GGUFs: $(ls -s --block-size=M $WORK/*.gguf | tr '\n' ' ')"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv > "$RAW/gpu.csv"
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda)" > "$RAW/versions.txt"
-# correctness first, while llama.cpp still builds (nothing here is timed)
-for w in $WORKLOADS; do
+# correctness first, while llama.cpp still builds (nothing here is timed); CHECKS="a b" (default: the timed set)
+# checks other workloads, e.g. all four in the first of two calls while only two are timed, CHECKS="" none
+for w in ${CHECKS-$WORKLOADS}; do
   mkdir -p "$RAW/$w"
   python3 scripts/device_check.py run $H/$w --gguf "$WORK/$w.gguf" --no-timing --out "$RAW/$w/check.json" \
     > "$RAW/$w/check.log" 2>&1
@@ -66,6 +69,11 @@ for w in $WORKLOADS; do
   python3 -m luce_runtime.bench $H/$w/artifact --prompt-len 512 --gen-len 128 --batch 8 --repeat $REPEAT \
     --prefill-lens 2048 > "$O/ours.json" 2> "$O/ours.err"
   stamp "$w luce-compile rc=$?"
+  if python3 -c "import json, sys; sys.exit('kernels' not in json.load(open(sys.argv[1])).get('megakernel', {}))" \
+      "$H/$w/artifact/manifest.json"; then  # device time a step beside the host's, and one step task by task
+    python3 benchmarks/h200/engine_profile.py "$H/$w" --gguf "$G" --out "$O/profile.json" 2> "$O/profile.err"
+    stamp "$w megakernel profile rc=$?"
+  fi
   if [ "${PEROP:-0}" = 1 ]; then  # the same artifact decoding with the per-op kernels: megakernel vs per-op, same run
     python3 -m luce_runtime.bench $H/$w/artifact --prompt-len 512 --gen-len 128 --batch 8 --repeat $REPEAT \
       --no-megakernel > "$O/ours-perop.json" 2> "$O/ours-perop.err"

@@ -329,3 +329,59 @@ def _tables(prog: Program, stage_values, lm_tile: dict[int, int]) -> None:
     prog.queue_len = np.array([len(q) for q in prog.plan.queues], np.int32)
     prog.deps = np.array(deps or [(0, 0)], np.int32).reshape(-1, 2)
     prog.n_counters = first_task + len(tg.tasks)
+
+
+def profile_summary(p: Program, prof: np.ndarray) -> dict:
+    """One step's task clocks (blocks, tasks, PROFILE_CLOCKS) from the GPU's global timer (ns), summarized: per
+    opcode, tasks, mean wait and body time (and a matvec body's phases); per stage (by opcode, means over the
+    layers): the handoff, from the previous stage's last task's end to this stage's first body, and the stage's span,
+    from that first body to its last task's end; the step's span (the device time of the step) and each SM's mean
+    time in bodies and in waits."""
+    per: dict = {}
+    stage_times: dict[int, tuple[float, float]] = {}  # stage → (first body start, last end)
+    stage_ops: dict[int, set[int]] = {}  # stage → the opcodes its tasks ran
+    busy = []
+    for sm in range(len(p.queue_len)):
+        n = int(p.queue_len[sm])
+        if not n:
+            continue
+        t = (prof[sm, :n] - prof[prof > 0].min()).astype(np.float64) / 1e3  # ns → µs
+        busy.append((t[-1, 2] - t[0, 0], float((t[:, 2] - t[:, 1]).sum()), float((t[:, 1] - t[:, 0]).sum())))
+        for i in range(n):
+            op = p.opcodes[int(p.tasks[sm, i, 0])]
+            key = f"op{op.index} {op.kind}"
+            d = per.setdefault(key, [0, 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0.0])
+            d[0] += 1
+            d[1] += t[i, 1] - t[i, 0]
+            d[2] += t[i, 2] - t[i, 1]
+            if t.shape[1] > 5 and prof[sm, i, 3] and prof[sm, i, 5]:  # the body's phases (emit_cuda `phase`)
+                d[3] += 1
+                d[4] += t[i, 3] - t[i, 1]  # input
+                d[5] += t[i, 4] - t[i, 3]  # main loop
+                d[6] += t[i, 5] - t[i, 4]  # epilogue
+                d[7] += t[i, 2] - t[i, 5]  # writes
+            s = int(p.tasks[sm, i, STAGE_COUNTER])
+            first, last = stage_times.get(s, (np.inf, -np.inf))
+            stage_times[s] = (min(first, t[i, 1]), max(last, t[i, 2]))
+            stage_ops.setdefault(s, set()).add(op.index)
+    stages: dict = {}
+    prev_end = 0.0
+    for s in sorted(stage_times):
+        first, last = stage_times[s]
+        key = "+".join(f"op{o} {p.opcodes[o].kind}" for o in sorted(stage_ops[s]))
+        d = stages.setdefault(key, [0, 0.0, 0.0])
+        d[0] += 1
+        d[1] += first - prev_end
+        d[2] += last - first
+        prev_end = last
+    span, body, wait = (float(np.max([b[0] for b in busy])), float(np.mean([b[1] for b in busy])),
+                        float(np.mean([b[2] for b in busy])))
+    return {"clock": "globaltimer", "span_us": round(span, 1), "mean_sm_body_us": round(body, 1),
+            "mean_sm_wait_us": round(wait, 1),
+            "opcodes": {k: {"tasks": v[0], "wait_us": round(v[1] / v[0], 2), "body_us": round(v[2] / v[0], 2)}
+                        | ({"phases_us": {"input": round(v[4] / v[3], 2), "main": round(v[5] / v[3], 2),
+                                          "epilogue": round(v[6] / v[3], 2), "writes": round(v[7] / v[3], 2)}}
+                           if v[3] else {})
+                        for k, v in per.items()},
+            "stages": {k: {"stages": v[0], "handoff_us": round(v[1] / v[0], 2), "span_us": round(v[2] / v[0], 2)}
+                       for k, v in stages.items()}}

@@ -123,7 +123,8 @@ def bench_engine(engine, *, prompt_len: int, gen_len: int, batch: int, repeat: i
     """Time an Engine (luce-compile bench, benchmarks/, scripts/device_check.py): prefill of prompt_len random tokens
     up to the first token's argmax (TTFT), and of each of prefill_lens (`prefill_repeat` times: long prompts on a
     CPU take minutes); the median decode step, greedy, at batch 1 and at `batch` after prompt_len-token prompts.
-    Seconds as a user sees them (luce_runtime.timing): the argmax on host logits is inside each interval."""
+    Seconds as a user sees them (luce_runtime.timing): each decode step's argmax is inside its interval (taken on
+    the device where the megakernel runs the step, Engine.decode_greedy, as greedy generation does)."""
     rng = np.random.default_rng(seed)
     vocab = int(engine.config["n_vocab"])
 
@@ -161,13 +162,13 @@ def _prefill_seconds(engine, prompts: list[list[int]], warmup: int) -> float:
 
 def _decode_step_seconds(engine, prompts: list[list[int]], tokens: list[int], steps: int) -> float:
     """Median seconds of one greedy decode step of len(prompts) sequences after those prompts (one warm-up step):
-    each step's argmax, taken inside the interval, is the next step's input."""
+    each step's argmax (Engine.decode_greedy), taken inside the interval, is the next step's input."""
     seqs = [engine.add_sequence() for _ in prompts]
     try:
         engine.prefill(seqs, prompts)
 
         def step() -> None:
-            tokens[:] = np.argmax(engine.decode(seqs, tokens), axis=-1).tolist()
+            tokens[:] = engine.decode_greedy(seqs, tokens)
 
         return median_time(step, steps, warmup=1, sync=engine.device.sync)
     finally:

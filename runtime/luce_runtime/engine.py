@@ -409,15 +409,24 @@ class Engine:
             return self._megakernel_step(list(seq_ids), [int(t) for t in tokens])
         return self._forward(list(seq_ids), [[t] for t in tokens], Fn.DECODE1 if len(seq_ids) == 1 else Fn.DECODE)
 
-    def _megakernel_step(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
+    def decode_greedy(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        """decode() followed by each row's argmax (the lowest index of the largest logit), where only the token ids
+        cross to the host when the megakernel runs the step (its LM head takes the argmax on the device); the
+        per-op path copies the logits and takes it here. For greedy sampling with nothing that needs the logits."""
+        self._check_step(seq_ids, [[t] for t in tokens])
+        if self.megakernel is not None and self.megakernel.kernel_for(len(seq_ids)) is not None:
+            return self._megakernel_step(list(seq_ids), [int(t) for t in tokens], logits=False).tolist()
+        return np.argmax(self.decode(seq_ids, tokens), axis=-1).tolist()
+
+    def _megakernel_step(self, seq_ids: list[int], tokens: list[int], logits: bool = True) -> np.ndarray:
         """decode() through the megakernel: TVM's cache reserves each new token's slot (begin of forward, which
         allocates a page at a page boundary), the kernel writes its keys and values there and attends over the
-        sequence's pages, and the forward ends as the per-op one does."""
+        sequence's pages, and the forward ends as the per-op one does. The logits, or the greedy ids."""
         lengths = [self._live[s] for s in seq_ids]
         self._kv.begin(seq_ids, [1] * len(seq_ids))
         try:
             pages = [self._page_ids(s, n + 1) for s, n in zip(seq_ids, lengths, strict=True)]
-            logits = self.megakernel.step(tokens, lengths, pages, *self._pages.kernel_args(self.device))
+            out = self.megakernel.step(tokens, lengths, pages, *self._pages.kernel_args(self.device), logits=logits)
         except BaseException:
             self._kv.end()
             for sid in seq_ids:
@@ -426,7 +435,7 @@ class Engine:
         self._kv.end()
         for sid in seq_ids:
             self._live[sid] += 1
-        return logits
+        return out
 
     def _page_ids(self, seq_id: int, length: int) -> list[int]:
         """The page ids holding a sequence's first `length` positions: read once, then one page more at each page
@@ -533,10 +542,12 @@ class Engine:
         sampler = Sampler(params)
         with self.sequence() as seq:
             history = list(prompt_ids)
-            logits = self.prefill([seq], [history])[0]
+            token = sampler.sample(self.prefill([seq], [history])[0], history)
             while True:
-                token = sampler.sample(logits, history)
                 yield from end.take([token], history)
                 if end.done:
                     return
-                logits = self.decode([seq], [token])[0]
+                if sampler.argmax_only:  # only the id crosses to the host where the device takes the argmax
+                    token = self.decode_greedy([seq], [token])[0]
+                else:
+                    token = sampler.sample(self.decode([seq], [token])[0], history)

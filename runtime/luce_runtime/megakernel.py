@@ -43,33 +43,58 @@ class _Kernel:
         lm = max(1, int(spec["lm_tiles"]))
         self.amax_val, self.amax_idx = zeros((b, lm), np.float32), zeros((b, lm), np.int32)
         self.counters = zeros(int(spec["n_counters"]), np.int32)  # never reset: waits compare with count x epoch
-        self.status = zeros((n_queues, 4), np.int32)
         self.profile = zeros((n_queues, max_tasks, int(spec["profile_clocks"])), np.int64)
-        self.tokens, self.lengths = zeros(b, np.int32), zeros(b, np.int32)
-        self.token_out, self.lengths_out = zeros(b, np.int32), zeros(b, np.int32)
-        self.page_table_host = np.zeros((b, max_pages), dtype=np.int32)
-        self.page_table = zeros((b, max_pages), np.int32)
-        self.logits = self.arena._create_view((b, int(spec["vocab"])), "float32", 4 * int(spec["logits_at"]))
+        # One host-to-device copy per step (tokens, lengths, page table: views of one int32 buffer) and one back
+        # (the next tokens, lengths and every block's status, views of another): each copy is a synchronous
+        # round trip of ~5-10 us, a step at batch 1 of a small model ~0.3 ms.
+        self.inputs_host = np.zeros(2 * b + b * max_pages, dtype=np.int32)
+        self.inputs = zeros(self.inputs_host.size, np.int32)
+        self.tokens = self.inputs._create_view((b,), "int32", 0)
+        self.lengths = self.inputs._create_view((b,), "int32", 4 * b)
+        self.page_table = self.inputs._create_view((b, max_pages), "int32", 8 * b)
+        self.outputs = zeros(2 * b + 4 * n_queues, np.int32)
+        self.token_out = self.outputs._create_view((b,), "int32", 0)
+        self.lengths_out = self.outputs._create_view((b,), "int32", 4 * b)
+        self.status = self.outputs._create_view((n_queues, 4), "int32", 8 * b)
+        self.max_pages = max_pages
         self.weights = weights
+        self.tables = {f: tables[key + f] for f in ("tasks", "queue_len")}  # the host's copy, for profiles
         self.epoch = 0
 
-    def launch(self, pages, kv_layer_offset) -> None:
+    def launch(self, pages, kv_layer_offset, profiling: bool = False) -> None:
         self.epoch += 1
         named = {"tokens": self.tokens, "lengths": self.lengths, "page_table": self.page_table, "pages": pages,
                  "kv_layer_offset": kv_layer_offset, "arena": self.arena, "amax_val": self.amax_val,
                  "amax_idx": self.amax_idx, "token_out": self.token_out, "lengths_out": self.lengths_out,
                  "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps, "counters": self.counters,
-                 "status": self.status, "profile": self.profile, "profiling": 0, "epoch": self.epoch}
+                 "status": self.status, "profile": self.profile, "profiling": int(profiling), "epoch": self.epoch}
         self.fn(*(named[n] if n in named else self.weights[n] for n in self.spec["params"]))
 
-    def check(self) -> None:
-        st = self.status.numpy()
+    def stage(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]]) -> None:
+        """Copy one step's inputs to the device; rows past len(tokens) repeat the last real row."""
+        n, b = len(tokens), self.batch
+        rows = [*range(n), *([n - 1] * (b - n))]
+        host = self.inputs_host
+        host[:] = 0
+        host[:b] = [tokens[i] for i in rows]
+        host[b:2 * b] = [lengths[i] for i in rows]
+        table = host[2 * b:].reshape(b, self.max_pages)
+        for r, i in enumerate(rows):
+            table[r, :len(pages[i])] = pages[i]
+        self.inputs.copyfrom(host)
+
+    def finish(self) -> np.ndarray:
+        """The step's greedy token per row (the kernel's on-device argmax: the lowest index of the largest logit,
+        as numpy's argmax), after checking that no block gave up waiting."""
+        out = self.outputs.numpy()
+        st = out[2 * self.batch:].reshape(-1, 4)
         stuck = np.nonzero(st[:, 0])[0]
         if len(stuck):
             first = [(int(q), *map(int, st[q])) for q in stuck[:4]]
             raise MegakernelError(f"megakernel_b{self.batch}: {len(stuck)} blocks gave up waiting at step "
                                   f"{self.epoch} ((block, queue position + 1, counter, target, seen): {first}); "
                                   "serve with the per-op path (`--no-megakernel` when compiling) and report it.")
+        return out[:self.batch]
 
 
 class Megakernel:
@@ -86,6 +111,10 @@ class Megakernel:
         for spec in section["kernels"].values():
             weights = {n: stacked[n] for n in spec["weights"]}
             self.kernels[int(spec["batch"])] = _Kernel(module[spec["name"]], spec, tables, weights, device, max_pages)
+        # True: the next steps record each task's clocks (the GPU's global timer, ns): wait begins, body begins,
+        # task ends, then a matvec body's phases; `profile` returns the last step's (benchmarks/h200/engine_profile)
+        self.profiling = False
+        self._last: _Kernel | None = None
 
     @classmethod
     def refusal(cls, section: dict, *, kv_dtype: str, page_size: int, max_context: int, sm_count: int) -> str | None:
@@ -108,22 +137,25 @@ class Megakernel:
         return next((b for b in self.batches if b >= n), None)
 
     def step(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]],
-             kv_pages, kv_layer_offset) -> np.ndarray:
+             kv_pages, kv_layer_offset, *, logits: bool = True) -> np.ndarray:
         """One decode step: token i at position lengths[i] of the sequence whose page ids are pages[i] (covering
-        that position); keys and values go into the cache's pages. The logits (n, vocab) float32."""
+        that position); keys and values go into the cache's pages. The logits (n, vocab) float32, or with
+        logits=False only each row's greedy token (n,) int32: the one copy back is then 4 bytes a row."""
         n = len(tokens)
         k = self.kernels[self.kernel_for(n)]
-        rows = [*range(n), *([n - 1] * (k.batch - n))]  # padding rows repeat the last real row
-        k.page_table_host[:] = 0
-        for r, i in enumerate(rows):
-            k.page_table_host[r, :len(pages[i])] = pages[i]
-        k.page_table.copyfrom(k.page_table_host)
-        k.tokens.copyfrom(np.array([tokens[i] for i in rows], dtype=np.int32))
-        k.lengths.copyfrom(np.array([lengths[i] for i in rows], dtype=np.int32))
-        k.launch(kv_pages, kv_layer_offset)
-        logits = k.logits.numpy()[:n]
-        k.check()
-        return logits
+        k.stage(tokens, lengths, pages)
+        k.launch(kv_pages, kv_layer_offset, self.profiling)
+        self._last = k
+        ids = k.finish()[:n]
+        return k.logits.numpy()[:n] if logits else ids
+
+
+    def profile(self) -> dict[str, np.ndarray]:
+        """The last step's task clocks (blocks, tasks, clocks) int64 ns, recorded with `profiling` on, beside the
+        kernel's task table (column 0: the opcode) and each block's queue length."""
+        if self._last is None:
+            raise LuceError("megakernel: no step has run yet; set profiling = True and step first.")
+        return {"clocks": self._last.profile.numpy(), **self._last.tables, "batch": np.int32(self._last.batch)}
 
 
 def _stack_weights(section: dict, params: dict[str, np.ndarray], device) -> dict[str, object]:

@@ -103,6 +103,14 @@ class Sampler:
         self.params = params or SamplingParams()
         self.rng = np.random.default_rng(self.params.seed)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with no penalty: the next token is the logits' argmax, which the device can take
+        (Engine.decode_greedy), so the logits need not cross to the host."""
+        p = self.params
+        repeat = p.repetition_penalty != 1.0 and p.repeat_last_n != 0
+        return p.greedy and not (repeat or p.presence_penalty or p.frequency_penalty)
+
     def sample(self, logits: np.ndarray, history_ids: Sequence[int] | np.ndarray = ()) -> int:
         """The next token for logits of shape (vocab,) or (1, vocab); history_ids feed the penalties."""
         x = self.penalized(logits, history_ids)

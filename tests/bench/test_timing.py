@@ -103,6 +103,9 @@ class FakeEngine:
         self.events.append(f"decode{len(seqs)}")
         return np.zeros((len(seqs), self.config["n_vocab"]), np.float32)
 
+    def decode_greedy(self, seqs: list[int], tokens: list[int]) -> list[int]:
+        return np.argmax(self.decode(seqs, tokens), axis=-1).tolist()
+
 
 @pytest.mark.unit
 def test_bench_engine_synchronizes_every_timed_call_and_frees_its_sequences():

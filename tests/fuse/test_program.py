@@ -113,3 +113,24 @@ def test_every_argmax_partial_column_is_one_lm_head_tile(batch):
                if prog.opcodes[row[P.OPCODE]].kind == "matvec" and "LM_HEAD" in
                {op.kind.name for op in prog.tg.stages[prog.opcodes[row[P.OPCODE]].stage].ops}]
     assert sorted(int(r[P.TILE]) for r in lm_rows) == list(range(prog.lm_tiles))
+
+
+def test_profile_summary_reads_spans_waits_and_bodies_from_task_clocks():
+    """Clocks laid out by hand (every block runs its tasks back to back: 1 us of wait, then a body of 2 us, from
+    t = 1000 ns): the step's span, the per-opcode means and each block's busy time come out as laid out."""
+    graph, _ = open_graph(cached_synthetic(preset("tiny-llama")))
+    prog = P.build_program(graph, batch=1, n_sms=4, max_context=40, kv_chunk=8)
+    clocks = np.zeros((len(prog.queue_len), prog.tasks.shape[1], P.PROFILE_CLOCKS), np.int64)
+    for sm, n in enumerate(prog.queue_len):
+        for i in range(int(n)):
+            start = 1000 + 3000 * i
+            clocks[sm, i, :3] = (start, start + 1000, start + 3000)
+    out = P.profile_summary(prog, clocks)
+    longest = int(prog.queue_len.max())
+    assert out["span_us"] == pytest.approx(3.0 * longest)
+    assert out["mean_sm_wait_us"] == pytest.approx(np.mean([1.0 * n for n in prog.queue_len if n]))
+    assert sum(v["tasks"] for v in out["opcodes"].values()) == int(prog.queue_len.sum())
+    assert all(v["wait_us"] == pytest.approx(1.0) and v["body_us"] == pytest.approx(2.0)
+               for v in out["opcodes"].values())
+    assert sum(v["stages"] for v in out["stages"].values()) == len({int(s) for s in prog.tasks[..., P.STAGE_COUNTER][
+        np.arange(prog.tasks.shape[1])[None, :] < prog.queue_len[:, None]]})

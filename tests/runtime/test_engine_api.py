@@ -145,3 +145,19 @@ def test_the_engine_refuses_an_artifact_without_its_contract(tiny, tmp_path):
         with pytest.raises(ArtifactError, match=message) as err:
             Engine(art, verify=False)
         assert "recompile" in str(err.value)
+
+
+def test_decode_greedy_is_the_argmax_of_decode(engine, rng):
+    """decode_greedy (only ids back where the device takes the argmax) steps like decode + numpy's argmax: two
+    sequences of one prompt, one stepped each way, produce the same ids and keep equal lengths."""
+    p = prompt(rng, 24, engine.vocab_size)
+    a, b = engine.add_sequence(), engine.add_sequence()
+    first = int(np.argmax(engine.prefill([a, b], [p, p])[0]))
+    ta = tb = first
+    for _ in range(6):
+        ta = int(np.argmax(engine.decode([a], [ta])[0]))
+        (tb,) = engine.decode_greedy([b], [tb])
+        assert tb == ta
+    assert engine.length(a) == engine.length(b) == 30
+    with pytest.raises(Exception, match="is not live"):
+        engine.decode_greedy([12345], [1])

@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -340,10 +340,17 @@ class Scheduler:
             c.steps += 1
             c.batched_steps += len(plain) >= 2
             c.max_batch_seen = max(c.max_batch_seen, len(plain))
-            for r, row in self._isolated(plain, lambda b: self.engine.decode([r.seq for r in b],
-                                                                             [r.pending for r in b])):
-                r.pending = None
-                self._deliver(r, row)
+            if all(r.constraint is None and r.top_logprobs is None and r.sampler.argmax_only for r in plain):
+                # every token is its logits' argmax: taken on the device where it can, only ids come back
+                for r, token in self._isolated(plain, lambda b: self.engine.decode_greedy([r.seq for r in b],
+                                                                                          [r.pending for r in b])):
+                    r.pending = None
+                    self._deliver_token(r, int(token))
+            else:
+                for r, row in self._isolated(plain, lambda b: self.engine.decode([r.seq for r in b],
+                                                                                 [r.pending for r in b])):
+                    r.pending = None
+                    self._deliver(r, row)
         if drafts:
             self._verify_step(drafts)
 
@@ -384,9 +391,10 @@ class Scheduler:
         if going:  # drop the rejected drafts' KV entries (a finished request's sequence is gone already)
             self.engine.rollback(r.seq, len(draft.tokens) - accepted)
 
-    def _isolated(self, items: list[T], call: Callable[[list[T]], np.ndarray]) -> list[tuple[T, np.ndarray]]:
-        """call(items) → one logits row per item; when the batched call fails, each item is tried alone and only the
-        requests that fail alone get an error. The engine has rolled back whatever a failed call appended."""
+    def _isolated(self, items: list[T], call: Callable[[list[T]], Sequence]) -> list[tuple[T, Any]]:
+        """call(items) → one logits row (or token) per item; when the batched call fails, each item is tried alone
+        and only the requests that fail alone get an error. The engine has rolled back whatever a failed call
+        appended."""
         try:
             return list(zip(items, call(items), strict=True))
         except Exception as e:
@@ -414,6 +422,16 @@ class Scheduler:
             log.exception("scheduler: sampling failed")
             self._fail(r, e)
 
+    def _deliver_token(self, r: GenRequest, token: int) -> None:
+        """As _deliver, for a token the engine chose (greedy, nothing that needs the logits)."""
+        if r.cancelled.is_set():
+            return
+        try:
+            self._commit(r, token, None)
+        except Exception as e:
+            log.exception("scheduler: streaming a token failed")
+            self._fail(r, e)
+
     def _on_logits(self, r: GenRequest, row: np.ndarray) -> None:
         """Sample r's next token from its logits row and stream it; finish r on an end token, a stop or the limit."""
         if r.cancelled.is_set():
@@ -424,9 +442,9 @@ class Scheduler:
         token = r.sampler.sample(masked, r.generated)  # penalties over generated tokens only, as OpenAI's
         self._commit(r, token, row)
 
-    def _commit(self, r: GenRequest, token: int, row: np.ndarray) -> bool:
-        """Stream the sampled token (row: the model's logits it came from, for logprobs); finish r on an end token,
-        a stop or the limit. True when r goes on with token pending."""
+    def _commit(self, r: GenRequest, token: int, row: np.ndarray | None) -> bool:
+        """Stream the sampled token (row: the model's logits it came from, for logprobs; None without them); finish
+        r on an end token, a stop or the limit. True when r goes on with token pending."""
         if r.constraint is not None:
             r.constraint.consume(token)
         if self.engine.tokenizer.is_eog(token) or token in r.params.stop_token_ids:
