@@ -47,16 +47,19 @@ class _Kernel:
         # One host-to-device copy per step (tokens, lengths, page table: views of one int32 buffer) and one back
         # (the next tokens, lengths and every block's status, views of another): each copy is a synchronous
         # round trip of ~5-10 us, a step at batch 1 of a small model ~0.3 ms.
-        self.inputs_host = np.zeros(2 * b + b * max_pages, dtype=np.int32)
+        # Each view starts on a 64-byte boundary (TVM's allocation alignment, which compiled kernels may assume).
+        self.row = -(-b // 16) * 16  # int32s from one view's start to the next's (tokens, lengths)
+        self.max_pages = max_pages
+        self.inputs_host = np.zeros(2 * self.row + b * max_pages, dtype=np.int32)
         self.inputs = zeros(self.inputs_host.size, np.int32)
         self.tokens = self.inputs._create_view((b,), "int32", 0)
-        self.lengths = self.inputs._create_view((b,), "int32", 4 * b)
-        self.page_table = self.inputs._create_view((b, max_pages), "int32", 8 * b)
-        self.outputs = zeros(2 * b + 4 * n_queues, np.int32)
+        self.lengths = self.inputs._create_view((b,), "int32", 4 * self.row)
+        self.page_table = self.inputs._create_view((b, max_pages), "int32", 8 * self.row)
+        self.outputs = zeros(2 * self.row + 4 * n_queues, np.int32)
         self.token_out = self.outputs._create_view((b,), "int32", 0)
-        self.lengths_out = self.outputs._create_view((b,), "int32", 4 * b)
-        self.status = self.outputs._create_view((n_queues, 4), "int32", 8 * b)
-        self.max_pages = max_pages
+        self.lengths_out = self.outputs._create_view((b,), "int32", 4 * self.row)
+        self.status = self.outputs._create_view((n_queues, 4), "int32", 8 * self.row)
+        self.logits = self.arena._create_view((b, int(spec["vocab"])), "float32", 4 * int(spec["logits_at"]))
         self.weights = weights
         self.tables = {f: tables[key + f] for f in ("tasks", "queue_len")}  # the host's copy, for profiles
         self.epoch = 0
@@ -74,11 +77,11 @@ class _Kernel:
         """Copy one step's inputs to the device; rows past len(tokens) repeat the last real row."""
         n, b = len(tokens), self.batch
         rows = [*range(n), *([n - 1] * (b - n))]
-        host = self.inputs_host
+        host, at = self.inputs_host, self.row
         host[:] = 0
         host[:b] = [tokens[i] for i in rows]
-        host[b:2 * b] = [lengths[i] for i in rows]
-        table = host[2 * b:].reshape(b, self.max_pages)
+        host[at:at + b] = [lengths[i] for i in rows]
+        table = host[2 * at:].reshape(b, self.max_pages)
         for r, i in enumerate(rows):
             table[r, :len(pages[i])] = pages[i]
         self.inputs.copyfrom(host)
@@ -87,7 +90,7 @@ class _Kernel:
         """The step's greedy token per row (the kernel's on-device argmax: the lowest index of the largest logit,
         as numpy's argmax), after checking that no block gave up waiting."""
         out = self.outputs.numpy()
-        st = out[2 * self.batch:].reshape(-1, 4)
+        st = out[2 * self.row:].reshape(-1, 4)
         stuck = np.nonzero(st[:, 0])[0]
         if len(stuck):
             first = [(int(q), *map(int, st[q])) for q in stuck[:4]]

@@ -1,0 +1,86 @@
+"""The runtime side of a megakernel step, on the CPU with a kernel written in numpy in place of the CUDA one: what
+the kernel is handed (tokens, lengths and page table in one upload, padding rows repeating the last real row, every
+view 64-byte aligned), what comes back (each row's id; the logits only when asked) and a stalled block reported as
+an error. The CUDA kernel itself is checked on the H200 (scripts/device_check.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from luce_runtime.megakernel import Megakernel, MegakernelError, _Kernel
+
+pytestmark = pytest.mark.unit
+
+VOCAB, MAX_PAGES, QUEUES = 7, 3, 2
+
+
+def spec(batch: int) -> dict:
+    return {"batch": batch, "n_queues": QUEUES, "arena_size": 16 + 17 * VOCAB, "lm_tiles": 1, "n_counters": 4,
+            "profile_clocks": 6, "vocab": VOCAB, "logits_at": 16,
+            "params": ["tokens", "lengths", "page_table", "pages", "arena", "token_out", "lengths_out", "status",
+                       "epoch"]}
+
+
+class NumpyKernel:
+    """Stands in for the compiled kernel: logits row r = token + page sum (one-hot at (token + pages) % VOCAB),
+    token_out = its argmax, lengths_out = lengths + 1; `stall` sets a block's status as a bounded wait does."""
+
+    def __init__(self, batch: int):
+        self.batch, self.seen, self.stall = batch, [], False
+
+    def __call__(self, tokens, lengths, page_table, pages, arena, token_out, lengths_out, status, epoch):
+        t, n, pt = tokens.numpy(), lengths.numpy(), page_table.numpy()
+        self.seen.append((t.copy(), n.copy(), pt.copy()))
+        hot = (t + pt.sum(axis=1)) % VOCAB
+        logits = np.zeros((self.batch, VOCAB), np.float32)
+        logits[np.arange(self.batch), hot] = 1.0
+        a = arena.numpy()
+        a[16:16 + logits.size] = logits.reshape(-1)
+        arena.copyfrom(a)
+        token_out.copyfrom(hot.astype(np.int32))
+        lengths_out.copyfrom((n + 1).astype(np.int32))
+        st = np.zeros((QUEUES, 4), np.int32)
+        if self.stall:
+            st[1] = (3, 9, 8, 5)
+        status.copyfrom(st)
+
+
+def megakernel(batches=(1, 4)) -> tuple[Megakernel, dict[int, NumpyKernel]]:
+    mk = Megakernel.__new__(Megakernel)
+    mk.batches, mk.profiling, mk._last = sorted(batches), False, None
+    fns = {b: NumpyKernel(b) for b in batches}
+    tables = {f"b{b}_{f}": np.zeros((QUEUES, 2, 14) if f == "tasks" else (QUEUES,), np.int32)
+              for b in batches for f in ("tasks", "queue_len", "deps")}
+    mk.kernels = {b: _Kernel(fns[b], spec(b), tables, {}, tvm.cpu(0), MAX_PAGES) for b in batches}
+    return mk, fns
+
+
+def test_a_step_hands_each_row_its_inputs_and_pads_with_the_last_row():
+    mk, fns = megakernel()
+    pages = tvm.runtime.tensor(np.zeros(4, np.float32), tvm.cpu(0))
+    ids = mk.step([3, 5, 6], [10, 20, 30], [[1], [2, 4], [5, 6, 0]], pages, None, logits=False)
+    tokens, lengths, table = fns[4].seen[-1]
+    assert tokens.tolist() == [3, 5, 6, 6] and lengths.tolist() == [10, 20, 30, 30]
+    assert table.tolist() == [[1, 0, 0], [2, 4, 0], [5, 6, 0], [5, 6, 0]]
+    assert ids.tolist() == [(3 + 1) % VOCAB, (5 + 6) % VOCAB, (6 + 11) % VOCAB]
+    logits = mk.step([3, 5, 6], [11, 21, 31], [[1], [2, 4], [5, 6, 0]], pages, None)
+    assert logits.shape == (3, VOCAB) and np.argmax(logits, axis=-1).tolist() == ids.tolist()
+    # a smaller step runs the batch-1 kernel, and a new step's page table holds no row of the last one
+    assert mk.step([2], [4], [[3]], pages, None, logits=False).tolist() == [5]
+    assert fns[1].seen[-1][2].tolist() == [[3, 0, 0]]
+
+
+def test_a_stalled_block_fails_the_step():
+    mk, fns = megakernel()
+    fns[1].stall = True
+    pages = tvm.runtime.tensor(np.zeros(4, np.float32), tvm.cpu(0))
+    with pytest.raises(MegakernelError, match="1 blocks gave up waiting"):
+        mk.step([1], [1], [[0]], pages, None, logits=False)
+
+
+def test_views_start_on_64_byte_boundaries():
+    for b in (1, 4, 8, 17):
+        k = megakernel((b,))[0].kernels[b]
+        assert k.row >= b and (k.row * 4) % 64 == 0
+        assert k.inputs_host.size == 2 * k.row + b * MAX_PAGES
