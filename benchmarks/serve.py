@@ -8,14 +8,19 @@ slots (continuous batching) and `-c N × ctx`, so each has N sequences of `--ctx
 within a level so a drift in machine load hits both. Per level and server: one untimed warm-up request, then
 `--requests` /v1/completions requests (greedy, streamed, max_tokens) drawn by N clients.
 Aggregate tok/s = generated tokens of all requests / wall time of the level; TTFT = request sent → first streamed
-text. Tokens: the `usage.completion_tokens` each server streams at the end (luce-compile with
+text; ITL (inter-token latency) = the gaps between consecutive streamed text chunks, pooled over the level. Tokens: the `usage.completion_tokens` each server streams at the end (luce-compile with
 stream_options.include_usage; llama-server always sends usage on its final /v1/completions chunk), else llama-server's
 `timings.predicted_n`, else the count of text chunks; the source is recorded per request. llama-server also gets
 `ignore_eos` (luce-compile's strict schema has no such field): tokens are counted, not assumed, so an early stop shows.
 Each request opens its own loopback connection (both servers). Before a level the script waits for a quiet machine;
 a level during which other processes took more than --max-foreign-pct of the CPU, or that failed, is rerun.
 llama-server is built once from the llama-cpp-python sdist's llama.cpp (benchmarks/peers/llama_server.py).
-Writes benchmarks/results/serve-<date>.json and .md; benchmarks/plot.py draws the PNG.
+Writes benchmarks/results/serve-<date>.json and .md (after every level, so a run cut short keeps its levels);
+benchmarks/plot.py draws the PNG.
+
+On a GPU machine (benchmarks/h200/serve.sh runs it there): `--artifact DIR --model THE.gguf --llama-server PATH --gpu`
+serves a prebuilt artifact with the runtime alone against a given (CUDA) llama-server with every layer offloaded;
+neither server gets a thread count, and the record names the GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -61,6 +66,9 @@ class RequestTiming:
     tokens: int
     seconds: float
     source: str = "usage"  # where `tokens` came from: usage, timings (llama-server's predicted_n) or chunks
+    # gaps between consecutive streamed text chunks (both servers send one chunk a token): the inter-token latency a
+    # client sees; summarize pools them over the level and keeps only each request's mean in the record
+    itl_ms: list[float] = field(default_factory=list)
 
 
 def free_port() -> int:
@@ -69,18 +77,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(server: str, gguf: Path, *, port: int, threads: int, clients: int, ctx: int) -> list[str]:
-    """The command line of `server` sized for `clients` concurrent sequences of `ctx` tokens each."""
+def server_command(server: str, gguf: Path, *, port: int, threads: int | None, clients: int, ctx: int,
+                   artifact: Path | None = None, binary: Path | None = None, gpu: bool = False) -> list[str]:
+    """The command line of `server` sized for `clients` concurrent sequences of `ctx` tokens each.
+
+    artifact: luce-compile serves this prebuilt artifact (the runtime alone loads it: no compiler needed), else it
+    compiles the GGUF through its cache. binary: this llama-server, else the cached CPU build. gpu: llama-server
+    offloads every layer (-ngl 99); threads None leaves each server's thread count at its own default."""
     if server == OURS:
         # threads: TVM_NUM_THREADS in the environment (start_server); --ctx is per sequence
-        return [sys.executable, "-m", "luce_compile.cli", "serve", str(gguf), "--host", "127.0.0.1",
+        return [sys.executable, "-m", "luce_compile.cli", "serve", str(artifact or gguf), "--host", "127.0.0.1",
                 "--port", str(port), "--max-batch", str(clients), "--ctx", str(ctx)]
     if server == PEER:
         from peers.llama_server import llama_server_binary
         from peers.llama_server import server_command as llama_server_command
 
-        return llama_server_command(llama_server_binary(), gguf, port=port, threads=threads, parallel=clients,
-                                    ctx_per_slot=ctx)
+        return llama_server_command(binary or llama_server_binary(), gguf, port=port, threads=threads,
+                                    parallel=clients, ctx_per_slot=ctx, gpu_layers=99 if gpu else 0)
     raise ValueError(f"serve bench: unknown server {server!r}; expected {OURS!r} or {PEER!r}")
 
 
@@ -89,10 +102,12 @@ def given(server: str, clients: int) -> str:
     return f"--max-batch {clients}" if server == OURS else f"-np {clients}"
 
 
-def start_server(cmd: list[str], port: int, threads: int, log: Path) -> subprocess.Popen:
+def start_server(cmd: list[str], port: int, threads: int | None, log: Path) -> subprocess.Popen:
     """Start a server in its own process group; wait until /v1/models answers 200 (llama-server answers 503 while
     it loads the model). Raises RuntimeError with its log tail if it exits or is not ready in time."""
-    env = dict(os.environ, TVM_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ)
+    if threads is not None:
+        env |= {"TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -174,7 +189,8 @@ def request_tokens(usage: dict | None, timings: dict | None, chunks: int) -> tup
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
     """Stream one completion; time to the first text and the tokens generated."""
     start = time.perf_counter()
-    ttft, chunks, usage, timings = None, 0, None, None
+    arrivals: list[float] = []  # when each non-empty text chunk came, since start
+    usage, timings = None, None
     async with client.stream("POST", url, json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -184,11 +200,15 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
             usage = event.get("usage") or usage
             timings = event.get("timings") or timings
             if any(c.get("text") for c in event.get("choices", [])):
-                chunks += 1
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-    tokens, source = request_tokens(usage, timings, chunks)
-    return RequestTiming(ttft_s=ttft if ttft is not None else float("nan"), tokens=tokens,
-                         seconds=time.perf_counter() - start, source=source)
+                arrivals.append(time.perf_counter() - start)
+    tokens, source = request_tokens(usage, timings, len(arrivals))
+    return RequestTiming(ttft_s=arrivals[0] if arrivals else float("nan"), tokens=tokens,
+                         seconds=time.perf_counter() - start, source=source, itl_ms=inter_token_ms(arrivals))
+
+
+def inter_token_ms(arrivals: list[float]) -> list[float]:
+    """Gaps between consecutive chunk arrivals (seconds since the request) in ms; none for fewer than two chunks."""
+    return [1e3 * (b - a) for a, b in zip(arrivals, arrivals[1:], strict=False)]
 
 
 async def run_level(port: int, clients: int, requests: int, body: dict, tag: str) -> tuple[list[RequestTiming], float]:
@@ -215,19 +235,30 @@ async def run_level(port: int, clients: int, requests: int, body: dict, tag: str
 
 def summarize(server: str, clients: int, timings: list[RequestTiming], wall_s: float,
               max_tokens: int | None = None) -> dict:
-    """One table row: aggregate tok/s over the level's wall time, TTFT percentiles, and (given max_tokens) how many
-    requests stopped before it."""
+    """One table row: aggregate tok/s over the level's wall time, TTFT percentiles, inter-token latency percentiles
+    over every gap of every request (as vLLM's benchmark_serving pools them), and (given max_tokens) how many requests
+    stopped before it."""
     from luce_runtime.bench import percentile
 
     ttfts = [t.ttft_s * 1e3 for t in timings]
+    gaps = [g for t in timings for g in t.itl_ms]
     tokens = sum(t.tokens for t in timings)
     row = {"server": server, "clients": clients, "requests": len(timings), "tokens": tokens,
            "wall_s": round(wall_s, 3), "aggregate_tok_s": tokens / wall_s,
            "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
-           "token_sources": sorted({t.source for t in timings}), "per_request": [asdict(t) for t in timings]}
+           "token_sources": sorted({t.source for t in timings}), "per_request": [request_record(t) for t in timings]}
+    if gaps:
+        row |= {"itl_p50_ms": percentile(gaps, 50), "itl_p99_ms": percentile(gaps, 99)}
     if max_tokens is not None:
         row["short_requests"] = sum(t.tokens < max_tokens for t in timings)
     return row
+
+
+def request_record(t: RequestTiming) -> dict:
+    """One request in the JSON: its timing with the mean gap (the gaps themselves would be most of the file)."""
+    d = asdict(t)
+    gaps = d.pop("itl_ms")
+    return d | ({"itl_mean_ms": sum(gaps) / len(gaps), "chunks": len(gaps) + 1} if gaps else {})
 
 
 def ratios(rows: list[dict]) -> dict[str, dict[int, float]]:
@@ -281,9 +312,11 @@ def run_level_once(server: str, clients: int, gguf: Path, args: argparse.Namespa
     from luce_runtime.bench import machine_load
 
     port = free_port()
-    cmd = server_command(server, gguf, port=port, threads=args.threads, clients=clients, ctx=args.ctx)
+    threads = None if args.gpu else args.threads
+    cmd = server_command(server, gguf, port=port, threads=threads, clients=clients, ctx=args.ctx,
+                         artifact=args.artifact, binary=args.llama_server, gpu=args.gpu)
     log = logdir / f"{server}-n{clients}.log"
-    proc = start_server(cmd, port, args.threads, log)
+    proc = start_server(cmd, port, threads, log)
     body = request_body(server, gguf, args.max_tokens)
     try:
         asyncio.run(run_level(port, 1, 1, body, "warm"))  # warm-up: first-call allocations, caches, thread pools
@@ -311,20 +344,32 @@ def serve_table(rows: list[dict], meta: dict) -> str:
     ratio = ratios(rows)
     order = list(dict.fromkeys(r["server"] for r in rows))
     ordered = sorted(rows, key=lambda r: (order.index(r["server"]), r["clients"]))
+    # records from before inter-token latency was measured keep their table as it was
+    itl = bool(rows) and all("itl_p50_ms" in r for r in rows)
     lines = [f"# Serving on loopback: luce-compile vs {meta.get('peer', PEER)} ({meta['date']})", "",
-             f"{meta['cpu']}, {meta['threads']} threads per server, load before {meta['load_avg_1m']:.2f}; model "
+             f"{machine_text(meta)}, load before {meta['load_avg_1m']:.2f}; model "
              f"{meta['model']}; {meta['requests']} streamed /v1/completions requests per level (greedy, max_tokens "
              f"{meta['max_tokens']}, {meta['prompt_chars']}-character prompt). " + meta.get("setup", ""), "",
              f"Command: `{meta['command']}`", "",
              "| server | clients | requests | tokens | aggregate tok/s | TTFT p50 ms | TTFT p99 ms | "
-             "luce-compile / peer | load before (others' CPU during) |", "|---|---|---|---|---|---|---|---|---|"]
+             + ("ITL p50 ms | ITL p99 ms | " if itl else "")
+             + "luce-compile / peer | load before (others' CPU during) |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if itl else "")]
     for r in ordered:
         name = f"{r['server']} `{r['given']}`" if "given" in r else r["server"]
         value = ratio.get(r["server"], {}).get(r["clients"])
         lines.append(f"| {name} | {r['clients']} | {r['requests']} | {r['tokens']} | "
                      f"{r['aggregate_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
-                     f"{'' if value is None else f'{value:.2f}×'} | {load_text(r)} |")
+                     + (f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | " if itl else "")
+                     + f"{'' if value is None else f'{value:.2f}×'} | {load_text(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def machine_text(meta: dict) -> str:
+    """What the servers ran on: the GPU and its host, or the CPU and the threads each server was given."""
+    if meta.get("gpu"):
+        return f"{meta['gpu']} (host {meta['cpu']}, {meta.get('cores', '?')} cores)"
+    return f"{meta['cpu']}, {meta['threads']} threads per server"
 
 
 def load_text(row: dict) -> str:
@@ -335,6 +380,8 @@ def load_text(row: dict) -> str:
 
 def setup_text(args: argparse.Namespace, peer_version: str) -> str:
     """The table's sentence on what each server was given and how tokens were counted."""
+    if args.gpu:
+        return gpu_setup_text(args, peer_version)
     return (f"Each level restarts each server sized for N sequences of {args.ctx} tokens: luce-compile serve "
             f"`--max-batch N --ctx {args.ctx}` (TVM_NUM_THREADS={args.threads}); llama-server {peer_version} "
             f"`-np N -c N×{args.ctx} --cont-batching -t {args.threads} -tb {args.threads}` (CPU backend, native build "
@@ -345,6 +392,30 @@ def setup_text(args: argparse.Namespace, peer_version: str) -> str:
             f"(a level over {args.max_foreign_pct:.0f}% is rerun, up to {args.retries} times).")
 
 
+def gpu_setup_text(args: argparse.Namespace, peer_version: str) -> str:
+    """setup_text on a GPU machine: both servers on the one GPU, one at a time, thread counts their own defaults."""
+    ours = f"prebuilt artifact {args.artifact.name}" if args.artifact else "the GGUF compiled for the default target"
+    return (f"Each level restarts each server sized for N sequences of {args.ctx} tokens, alone on the GPU: "
+            f"luce-compile serve ({ours}, TVM runtime only) `--max-batch N --ctx {args.ctx}`; llama-server "
+            f"{peer_version} `-np N -c N×{args.ctx} --cont-batching -ngl 99` (CUDA build) with `ignore_eos`. "
+            "Tokens are each server's streamed usage.completion_tokens; ITL: the gaps between streamed text chunks "
+            "(one a token), pooled over the level's requests; ratio = luce-compile aggregate tok/s over "
+            "llama-server's at the same N.")
+
+
+def gpu_name() -> str:
+    """nvidia-smi's name, driver and memory of the first GPU (what the record says the servers ran on)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SystemExit(f"serve bench: --gpu but nvidia-smi failed ({e}); run it on the GPU machine") from None
+    if done.returncode != 0 or not done.stdout.strip():
+        raise SystemExit(f"serve bench: --gpu but nvidia-smi failed ({done.returncode}): {done.stderr[-500:]}")
+    name, driver, memory = (f.strip() for f in done.stdout.splitlines()[0].split(","))
+    return f"{name}, driver {driver}, {memory}"
+
+
 def meta_for(args: argparse.Namespace, gguf: Path, servers: list[str]) -> dict:
     from cpu import _cpu_name
     from luce_runtime.bench import machine_load
@@ -353,12 +424,21 @@ def meta_for(args: argparse.Namespace, gguf: Path, servers: list[str]) -> dict:
     import luce_compile
 
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu": platform.processor() or _cpu_name(),
-            "threads": args.threads, "load_avg_1m": machine_load(), "model": gguf.name, "requests": args.requests,
-            "max_tokens": args.max_tokens, "ctx": args.ctx, "prompt_chars": len(PROMPT), "clients": args.clients,
-            "luce_compile": luce_compile.__version__, "peer": PEER,
+            "threads": None if args.gpu else args.threads, "load_avg_1m": machine_load(), "model": gguf.name,
+            "requests": args.requests, "max_tokens": args.max_tokens, "ctx": args.ctx, "prompt_chars": len(PROMPT),
+            "clients": args.clients, "luce_compile": luce_compile.__version__, "peer": PEER,
             "llama_cpp": llama_server.LLAMA_CPP_PYTHON_VERSION,
             "command": " ".join(["python benchmarks/serve.py", *sys.argv[1:]])}
-    if PEER in servers:
+    if args.gpu:
+        meta |= {"gpu": gpu_name(), "cores": os.cpu_count()}
+    if args.artifact:
+        manifest = json.loads((args.artifact / "manifest.json").read_text())
+        meta["artifact"] = {"path": str(args.artifact), "target": manifest["target"]["name"],
+                            "source": manifest["source"]["file_name"]}
+    if PEER in servers and args.llama_server:
+        meta["llama_server"] = {"version": llama_server.version(args.llama_server), "binary": str(args.llama_server),
+                                "source": "given (--llama-server)", "gpu_layers": 99 if args.gpu else 0}
+    elif PEER in servers:
         binary = llama_server.llama_server_binary()  # built once (~10 min on 2 cores), before any timing
         meta["llama_server"] = {"version": llama_server.version(binary), "binary": str(binary),
                                 "source": f"llama-cpp-python {llama_server.LLAMA_CPP_PYTHON_VERSION} sdist, "
@@ -382,7 +462,16 @@ def main() -> int:
     p.add_argument("--quiet-wait-s", type=float, default=300.0, help="longest wait for a quiet machine per level")
     p.add_argument("--servers", nargs="+", default=[OURS, PEER], choices=[OURS, PEER])
     p.add_argument("--out", type=Path, default=ROOT / "results")
+    p.add_argument("--logdir", type=Path, help="keep each server's log here (default: a temporary folder, deleted)")
+    # on a GPU machine (benchmarks/h200/serve.sh): a prebuilt artifact, a llama-server built there, every layer on
+    # the GPU; the quiet-machine wait and reruns still apply (measured over all its cores)
+    p.add_argument("--artifact", type=Path, help="luce-compile serves this prebuilt artifact (with the runtime "
+                   "alone) instead of compiling --model; --model is then the GGUF it was compiled from")
+    p.add_argument("--llama-server", type=Path, help="this llama-server binary instead of the cached CPU build")
+    p.add_argument("--gpu", action="store_true", help="llama-server gets -ngl 99, neither server a thread count; "
+                   "the record names the GPU (nvidia-smi)")
     args = p.parse_args()
+    check_args(args)
     import logging
 
     from luce_compile.models import fetch
@@ -391,13 +480,33 @@ def main() -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     gguf = Path(args.model) if args.model.endswith(".gguf") else fetch(args.model)
     meta = meta_for(args, gguf, args.servers)
-    with tempfile.TemporaryDirectory(prefix="serve-bench-") as logdir:
-        rows = [bench_level(server, n, gguf, args, Path(logdir)) for n in args.clients for server in args.servers]
-    doc = results_doc(meta, rows)
-    markdown = serve_table(rows, meta)
-    write_results(args.out / f"serve-{meta['date'][:10]}", doc, markdown)
-    print(markdown)
-    return 0
+    stem = args.out / f"serve-{meta['date'][:10]}"
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
+        logdir = args.logdir or Path(tmp)
+        logdir.mkdir(parents=True, exist_ok=True)
+        for n in args.clients:
+            for server in args.servers:
+                try:
+                    rows.append(bench_level(server, n, gguf, args, logdir))
+                except LevelError as e:  # the other levels still run: one call on a GPU machine gets them all
+                    print(e, file=sys.stderr, flush=True)
+                    meta.setdefault("failed_levels", []).append(f"{server} N={n}")
+                # the record so far after every level: a run cut short (a device call's time limit) keeps its levels
+                write_results(stem, results_doc(meta, rows), serve_table(rows, meta))
+    print(serve_table(rows, meta))
+    return 1 if meta.get("failed_levels") else 0
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse option combinations that would measure something else than asked, before anything starts."""
+    if args.artifact and not (args.artifact / "manifest.json").is_file():
+        raise SystemExit(f"serve bench: --artifact {args.artifact} has no manifest.json; pass an artifact directory")
+    if args.artifact and not args.model.endswith(".gguf"):
+        raise SystemExit("serve bench: --artifact needs --model as the .gguf it was compiled from (llama-server "
+                         "serves that file and the requests name it)")
+    if args.llama_server and not os.access(args.llama_server, os.X_OK):
+        raise SystemExit(f"serve bench: --llama-server {args.llama_server} is not an executable file")
 
 
 if __name__ == "__main__":

@@ -157,19 +157,22 @@ def version(binary: Path) -> str:
     return f"{m[1].strip() if m else 'unknown'}, ggml-org/llama.cpp@{LLAMA_CPP_COMMIT}"
 
 
-def server_command(binary: Path, gguf: Path, *, port: int, threads: int, parallel: int,
-                   ctx_per_slot: int) -> list[str]:
+def server_command(binary: Path, gguf: Path, *, port: int, threads: int | None, parallel: int,
+                   ctx_per_slot: int, gpu_layers: int = 0) -> list[str]:
     """llama-server with `parallel` slots of `ctx_per_slot` tokens each, continuous batching, loopback only.
 
     -c is the whole KV cache and llama-server splits it over the slots, hence parallel × ctx_per_slot. --no-webui: not
     benchmarked. --no-warmup is not passed: its warm-up run is llama.cpp's own first-call cost, outside our timing
     (the bench also sends one untimed request). -fa, -b, -ub and prompt caching stay at llama.cpp's defaults.
-    With -np given, this llama.cpp keeps one KV buffer per slot (kv_unified false; its log says n_ctx_slot)."""
+    With -np given, this llama.cpp keeps one KV buffer per slot (kv_unified false; its log says n_ctx_slot).
+    threads None: llama.cpp's own default (a GPU build, where the CPU only schedules); gpu_layers > 0: -ngl."""
     if parallel < 1 or ctx_per_slot < 1:
         raise ValueError(f"llama-server command: parallel={parallel}, ctx_per_slot={ctx_per_slot}: both must be >= 1")
-    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(threads), "-tb", str(threads), "-c", str(parallel * ctx_per_slot), "-np", str(parallel),
-            "--cont-batching", "--no-webui"]
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    if threads is not None:
+        cmd += ["-t", str(threads), "-tb", str(threads)]
+    cmd += ["-c", str(parallel * ctx_per_slot), "-np", str(parallel), "--cont-batching", "--no-webui"]
+    return cmd + (["-ngl", str(gpu_layers)] if gpu_layers else [])
 
 
 if __name__ == "__main__":

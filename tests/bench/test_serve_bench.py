@@ -3,6 +3,7 @@ benchmarks/peers/llama_server.py). No servers run and nothing is timed: streams 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import json
@@ -239,3 +240,128 @@ def test_bench_level_reruns_a_failed_level_and_says_so_when_all_fail(monkeypatch
     monkeypatch.setattr(serve, "run_level_once", fail)
     with pytest.raises(serve.LevelError, match="luce-compile N=4 failed 2 times"):
         serve.bench_level("luce-compile", 4, Path("m.gguf"), args, Path("."))
+
+
+# ---- inter-token latency, the GPU machine's command lines and meta (benchmarks/h200/serve.sh) -------------------
+
+
+@pytest.mark.unit
+def test_inter_token_gaps_are_between_consecutive_chunks():
+    assert serve.inter_token_ms([0.1, 0.15, 0.35]) == pytest.approx([50.0, 200.0])
+    assert serve.inter_token_ms([0.1]) == [] and serve.inter_token_ms([]) == []
+
+
+@pytest.mark.unit
+def test_one_request_records_a_gap_per_chunk_after_the_first():
+    text = [{"choices": [{"text": t, "index": 0, "finish_reason": None}]} for t in (" a", "", " b", " c")]
+    final = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "usage": {"completion_tokens": 3}}
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=sse(*text, final)))
+
+    async def go():
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await serve.one_request(client, "http://127.0.0.1:1/v1/completions", {"prompt": "x"})
+
+    t = asyncio.run(go())
+    assert len(t.itl_ms) == 2  # three non-empty chunks; the empty one (mid-UTF-8) is no token arrival
+    assert all(g >= 0 for g in t.itl_ms) and t.ttft_s + sum(t.itl_ms) / 1e3 <= t.seconds
+
+
+@pytest.mark.unit
+def test_summarize_pools_the_gaps_and_keeps_each_requests_mean():
+    fast = serve.RequestTiming(ttft_s=0.1, tokens=4, seconds=1.0, itl_ms=[1.0, 2.0, 3.0])
+    slow = serve.RequestTiming(ttft_s=0.2, tokens=4, seconds=1.0, itl_ms=[10.0, 20.0, 30.0])
+    row = serve.summarize("luce-compile", 2, [fast, slow], wall_s=1.0, max_tokens=4)
+    pooled = [1.0, 2.0, 3.0, 10.0, 20.0, 30.0]
+    assert row["itl_p50_ms"] == pytest.approx(percentile(pooled, 50)) == pytest.approx(6.5)
+    assert row["itl_p99_ms"] == pytest.approx(percentile(pooled, 99))
+    assert row["per_request"][1] == {"ttft_s": 0.2, "tokens": 4, "seconds": 1.0, "source": "usage",
+                                     "itl_mean_ms": pytest.approx(20.0), "chunks": 4}
+    assert json.loads(json.dumps(row))["itl_p50_ms"] == pytest.approx(6.5)
+
+
+@pytest.mark.unit
+def test_serve_table_shows_itl_columns_only_when_every_row_has_them():
+    meta = {"date": "2026-12-01T22:00:00+00:00", "cpu": "AMD EPYC", "threads": 2, "load_avg_1m": 0.5,
+            "model": "m.gguf", "requests": 4, "max_tokens": 32, "prompt_chars": 100, "command": "python serve.py"}
+    gaps = [serve.RequestTiming(ttft_s=0.1, tokens=32, seconds=1.0, itl_ms=[2.0, 4.0])] * 4
+    rows = [serve.summarize("luce-compile", 1, gaps, 2.0, MAX_TOKENS) | {"load_avg_1m": 0.5, "given": "--max-batch 1"},
+            serve.summarize("llama-server", 1, gaps, 1.0, MAX_TOKENS) | {"load_avg_1m": 0.5, "given": "-np 1"}]
+    lines = serve.serve_table(rows, meta).splitlines()
+    assert "| TTFT p99 ms | ITL p50 ms | ITL p99 ms | luce-compile / peer |" in lines[6]
+    assert lines[7].count("|") == lines[6].count("|")
+    assert lines[8] == "| luce-compile `--max-batch 1` | 1 | 4 | 128 | 64.0 | 100 | 100 | 3.0 | 4.0 |  | 0.50 |"
+    old = [rows[0], level_rows()[1]]  # a row from before ITL was measured: the old table
+    assert "ITL" not in serve.serve_table(old, meta)
+
+
+@pytest.mark.unit
+def test_committed_serve_record_renders_to_its_table():
+    """The committed serving record's JSON (from before ITL) still renders to its committed table, line for line."""
+    path = sorted((Path(serve.ROOT) / "results").glob("serve-*.json"))[0]
+    doc = json.loads(path.read_text())
+    rendered = [ln for ln in serve.serve_table(doc["rows"], doc["meta"]).splitlines() if ln.startswith("|")]
+    committed = [ln for ln in path.with_suffix(".md").read_text().splitlines() if ln.startswith("|")]
+    assert rendered == committed
+
+
+@pytest.mark.unit
+def test_gpu_command_lines_serve_the_artifact_and_offload_llama_server():
+    ours = serve.server_command("luce-compile", Path("/w/m.gguf"), port=9, threads=None, clients=32, ctx=512,
+                                artifact=Path("/h/smollm2-135m/artifact"), gpu=True)
+    assert ours[1:5] == ["-m", "luce_compile.cli", "serve", "/h/smollm2-135m/artifact"]  # the runtime alone loads it
+    assert ours[ours.index("--max-batch") + 1] == "32"
+    peer = serve.server_command("llama-server", Path("/w/m.gguf"), port=9, threads=None, clients=32, ctx=512,
+                                binary=Path("/w/llama.cpp/build/bin/llama-server"), gpu=True)
+    assert peer[0] == "/w/llama.cpp/build/bin/llama-server"
+    assert peer[peer.index("-ngl") + 1] == "99" and peer[peer.index("-np") + 1] == "32"
+    assert peer[peer.index("-c") + 1] == str(32 * 512)
+    assert "-t" not in peer and "-tb" not in peer  # thread counts are for the CPU runs only
+    cpu = llama_server.server_command(Path("b"), Path("m"), port=1, threads=2, parallel=1, ctx_per_slot=512)
+    assert "-ngl" not in cpu and cpu[cpu.index("-t") + 1] == "2"
+
+
+def executable(path: Path, script: str) -> Path:
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return path
+
+
+def gpu_args(tmp_path: Path, **kw) -> argparse.Namespace:
+    artifact = tmp_path / "artifact"
+    artifact.mkdir(exist_ok=True)
+    (artifact / "manifest.json").write_text(json.dumps({"target": {"name": "sm_90"},
+                                                        "source": {"file_name": "llama-30x576.gguf"}}))
+    binary = executable(tmp_path / "llama-server", "echo 'version: 1 (abc1234)' >&2\n")
+    base = {"model": str(tmp_path / "llama-30x576.gguf"), "artifact": artifact, "llama_server": binary, "gpu": True,
+            "threads": 2, "requests": 64, "max_tokens": 64, "ctx": 512, "clients": [1, 8, 32]}
+    return argparse.Namespace(**(base | kw))
+
+
+@pytest.mark.unit
+def test_gpu_meta_names_the_gpu_the_artifact_and_the_given_llama_server(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # nvidia-smi's CSV line as an H200 machine prints it (this machine has no GPU)
+    executable(bin_dir / "nvidia-smi", "echo 'NVIDIA H200, 580.95.05, 143771 MiB'\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    args = gpu_args(tmp_path)
+    meta = serve.meta_for(args, Path(args.model), ["luce-compile", "llama-server"])
+    assert meta["gpu"] == "NVIDIA H200, driver 580.95.05, 143771 MiB" and meta["threads"] is None
+    assert meta["artifact"] == {"path": str(args.artifact), "target": "sm_90", "source": "llama-30x576.gguf"}
+    assert meta["llama_server"]["binary"] == str(args.llama_server) and meta["llama_server"]["gpu_layers"] == 99
+    assert meta["llama_server"]["version"].startswith("1 (abc1234)")
+    assert "-ngl 99" in meta["setup"] and "TVM_NUM_THREADS" not in meta["setup"]
+    meta |= {"load_avg_1m": 0.1, "command": "python benchmarks/serve.py --gpu", "prompt_chars": 166}
+    line = serve.serve_table([], meta).splitlines()[2]
+    assert line.startswith("NVIDIA H200, driver 580.95.05, 143771 MiB (host ") and "threads per server" not in line
+
+
+@pytest.mark.unit
+def test_check_args_refuses_what_would_measure_something_else(tmp_path):
+    serve.check_args(gpu_args(tmp_path))  # the GPU machine's arguments pass
+    with pytest.raises(SystemExit, match="needs --model as the .gguf"):
+        serve.check_args(gpu_args(tmp_path, model="smollm2-135m"))
+    with pytest.raises(SystemExit, match="has no manifest.json"):
+        serve.check_args(gpu_args(tmp_path, artifact=tmp_path))
+    with pytest.raises(SystemExit, match="is not an executable file"):
+        serve.check_args(gpu_args(tmp_path, llama_server=tmp_path / "missing"))
