@@ -8,7 +8,8 @@ slots (continuous batching) and `-c N × ctx`, so each has N sequences of `--ctx
 within a level so a drift in machine load hits both. Per level and server: one untimed warm-up request, then
 `--requests` /v1/completions requests (greedy, streamed, max_tokens) drawn by N clients.
 Aggregate tok/s = generated tokens of all requests / wall time of the level; TTFT = request sent → first streamed
-text; ITL (inter-token latency) = the gaps between consecutive streamed text chunks, pooled over the level. Tokens: the `usage.completion_tokens` each server streams at the end (luce-compile with
+text; ITL (inter-token latency) = the gaps between consecutive streamed text chunks, pooled over the level.
+Tokens: the `usage.completion_tokens` each server streams at the end (luce-compile with
 stream_options.include_usage; llama-server always sends usage on its final /v1/completions chunk), else llama-server's
 `timings.predicted_n`, else the count of text chunks; the source is recorded per request. llama-server also gets
 `ignore_eos` (luce-compile's strict schema has no such field): tokens are counted, not assumed, so an early stop shows.
@@ -110,6 +111,15 @@ def start_server(cmd: list[str], port: int, threads: int | None, log: Path) -> s
         env |= {"TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_ready(proc, cmd, port, log)
+    except BaseException:  # not ready, or interrupted (a SIGTERM): its own session would outlive this process
+        stop_server(proc)
+        raise
+    return proc
+
+
+def wait_ready(proc: subprocess.Popen, cmd: list[str], port: int, log: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -117,12 +127,15 @@ def start_server(cmd: list[str], port: int, threads: int | None, log: Path) -> s
                                f"{log.read_text()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    stop_server(proc)
     raise RuntimeError(f"serve bench: `{' '.join(cmd)}` not ready after {READY_TIMEOUT_S} s: {log.read_text()[-2000:]}")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -472,6 +485,9 @@ def main() -> int:
                    "the record names the GPU (nvidia-smi)")
     args = p.parse_args()
     check_args(args)
+    # a SIGTERM (serve.sh's `timeout`) ends the run as Ctrl-C does, so the level's server is stopped on the way out:
+    # it runs in its own session, which a device machine leaves running after the call
+    signal.signal(signal.SIGTERM, _interrupt)
     import logging
 
     from luce_compile.models import fetch

@@ -1,0 +1,84 @@
+# Serving on the H200 (issue 15): `luce-compile serve` with the runtime alone against llama.cpp's `llama-server -np N`
+# (CUDA build, every layer on the GPU), same GGUF, at 1, 8 and 32 concurrent streaming clients: aggregate tok/s,
+# p50/p99 TTFT and inter-token latency (benchmarks/serve.py --gpu).
+#
+# Here, first:   .venv/bin/python benchmarks/h200/prepare.py         (.gpucheck/h200: artifact, TVM runtime, llama.cpp)
+#                .venv/bin/python benchmarks/h200/prepare_serve.py   (.gpucheck/serve: serving wheels, ~6 MiB)
+# Then one device call, from the repository root, with carry
+#   [".gpucheck/h200/bundle", ".gpucheck/h200/peer", ".gpucheck/h200/smollm2-135m", ".gpucheck/serve"]:
+#                bash benchmarks/h200/serve.sh
+# and here:      cp <files_at>/serve-<date>.json <files_at>/serve-<date>.md benchmarks/results/h200/
+#                (serve-logs.tgz holds the build, the server logs and serve.py's own log)
+#
+# ~7-8 minutes: llama-server's CUDA build takes ~5 (niced, in the background) while the runtime is unpacked, the
+# GGUF generated from its spec, weights.bin rebuilt from it and luce-compile's server checked end to end (2 requests,
+# not timed); then 6 levels (3 client counts × 2 servers, each server restarted per level) of REQUESTS requests of
+# MAX_TOKENS tokens, ~2-3 minutes. serve.py writes its record after every level and gets only what is left of 580 s,
+# so a slow build costs levels, not the record. CLIENTS, REQUESTS, MAX_TOKENS override the defaults; a warm machine
+# reuses the build, the site dir and the GGUF under $W.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+H=.gpucheck/h200; S=.gpucheck/serve; A=$H/smollm2-135m/artifact
+# outside the carried paths: a later call's carry replaces those, and a warm machine keeps this
+W=${SERVE_WORK:-/tmp/luce-serve}; RAW=$W/raw-$(date +%H%M%S); OUT=${OUT:-/tmp/serve-out}
+CLIENTS=${CLIENTS:-"1 8 32"}; REQUESTS=${REQUESTS:-64}; MAX_TOKENS=${MAX_TOKENS:-64}
+mkdir -p "$W" "$RAW" "$OUT"
+echo "${LUCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" > "$RAW/commit.txt"
+# the device tool returns at most 8 files: the record (2) and every log in one tarball
+pack() { tar czf "$OUT/serve-logs.tgz" -C "$RAW" . ; }
+start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+
+# llama-server from prepare.py's trimmed llama.cpp plus the one build script it drops (prepare_serve.py); no web UI
+L=$W/llama.cpp/build/bin/llama-server
+if [ ! -x "$L" ]; then
+  rm -rf "$W/llama.cpp" && tar xzf $H/peer/llama.cpp.tgz -C "$W" && tar xzf $S/llama-server-extra.tgz -C "$W" || exit 3
+  ( cd "$W/llama.cpp" && nice -n 19 cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+      > "$RAW/cmake.log" 2>&1 && nice -n 19 cmake --build build -j 14 --target llama-server > "$RAW/build.log" 2>&1
+    echo "llama.cpp build rc=$?" ) &
+  BUILD=$!
+fi
+SITE=$W/site
+if [ ! -d "$SITE/fastapi" ]; then
+  mkdir -p "$SITE" && tar xzf $H/bundle/tvm-runtime.tgz -C "$SITE" &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" $H/bundle/*.whl $S/wheels/*.whl ||
+    exit 3
+fi
+export PYTHONPATH=$SITE:$PWD/runtime:$PWD
+# the GGUF under the name the artifact was compiled from: luce-compile serves it as that model id, the requests name it
+G=$W/$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['gguf_name'])" $H/smollm2-135m/spec.json)
+[ -f "$G" ] || python3 scripts/device_check.py gguf $H/smollm2-135m --gguf "$G" > "$RAW/gguf.log" 2>&1 ||
+  { stamp "GGUF generation failed: $(tail -3 "$RAW/gguf.log")"; pack; exit 4; }
+# weights.bin is not carried (prepare.py): rebuilt from the GGUF, each file checked against the manifest's sha256
+python3 - "$A" "$G" > "$RAW/weights.json" 2> "$RAW/weights.err" <<'EOF' ||
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "scripts")
+from device_check import rebuild_weights
+result = rebuild_weights(Path(sys.argv[1]), Path(sys.argv[2]))
+print(json.dumps(result))
+sys.exit(not all(result.values()))
+EOF
+  { stamp "weights.bin failed: $(cat "$RAW/weights.json") $(tail -3 "$RAW/weights.err")"; pack; exit 4; }
+stamp "GGUF and weights.bin: $(cat "$RAW/weights.json")"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv > "$RAW/gpu.csv"
+python3 -m pip list 2>/dev/null | grep -iE "^(fastapi|pydantic|uvicorn|llguidance|anyio|torch) " > "$RAW/pip.txt"
+# luce-compile's server end to end while llama.cpp builds (2 requests, nothing timed): a broken runtime shows in
+# seconds, not after the build
+python3 benchmarks/serve.py --servers luce-compile --model "$G" --artifact "$A" --gpu --clients 1 --requests 2 \
+  --max-tokens 8 --quiet-wait-s 0 --retries 0 --out "$RAW/smoke" --logdir "$RAW/smoke" > "$RAW/smoke.log" 2>&1
+stamp "luce-compile serve smoke test rc=$? ($(grep -m1 -o 'luce-compile N=1: .* tok/s' "$RAW/smoke.log"))"
+pack
+PEER=(--servers luce-compile llama-server --llama-server "$L")
+if [ -n "$BUILD" ]; then wait $BUILD; tail -2 "$RAW/build.log"; fi
+[ -x "$L" ] || { PEER=(--servers luce-compile); stamp "no llama-server (its build.log is in serve-logs.tgz)"; }
+stamp "llama.cpp built; serving benchmark at $CLIENTS clients"
+# timed levels: one server at a time on the GPU, nothing else running; a level over 25% of the 16 cores taken by
+# other processes is rerun once. What is left of 580 s (at least 60): the call's limit is 600.
+LEFT=$(( 580 - ($(date +%s) - start) )); [ $LEFT -gt 60 ] || LEFT=60
+timeout $LEFT python3 benchmarks/serve.py "${PEER[@]}" --model "$G" --artifact "$A" --gpu --clients $CLIENTS \
+  --requests $REQUESTS --max-tokens $MAX_TOKENS --ctx 512 --max-foreign-pct 25 --quiet-wait-s 20 --retries 1 \
+  --out "$OUT" --logdir "$RAW/servers" 2>&1 | tee "$RAW/serve.log"
+stamp "serving benchmark rc=$?"
+pack
