@@ -80,7 +80,9 @@ def plot_serve(doc: dict, out: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     grouped_bars(axes[0], groups, series("aggregate_tok_s"), "aggregate tok/s", "{:.1f}")
     grouped_bars(axes[1], groups, series("ttft_p50_ms"), "TTFT p50 (ms)")
-    fig.suptitle(f"Serving {meta['date'][:10]}: {meta['model']}, {meta['cpu']}, {meta['threads']} threads, "
+    # a GPU run (serve.py --gpu) gave the servers no thread count
+    machine = meta["gpu"].split(",")[0] if meta.get("gpu") else f"{meta['cpu']}, {meta['threads']} threads"
+    fig.suptitle(f"Serving {meta['date'][:10]}: {meta['model']}, {machine}, "
                  f"{meta['requests']} requests per level", fontsize=10)
     return save(fig, out)
 

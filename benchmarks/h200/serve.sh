@@ -7,8 +7,8 @@
 # Then one device call, from the repository root, with carry
 #   [".gpucheck/h200/bundle", ".gpucheck/h200/peer", ".gpucheck/h200/smollm2-135m", ".gpucheck/serve"]:
 #                bash benchmarks/h200/serve.sh
-# and here:      cp <files_at>/serve-<date>.json <files_at>/serve-<date>.md benchmarks/results/h200/
-#                (serve-logs.tgz holds the build, the server logs and serve.py's own log)
+# and here:      cp <files_at>/serve-<date>.json benchmarks/results/serve-<date>-h200.json (the .md likewise), then
+#                .venv/bin/python benchmarks/plot.py; serve-logs.tgz holds the build, server and serve.py logs
 #
 # ~7-8 minutes: llama-server's CUDA build takes ~5 (niced, in the background) while the runtime is unpacked, the
 # GGUF generated from its spec, weights.bin rebuilt from it and luce-compile's server checked end to end (2 requests,
@@ -28,14 +28,16 @@ echo "${LUCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" > "$RAW/commit.
 pack() { tar czf "$OUT/serve-logs.tgz" -C "$RAW" . ; }
 start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 
-# llama-server from prepare.py's trimmed llama.cpp plus the one build script it drops (prepare_serve.py); no web UI
+# llama-server from prepare.py's trimmed llama.cpp plus the one build script it drops (prepare_serve.py); no web UI.
+# A build still running after 7 minutes is stopped: luce-compile's levels still run in what is left.
 L=$W/llama.cpp/build/bin/llama-server
 if [ ! -x "$L" ]; then
   rm -rf "$W/llama.cpp" && tar xzf $H/peer/llama.cpp.tgz -C "$W" && tar xzf $S/llama-server-extra.tgz -C "$W" || exit 3
   ( cd "$W/llama.cpp" && nice -n 19 cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-      > "$RAW/cmake.log" 2>&1 && nice -n 19 cmake --build build -j 14 --target llama-server > "$RAW/build.log" 2>&1
+      > "$RAW/cmake.log" 2>&1 && nice -n 19 timeout 420 cmake --build build -j 14 --target llama-server \
+      > "$RAW/build.log" 2>&1
     echo "llama.cpp build rc=$?" ) &
   BUILD=$!
 fi
@@ -78,7 +80,7 @@ stamp "llama.cpp built; serving benchmark at $CLIENTS clients"
 # other processes is rerun once. What is left of 580 s (at least 60): the call's limit is 600.
 LEFT=$(( 580 - ($(date +%s) - start) )); [ $LEFT -gt 60 ] || LEFT=60
 timeout $LEFT python3 benchmarks/serve.py "${PEER[@]}" --model "$G" --artifact "$A" --gpu --clients $CLIENTS \
-  --requests $REQUESTS --max-tokens $MAX_TOKENS --ctx 512 --max-foreign-pct 25 --quiet-wait-s 20 --retries 1 \
+  --requests $REQUESTS --max-tokens $MAX_TOKENS --ctx 512 --max-foreign-pct 25 --quiet-wait-s 10 --retries 1 \
   --out "$OUT" --logdir "$RAW/servers" 2>&1 | tee "$RAW/serve.log"
 stamp "serving benchmark rc=$?"
 pack

@@ -295,9 +295,10 @@ def test_serve_table_shows_itl_columns_only_when_every_row_has_them():
 
 
 @pytest.mark.unit
-def test_committed_serve_record_renders_to_its_table():
-    """The committed serving record's JSON (from before ITL) still renders to its committed table, line for line."""
-    path = sorted((Path(serve.ROOT) / "results").glob("serve-*.json"))[0]
+@pytest.mark.parametrize("path", sorted((Path(serve.ROOT) / "results").glob("serve-*.json")), ids=lambda p: p.name)
+def test_committed_serve_records_render_to_their_tables(path: Path):
+    """Each committed serving record's JSON (those from before ITL too) renders to its committed table, line for
+    line."""
     doc = json.loads(path.read_text())
     rendered = [ln for ln in serve.serve_table(doc["rows"], doc["meta"]).splitlines() if ln.startswith("|")]
     committed = [ln for ln in path.with_suffix(".md").read_text().splitlines() if ln.startswith("|")]
@@ -365,3 +366,13 @@ def test_check_args_refuses_what_would_measure_something_else(tmp_path):
         serve.check_args(gpu_args(tmp_path, artifact=tmp_path))
     with pytest.raises(SystemExit, match="is not an executable file"):
         serve.check_args(gpu_args(tmp_path, llama_server=tmp_path / "missing"))
+
+
+@pytest.mark.unit
+def test_plot_draws_a_gpu_record(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = load_benchmark_module("plot")
+    meta = {"date": "2026-12-01T22:00:00+00:00", "model": "m.gguf", "cpu": "Xeon", "threads": None,
+            "gpu": "NVIDIA H200, driver 580.95.05, 143771 MiB", "requests": 64}
+    out = plot.plot_serve({"meta": meta, "rows": level_rows()}, tmp_path / "serve-h200.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
