@@ -329,7 +329,10 @@ def run_level_once(server: str, clients: int, gguf: Path, args: argparse.Namespa
     cmd = server_command(server, gguf, port=port, threads=threads, clients=clients, ctx=args.ctx,
                          artifact=args.artifact, binary=args.llama_server, gpu=args.gpu)
     log = logdir / f"{server}-n{clients}.log"
-    proc = start_server(cmd, port, threads, log)
+    try:
+        proc = start_server(cmd, port, threads, log)
+    except RuntimeError as e:  # it exited or never answered: a failed level, rerun like one
+        raise LevelError(str(e)) from e
     body = request_body(server, gguf, args.max_tokens)
     try:
         asyncio.run(run_level(port, 1, 1, body, "warm"))  # warm-up: first-call allocations, caches, thread pools

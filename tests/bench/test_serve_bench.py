@@ -376,3 +376,14 @@ def test_plot_draws_a_gpu_record(tmp_path):
             "gpu": "NVIDIA H200, driver 580.95.05, 143771 MiB", "requests": 64}
     out = plot.plot_serve({"meta": meta, "rows": level_rows()}, tmp_path / "serve-h200.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.unit
+def test_a_server_that_exits_at_start_is_a_failed_level(monkeypatch, tmp_path):
+    """Not a crash of the whole run: on the GPU machine the other levels still run (bench_level reruns it first)."""
+    import sys
+
+    monkeypatch.setattr(serve, "server_command", lambda *a, **k: [sys.executable, "-c", "raise SystemExit(3)"])
+    args = gpu_args(tmp_path)
+    with pytest.raises(serve.LevelError, match="exited with 3"):
+        serve.run_level_once("luce-compile", 32, Path(args.model), args, tmp_path)
