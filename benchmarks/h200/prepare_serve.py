@@ -35,6 +35,9 @@ SERVER_EXTRA = ("scripts/ui-assets.cmake",)
 # image's versions are not known here, and the carried site dir comes first on PYTHONPATH.
 SERVE_WHEELS = ("fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "annotated-doc",
                 "typing-inspection", "typing-extensions", "opentelemetry-api", "anyio", "uvicorn", "llguidance")
+# What serving imports that the GPU machine's image has (KINDS.md "Python packages already there"); with the wheels
+# above and the TVM runtime bundle, all of it (tests/bench/test_prepare_serve.py checks the list against the imports)
+ON_THE_GPU_MACHINE = ("numpy", "jinja2", "markupsafe", "click", "h11", "ml-dtypes", "torch", "tqdm", "setuptools")
 # pip matches a manylinux tag exactly: llguidance ships manylinux_2_31 only, pydantic-core manylinux_2_17
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64"]
 
