@@ -65,7 +65,7 @@ pack
 stamp "llama.cpp built"
 # timings: one engine at a time, nothing else running
 for w in $WORKLOADS; do
-  G=$WORK/$w.gguf; O=$RAW/$w
+  G=$WORK/$w.gguf; O=$RAW/$w; mkdir -p "$O"  # (a workload not in CHECKS has no folder yet)
   python3 -m luce_runtime.bench $H/$w/artifact --prompt-len 512 --gen-len 128 --batch 8 --repeat $REPEAT \
     --prefill-lens 2048 > "$O/ours.json" 2> "$O/ours.err"
   stamp "$w luce-compile rc=$?"

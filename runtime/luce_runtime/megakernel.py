@@ -44,21 +44,22 @@ class _Kernel:
         self.amax_val, self.amax_idx = zeros((b, lm), np.float32), zeros((b, lm), np.int32)
         self.counters = zeros(int(spec["n_counters"]), np.int32)  # never reset: waits compare with count x epoch
         self.profile = zeros((n_queues, max_tasks, int(spec["profile_clocks"])), np.int64)
-        # One host-to-device copy per step (tokens, lengths, page table: views of one int32 buffer) and one back
-        # (the next tokens, lengths and every block's status, views of another): each copy is a synchronous
-        # round trip of ~5-10 us, a step at batch 1 of a small model ~0.3 ms.
-        # Each view starts on a 64-byte boundary (TVM's allocation alignment, which compiled kernels may assume).
-        self.row = -(-b // 16) * 16  # int32s from one view's start to the next's (tokens, lengths)
+        self.status = zeros((n_queues, 4), np.int32)
+        # A kernel argument must start its allocation (the compiled function refuses a view with a byte offset), so
+        # each input is its own tensor. Uploads are skipped where the device already holds the values: tokens and
+        # lengths ping-pong between two pairs of buffers, and a greedy step's inputs are the last step's outputs
+        # (token_out = the argmax, lengths_out = lengths + 1); the page table is sent only when it changed. A
+        # steady greedy step then copies nothing up and two small arrays (ids, block status) back, each copy a
+        # synchronous round trip of ~5-10 us against a step of ~0.5-1.5 ms.
         self.max_pages = max_pages
-        self.inputs_host = np.zeros(2 * self.row + b * max_pages, dtype=np.int32)
-        self.inputs = zeros(self.inputs_host.size, np.int32)
-        self.tokens = self.inputs._create_view((b,), "int32", 0)
-        self.lengths = self.inputs._create_view((b,), "int32", 4 * self.row)
-        self.page_table = self.inputs._create_view((b, max_pages), "int32", 8 * self.row)
-        self.outputs = zeros(2 * self.row + 4 * n_queues, np.int32)
-        self.token_out = self.outputs._create_view((b,), "int32", 0)
-        self.lengths_out = self.outputs._create_view((b,), "int32", 4 * self.row)
-        self.status = self.outputs._create_view((n_queues, 4), "int32", 8 * self.row)
+        self.tok, self.len = [zeros(b, np.int32), zeros(b, np.int32)], [zeros(b, np.int32), zeros(b, np.int32)]
+        self.cur = 0  # tok[cur], len[cur] are this step's inputs; the other pair its outputs
+        self.expected: tuple[list[int], list[int]] | None = None  # the inputs the device holds after a step
+        self.page_table_host = np.zeros((b, max_pages), dtype=np.int32)
+        self.page_table_sent = np.full((b, max_pages), -1, dtype=np.int32)
+        self.page_table = zeros((b, max_pages), np.int32)
+        self.uploads = 0  # host-to-device copies made, for tests and profiles
+        self._lens: list[int] = []
         self.logits = self.arena._create_view((b, int(spec["vocab"])), "float32", 4 * int(spec["logits_at"]))
         self.weights = weights
         self.tables = {f: tables[key + f] for f in ("tasks", "queue_len")}  # the host's copy, for profiles
@@ -66,38 +67,48 @@ class _Kernel:
 
     def launch(self, pages, kv_layer_offset, profiling: bool = False) -> None:
         self.epoch += 1
-        named = {"tokens": self.tokens, "lengths": self.lengths, "page_table": self.page_table, "pages": pages,
+        c, o = self.cur, 1 - self.cur
+        named = {"tokens": self.tok[c], "lengths": self.len[c], "page_table": self.page_table, "pages": pages,
                  "kv_layer_offset": kv_layer_offset, "arena": self.arena, "amax_val": self.amax_val,
-                 "amax_idx": self.amax_idx, "token_out": self.token_out, "lengths_out": self.lengths_out,
+                 "amax_idx": self.amax_idx, "token_out": self.tok[o], "lengths_out": self.len[o],
                  "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps, "counters": self.counters,
                  "status": self.status, "profile": self.profile, "profiling": int(profiling), "epoch": self.epoch}
         self.fn(*(named[n] if n in named else self.weights[n] for n in self.spec["params"]))
 
     def stage(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]]) -> None:
-        """Copy one step's inputs to the device; rows past len(tokens) repeat the last real row."""
+        """Put one step's inputs on the device; rows past len(tokens) repeat the last real row."""
         n, b = len(tokens), self.batch
         rows = [*range(n), *([n - 1] * (b - n))]
-        host, at = self.inputs_host, self.row
-        host[:] = 0
-        host[:b] = [tokens[i] for i in rows]
-        host[at:at + b] = [lengths[i] for i in rows]
-        table = host[2 * at:].reshape(b, self.max_pages)
+        toks, lens = [int(tokens[i]) for i in rows], [int(lengths[i]) for i in rows]
+        self.cur = 1 - self.cur  # the last step's outputs are now in tok[cur], len[cur]
+        if (toks, lens) != self.expected:
+            self.tok[self.cur].copyfrom(np.array(toks, dtype=np.int32))
+            self.len[self.cur].copyfrom(np.array(lens, dtype=np.int32))
+            self.uploads += 2
+        table = self.page_table_host
+        table[:] = 0
         for r, i in enumerate(rows):
             table[r, :len(pages[i])] = pages[i]
-        self.inputs.copyfrom(host)
+        if not np.array_equal(table, self.page_table_sent):
+            self.page_table.copyfrom(table)
+            self.page_table_sent[:] = table
+            self.uploads += 1
+        self.expected = None  # until the step's outputs are known (finish)
+        self._lens = lens
 
     def finish(self) -> np.ndarray:
         """The step's greedy token per row (the kernel's on-device argmax: the lowest index of the largest logit,
         as numpy's argmax), after checking that no block gave up waiting."""
-        out = self.outputs.numpy()
-        st = out[2 * self.row:].reshape(-1, 4)
+        st = self.status.numpy()
         stuck = np.nonzero(st[:, 0])[0]
         if len(stuck):
             first = [(int(q), *map(int, st[q])) for q in stuck[:4]]
             raise MegakernelError(f"megakernel_b{self.batch}: {len(stuck)} blocks gave up waiting at step "
                                   f"{self.epoch} ((block, queue position + 1, counter, target, seen): {first}); "
                                   "serve with the per-op path (`--no-megakernel` when compiling) and report it.")
-        return out[:self.batch]
+        ids = self.tok[1 - self.cur].numpy()
+        self.expected = (ids.tolist(), [n + 1 for n in self._lens])
+        return ids
 
 
 class Megakernel:

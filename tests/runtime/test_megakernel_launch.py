@@ -1,7 +1,7 @@
 """The runtime side of a megakernel step, on the CPU with a kernel written in numpy in place of the CUDA one: what
-the kernel is handed (tokens, lengths and page table in one upload, padding rows repeating the last real row, every
-view 64-byte aligned), what comes back (each row's id; the logits only when asked) and a stalled block reported as
-an error. The CUDA kernel itself is checked on the H200 (scripts/device_check.py)."""
+the kernel is handed (tokens, lengths and page table, padding rows repeating the last real row, nothing uploaded
+that the device already holds), what comes back (each row's id; the logits only when asked) and a stalled block
+reported as an error. The CUDA kernel itself is checked on the H200 (scripts/device_check.py)."""
 
 from __future__ import annotations
 
@@ -79,8 +79,20 @@ def test_a_stalled_block_fails_the_step():
         mk.step([1], [1], [[0]], pages, None, logits=False)
 
 
-def test_views_start_on_64_byte_boundaries():
-    for b in (1, 4, 8, 17):
-        k = megakernel((b,))[0].kernels[b]
-        assert k.row >= b and (k.row * 4) % 64 == 0
-        assert k.inputs_host.size == 2 * k.row + b * MAX_PAGES
+def test_a_greedy_loop_copies_nothing_up_once_running():
+    """Each step's inputs are the last step's outputs (the argmax, lengths + 1) on the same pages: no upload."""
+    mk, fns = megakernel()
+    pages = tvm.runtime.tensor(np.zeros(4, np.float32), tvm.cpu(0))
+    k = mk.kernels[4]
+    tokens, lengths, table = [3, 5], [10, 20], [[1, 2], [4, 0]]
+    for step in range(4):
+        before = k.uploads
+        ids = mk.step(tokens, lengths, table, pages, None, logits=False).tolist()
+        seen_tokens, seen_lengths, _ = fns[4].seen[-1]
+        assert seen_tokens.tolist() == [*tokens, tokens[-1], tokens[-1]]
+        assert seen_lengths.tolist() == [*lengths, lengths[-1], lengths[-1]]
+        assert k.uploads - before == (3 if step == 0 else 0)
+        tokens, lengths = ids, [n + 1 for n in lengths]
+    # a token the caller chose itself (a sampled one) is sent; a new page is sent
+    mk.step([tokens[0], 6], lengths, [[1, 2], [4, 7]], pages, None, logits=False)
+    assert k.uploads - before == 3 and fns[4].seen[-1][0].tolist() == [tokens[0], 6, 6, 6]
