@@ -410,9 +410,9 @@ def setup_text(args: argparse.Namespace, peer_version: str) -> str:
 
 def gpu_setup_text(args: argparse.Namespace, peer_version: str) -> str:
     """setup_text on a GPU machine: both servers on the one GPU, one at a time, thread counts their own defaults."""
-    ours = f"prebuilt artifact {args.artifact.name}" if args.artifact else "the GGUF compiled for the default target"
+    ours = f"prebuilt artifact `{args.artifact}`" if args.artifact else "the GGUF compiled for the default target"
     return (f"Each level restarts each server sized for N sequences of {args.ctx} tokens, alone on the GPU: "
-            f"luce-compile serve ({ours}, TVM runtime only) `--max-batch N --ctx {args.ctx}`; llama-server "
+            f"luce-compile serve ({ours}) `--max-batch N --ctx {args.ctx}`; llama-server "
             f"{peer_version} `-np N -c N×{args.ctx} --cont-batching -ngl 99` (CUDA build) with `ignore_eos`. "
             "Tokens are each server's streamed usage.completion_tokens; ITL: the gaps between streamed text chunks "
             "(one a token), pooled over the level's requests; ratio = luce-compile aggregate tok/s over "
