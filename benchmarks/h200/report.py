@@ -167,7 +167,8 @@ def markdown(doc: dict[str, Any]) -> str:
              f"{meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); llama.cpp as vendored by "
              f"llama-cpp-python {meta['llama_cpp_python']} (built there: CUDA arch 90, FA on, f16 KV); "
              f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, {meta.get('build', BUILD_BEFORE_TUNING)}, "
-             "CUDA graphs per layer).", "",
+             + ("decode of 1-8 sequences in one generated megakernel a step; prefill and the per-op row's decode: "
+                "CUDA graphs per layer)." if _megakernel_decoded(res) else "CUDA graphs per layer)."), "",
              f"Command: `{meta['command']}`", "",
              "Synthetic random-weight GGUFs at the real shapes (speed does not depend on the values), the same file "
              "for all three engines. Decode after a 512-token prompt; b=8 is the aggregate of 8 sequences. torch "
@@ -226,6 +227,11 @@ def _records_decode_path(res: dict[str, Any]) -> bool:
     """Runs since the megakernel went into the engine record each row's decode path; their decode steps return
     greedy ids (bench_engine's Engine.decode_greedy), earlier ones the logits."""
     return any("decode_path" in e for w in res["workloads"].values() for e in w["engines"].values())
+
+
+def _megakernel_decoded(res: dict[str, Any]) -> bool:
+    return any(str(w["engines"][OURS].get("decode_path", "")).startswith("megakernel")
+               for w in res["workloads"].values())
 
 
 def _profile_lines(workloads: dict[str, Any]) -> list[str]:
