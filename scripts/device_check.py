@@ -320,7 +320,9 @@ def run(args: argparse.Namespace) -> int:
             generate_gguf(folder, gguf)
         result["weights"] = rebuild_weights(artifact, gguf)
     start = time.perf_counter()
-    engine = Engine(artifact, EngineOptions(max_batch=8, max_context=4096))
+    # megakernel=True: every batch size it has a kernel for runs it (the default measures and may keep the per-op
+    # path for some), so the checks below cover each kernel
+    engine = Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=True))
     result["load_seconds"] = round(time.perf_counter() - start, 2)
     kernels = engine.artifact.manifest["kernels"]
     result["manifest_kernels"] = kernels.get("device_binaries")

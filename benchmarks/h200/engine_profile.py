@@ -39,7 +39,8 @@ def profile_engine(workload: Path, gguf: Path, context: int, steps: int) -> dict
     from luce_compile.graph.registry import open_graph
     from luce_compile.targets import get_target
 
-    engine = Engine(workload / "artifact", EngineOptions(max_batch=8, max_context=context + steps + 16))
+    engine = Engine(workload / "artifact", EngineOptions(max_batch=8, max_context=context + steps + 16,
+                                                         megakernel=True))  # every kernel, whichever is faster
     mk = engine.megakernel
     if mk is None:
         raise SystemExit(f"engine_profile: {workload} decodes without a megakernel: {engine.decode_path}")

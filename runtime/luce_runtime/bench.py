@@ -185,11 +185,14 @@ def bench_artifact(artifact, *, prompt_len: int, gen_len: int, batch: int, repea
 
     longest = max([prompt_len, *prefill_lens])  # max(x) of one int raises: the list form works with no --prefill-lens
     engine = Engine(artifact, EngineOptions(max_batch=max(batch, 1), max_context=longest + gen_len + 8,
-                                            prefill_chunk=max(longest, 16), megakernel=megakernel))
+                                            prefill_chunk=max(longest, 16),
+                                            megakernel="auto" if megakernel else False))
     load_before = machine_load()
     timings = bench_engine(engine, prompt_len=prompt_len, gen_len=gen_len, batch=batch, repeat=repeat,
                            prefill_lens=prefill_lens, prefill_repeat=prefill_repeat)
     extra: dict[str, Any] = {"load_avg_1m": load_before, "decode_path": engine.decode_path}
+    if engine.decode_timings_us:  # the load-time measurement that chose the path per number of sequences
+        extra["decode_step_us_megakernel_vs_per_op"] = {str(n): t for n, t in engine.decode_timings_us.items()}
     if "prefill_by_len" in timings:
         extra["prefill_tok_s_by_len"] = timings.pop("prefill_by_len")
     manifest = engine.artifact.manifest

@@ -37,6 +37,7 @@ from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
 from luce_runtime.kv_pages import KVPages  # noqa: E402
 from luce_runtime.megakernel import Megakernel  # noqa: E402
 from luce_runtime.sampler import Sampler, SamplingParams, find_stop  # noqa: E402
+from luce_runtime.timing import median_time  # noqa: E402
 from luce_runtime.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,21 @@ class EngineOptions:
     max_context: int = 0  # tokens per sequence; 0 → the model's training context, capped at 4096
     prefill_chunk: int = 0  # prompt tokens per prefill call (longer prompts go in chunks); 0 → the artifact's
     page_size: int = 0  # tokens per KV page; 0 → the artifact's
-    # decode steps of 1-8 sequences run the artifact's megakernel when it has one that fits (CUDA; off: the per-op
-    # kernels always, as for checks against them)
-    megakernel: bool = True
+    # decode steps of 1-8 sequences and the artifact's megakernels (CUDA): "auto" runs a step of n sequences on the
+    # megakernel where it measured faster than the per-op kernels at load (Engine._choose_decode_paths), True
+    # wherever it has a kernel (checks of the megakernel itself), False never (checks against the per-op kernels)
+    megakernel: bool | str = "auto"
+
+
+def _ranges(numbers: set[int]) -> str:
+    """{1, 2, 3, 8} → '1-3, 8'."""
+    out: list[str] = []
+    for n in sorted(numbers):
+        if out and out[-1].split("-")[-1] == str(n - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{n}"
+        else:
+            out.append(str(n))
+    return ", ".join(out)
 
 
 def kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
@@ -220,7 +233,16 @@ class Engine:
         self.total_pages = self._kv.free_pages()
         self._live: dict[int, int] = {}  # seq id → tokens in its cache
         self._next_id = 0
+        if self.options.megakernel not in (True, False, "auto"):
+            raise EngineError(f"engine: megakernel must be True, False or 'auto', got {self.options.megakernel!r}")
         self.megakernel = self._load_megakernel(weights)
+        self._mk_sizes: set[int] = set()  # numbers of sequences whose decode steps run the megakernel
+        self.decode_timings_us: dict[int, tuple[float, float]] = {}  # n → (megakernel, per-op) µs, when measured
+        if self.megakernel is not None:
+            largest = min(self.megakernel.batches[-1], self.options.max_batch)
+            self._mk_sizes = set(range(1, largest + 1))
+            if self.options.megakernel == "auto":
+                self._choose_decode_paths()
 
     def _load_megakernel(self, weights: dict[str, np.ndarray]) -> Megakernel | None:
         """The artifact's decode megakernels, when this engine can run them (else None, and the reason logged)."""
@@ -243,6 +265,43 @@ class Engine:
                               self.page_size, self.max_context, self.contract.kv_dtype)
         self._mk_pages: dict[int, list[int]] = {}  # seq id → its page ids as last read (dropped when they may move)
         return Megakernel(self.artifact.root, section, self.device, weights)
+
+    def _choose_decode_paths(self, context: int = 512, steps: int = 6) -> None:
+        """Time a greedy decode step of n sequences on the megakernel and on the per-op kernels, for every n the
+        megakernels serve, after prompts of `context` random tokens (capped by the context); keep the megakernel
+        for the n where it was faster. Which path wins depends on the model and the GPU (on the H200, 2026-12-01:
+        the megakernel at one sequence on three of four workloads, the per-op GEMVs at eight on three of four), so
+        it is measured here, once, ~1 s at load. Without a size left the megakernels' buffers are freed."""
+        sizes = sorted(self._mk_sizes)
+        appended = len(sizes) * 2 * (steps + 2)  # tokens the timed steps add to the first sequence
+        context = max(1, min(context, self.max_context - appended - 1))
+        rng = np.random.default_rng(0)
+        seqs = [self.add_sequence() for _ in sizes]
+        chosen, times = set(), {}
+        try:
+            self.prefill(seqs, [rng.integers(0, self.vocab_size, context).tolist() for _ in seqs])
+            for n in sizes:
+                tokens = [0] * n
+                mk = median_time(lambda n=n, t=tokens: self._megakernel_step(seqs[:n], t, logits=False), steps,
+                                 warmup=2, sync=self.device.sync)
+                op = median_time(lambda n=n, t=tokens: self._forward(seqs[:n], [[x] for x in t],
+                                                                     Fn.DECODE1 if n == 1 else Fn.DECODE),
+                                 steps, warmup=2, sync=self.device.sync)
+                times[n] = (mk, op)
+                if mk < op:
+                    chosen.add(n)
+        finally:
+            for sid in seqs:
+                self.remove_sequence(sid)
+        self._mk_sizes = chosen
+        self.decode_timings_us = {n: (round(mk * 1e6, 1), round(op * 1e6, 1)) for n, (mk, op) in times.items()}
+        log.info("engine: decode step µs (megakernel, per-op) by sequences: %s", self.decode_timings_us)
+        if not chosen:
+            self.megakernel = None  # its stacked weights and arenas leave the device
+            self.decode_path = "per-op kernels (the megakernel measured slower at every batch size)"
+        else:
+            self.decode_path = (f"megakernel for {_ranges(chosen)} sequences (measured faster at load), per-op "
+                                "otherwise")
 
     # ---- facts -----------------------------------------------------------------------------------------------------
     @property
@@ -405,7 +464,7 @@ class Engine:
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One token for each sequence, all in one batched step; logits (B, V) float32."""
         self._check_step(seq_ids, [[t] for t in tokens])
-        if self.megakernel is not None and self.megakernel.kernel_for(len(seq_ids)) is not None:
+        if len(seq_ids) in self._mk_sizes:
             return self._megakernel_step(list(seq_ids), [int(t) for t in tokens])
         return self._forward(list(seq_ids), [[t] for t in tokens], Fn.DECODE1 if len(seq_ids) == 1 else Fn.DECODE)
 
@@ -414,7 +473,7 @@ class Engine:
         cross to the host when the megakernel runs the step (its LM head takes the argmax on the device); the
         per-op path copies the logits and takes it here. For greedy sampling with nothing that needs the logits."""
         self._check_step(seq_ids, [[t] for t in tokens])
-        if self.megakernel is not None and self.megakernel.kernel_for(len(seq_ids)) is not None:
+        if len(seq_ids) in self._mk_sizes:
             return self._megakernel_step(list(seq_ids), [int(t) for t in tokens], logits=False).tolist()
         return np.argmax(self.decode(seq_ids, tokens), axis=-1).tolist()
 

@@ -161,3 +161,36 @@ def test_decode_greedy_is_the_argmax_of_decode(engine, rng):
     assert engine.length(a) == engine.length(b) == 30
     with pytest.raises(Exception, match="is not live"):
         engine.decode_greedy([12345], [1])
+
+
+def test_the_engine_keeps_the_megakernel_only_where_it_measured_faster(engine, monkeypatch):
+    """_choose_decode_paths times both paths per number of sequences and routes decode by the result. The CUDA
+    megakernel is stood in for by a step that takes no time for one sequence and 30 ms for more."""
+    import time
+
+    from luce_runtime import engine as engine_module
+
+    calls = []
+
+    def fake_step(seq_ids, tokens, logits=True):
+        calls.append(len(seq_ids))
+        time.sleep(0 if len(seq_ids) == 1 else 0.03)
+        engine._live.update({s: engine._live[s] + 1 for s in seq_ids})
+        return np.zeros(len(seq_ids), np.int32) if not logits else np.zeros((len(seq_ids), engine.vocab_size))
+
+    monkeypatch.setattr(engine, "_megakernel_step", fake_step)
+    engine.megakernel, engine._mk_sizes, engine._mk_pages = object(), {1, 2, 3}, {}
+    engine._choose_decode_paths(context=8, steps=2)
+    assert engine._mk_sizes == {1} and engine.decode_path.startswith("megakernel for 1 sequences")
+    assert set(engine.decode_timings_us) == {1, 2, 3} and engine.sequences() == {}
+    a, b = engine.add_sequence(), engine.add_sequence()
+    engine.prefill([a, b], [[1, 2, 3], [4, 5, 6]])
+    calls.clear()
+    engine.decode_greedy([a], [7])
+    engine.decode_greedy([a, b], [7, 8])  # two sequences: the per-op kernels
+    assert calls == [1]
+    monkeypatch.setattr(engine_module, "median_time", lambda fn, *a, **k: (fn(), 1.0)[1] if fn else 1.0)
+    engine._mk_sizes = {1}
+    engine._choose_decode_paths(context=8, steps=1)  # a tie is no gain: the per-op path stays
+    assert engine.megakernel is None and "slower at every batch size" in engine.decode_path
+    assert engine_module._ranges({1, 2, 3, 5, 7, 8}) == "1-3, 5, 7-8"
