@@ -93,7 +93,7 @@ class GraphModule(nn.Module):
         kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
         with prefill_attention_tiles(self.target, c.head_dim, self.options.dtype), \
                 tensor_core_prefill_attention(self.target, self.precision), kv_pages_probe(), \
-                cpu_prefill_attention(self.target):
+                cpu_attention(self.target):
             return TIRPagedKVCache(
                 attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
                 prefill_chunk_size=prefill_chunk_size, page_size=page_size,
@@ -258,19 +258,21 @@ def tensor_core_prefill_attention(target: tvm.target.Target, precision: str) -> 
 
 
 @contextlib.contextmanager
-def cpu_prefill_attention(target: tvm.target.Target) -> Iterator[None]:
-    """On the CPU (llvm), the cache's prefill kernels are schedules/cpu/attention_prefill.py's: parallel and
-    vectorized where TVM's run on one thread, scalar (benchmarks/README.md, issue 13: pp512 3.2x on SmolLM2 and
-    Qwen3-0.6B; 5.6x for SmolLM2's 2048 tokens in 512-token chunks). The ragged one takes a prompt's own tokens, the
-    paged ones (plain and sliding-window) a cached prefix.
-    Swapped as tensor_core_prefill_attention swaps CUDA's; a dtype or head size they do not take keeps TVM's."""
+def cpu_attention(target: tvm.target.Target) -> Iterator[None]:
+    """On the CPU (llvm), the cache's attention kernels are schedules/cpu's: parallel and vectorized where TVM's run
+    on one thread, scalar. Prefill (attention_prefill.py; benchmarks/README.md, issue 13: pp512 3.2x on SmolLM2 and
+    Qwen3-0.6B; 5.6x for SmolLM2's 2048 tokens in 512-token chunks): the ragged kernel takes a prompt's own tokens,
+    the paged ones (plain and sliding-window) a cached prefix. Decode (attention_decode.py): one token a sequence
+    against its pages. Swapped as tensor_core_prefill_attention swaps CUDA's; a dtype or head size they do not take
+    keeps TVM's."""
+    from luce_schedules.cpu.attention_decode import paged_decode_cpu
     from luce_schedules.cpu.attention_prefill import paged_prefill_cpu, ragged_prefill_cpu, supports
     from tvm.relax.frontend.nn.llm import kv_cache
 
     if target.kind.name != "llvm":
         yield
         return
-    originals = kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu
+    originals = kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu, kv_cache._attention_decode_cpu
 
     def ragged(h_kv, h_q, d_qk, d_v, dtype, rope_scaling):  # noqa: ANN001, ANN202  (TVM's signature)
         if not supports(d_qk, d_v, dtype):
@@ -282,7 +284,13 @@ def cpu_prefill_attention(target: tvm.target.Target) -> Iterator[None]:
             return originals[1](h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size, sliding_window_size)
         return paged_prefill_cpu(h_kv, h_q, d, sliding_window, page_size, sliding_window_size)
 
-    with swapped(kv_cache, _attention_prefill_ragged_cpu=ragged, _attention_prefill_cpu=paged):
+    def decode(h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size=16):  # noqa: ANN001, ANN202
+        if not supports(d, d, dtype):
+            return originals[2](h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size)
+        return paged_decode_cpu(h_kv, h_q, d, sliding_window, page_size)
+
+    with swapped(kv_cache, _attention_prefill_ragged_cpu=ragged, _attention_prefill_cpu=paged,
+                 _attention_decode_cpu=decode):
         yield
 
 

@@ -65,10 +65,12 @@ def _exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.reinterpret("float32", bits)
 
 
-def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int) -> object:
+def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int, rb: int = RB) -> object:
     """One task's work: TQ query tokens x the `group` query heads of KV head hk (module docstring). `gather` is the
     kernel's own macro that fills a key block, transposed (kt), and its value rows (vb) from where the keys live;
-    src1..src5 are its arguments. `window` > 0: TVM's sliding-window mask under causal (the paged kernel's)."""
+    src1..src5 are its arguments. `window` > 0: TVM's sliding-window mask under causal (the paged kernel's). `rb`
+    rows share each K and V load (RB; decode, with one token a task, takes a divisor of the group)."""
+    RB = rb  # noqa: N806  (the module constant's name, as the docstring uses it)
     rows = tile_q * group  # score rows of a task: (token, head of the group), token-major
     assert rows % RB == 0, "TQ·group must be a multiple of RB"
     chunks = d // LANES
@@ -233,14 +235,8 @@ def ragged_prefill_cpu(h_kv: int, h_q: int, d: int, tile_q: int = TQ) -> tirx.Pr
     return batch_prefill_ragged_kv
 
 
-def paged_prefill_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_size: int = 16,
-                      sliding_window_size: int = 1024, tile_q: int = TQ) -> tirx.PrimFunc:
-    """TVM's batch_prefill_paged_kv_cpu(_sliding_window) (float32): the queries of a prefill against the keys already
-    in the cache's pages (the cache calls it with causal 0 for a prompt after a cached prefix, then merges with the
-    ragged kernel's result by the log-sum-exps). Same task split as the ragged kernel; a key block is gathered
-    from its pages. The sliding variant reads TVM's length_info (last page length, window offset, sink length) and
-    applies TVM's sliding mask under causal, as its kernel does."""
-    global_symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
+def page_gather(d: int, page_size: int) -> object:
+    """The tile's gather from the cache's pages: key block kb of KV head hk, transposed into kt, values into vb."""
 
     @T.macro
     def gather(kt, vb, kb, n_keys, hk, pages, page_values, page0, sink, offset):  # noqa: ANN001
@@ -254,7 +250,18 @@ def paged_prefill_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_si
                 for c in T.vectorized(d):
                     vb[j, c] = pages[page, 1, hk, pos % page_size, c]
 
-    tile = _tile_macro(h_q // h_kv, d, tile_q, gather, sliding_window_size if sliding_window else 0)
+    return gather
+
+
+def paged_prefill_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_size: int = 16,
+                      sliding_window_size: int = 1024, tile_q: int = TQ) -> tirx.PrimFunc:
+    """TVM's batch_prefill_paged_kv_cpu(_sliding_window) (float32): the queries of a prefill against the keys already
+    in the cache's pages (the cache calls it with causal 0 for a prompt after a cached prefix, then merges with the
+    ragged kernel's result by the log-sum-exps). Same task split as the ragged kernel; a key block is gathered
+    from its pages. The sliding variant reads TVM's length_info (last page length, window offset, sink length) and
+    applies TVM's sliding mask under causal, as its kernel does."""
+    global_symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
+    tile = _tile_macro(h_q // h_kv, d, tile_q, page_gather(d, page_size), sliding_window_size if sliding_window else 0)
 
     # fmt: off
     @T.prim_func(s_tir=True)

@@ -13,7 +13,7 @@ from luce_schedules.cpu.attention_prefill import paged_prefill_cpu, ragged_prefi
 from tvm.relax.frontend.nn.llm import _prefill_kernels, kv_cache
 from tvm.target import Target
 
-from luce_compile.lower.relax_model import cpu_prefill_attention
+from luce_compile.lower.relax_model import cpu_attention
 from tests.schedules._signature import assert_same_signature
 
 pytestmark = pytest.mark.unit
@@ -163,9 +163,9 @@ def test_declines_what_it_does_not_take(d_qk, d_v, dtype):
 
 def test_swapped_only_for_llvm_and_restored():
     originals = kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu
-    with cpu_prefill_attention(Target({"kind": "cuda", "arch": "sm_90"})):
+    with cpu_attention(Target({"kind": "cuda", "arch": "sm_90"})):
         assert (kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu) == originals
-    with cpu_prefill_attention(CPU):
+    with cpu_attention(CPU):
         ragged, paged = kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu
         assert (ragged, paged) != originals
         assert "T.parallel(" in ragged(3, 9, 64, 64, "float32", {}).script()
@@ -173,6 +173,6 @@ def test_swapped_only_for_llvm_and_restored():
         assert "T.parallel(" in paged(3, 9, 64, "float32", True, {}, sliding_window_size=512).script()
         assert "T.parallel(" not in paged(3, 9, 72, "float32", False, {}).script()
     assert (kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu) == originals
-    with pytest.raises(RuntimeError), cpu_prefill_attention(CPU):
+    with pytest.raises(RuntimeError), cpu_attention(CPU):
         raise RuntimeError("restored even so")
     assert (kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu) == originals
