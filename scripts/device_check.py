@@ -531,12 +531,15 @@ def check_attention(args: argparse.Namespace) -> int:
 
 def make_gguf(args: argparse.Namespace) -> int:
     """Write the synthetic GGUF and the artifact's weights.bin from it (the benchmark does this for every workload in
-    parallel up front, so a workload it times without checking it loads too)."""
+    parallel up front, so a workload it times without checking it loads too); where it writes weights.bin, print
+    the sha checks and fail when either differs from the manifest."""
     folder, gguf = Path(args.dir), Path(args.gguf)
     if not gguf.is_file():
         generate_gguf(folder, gguf)
     if not (folder / "artifact" / "weights.bin").is_file():
-        print(json.dumps(rebuild_weights(folder / "artifact", gguf)))
+        status = rebuild_weights(folder / "artifact", gguf)
+        print(json.dumps(status))
+        return 0 if all(status.values()) else 1  # not the build machine's bytes: nothing measured on them counts
     return 0
 
 

@@ -69,8 +69,8 @@ def profile_engine(workload: Path, gguf: Path, context: int, steps: int) -> dict
         spans = []
         for _ in range(steps // 2):
             step()
-            spans.append(_span_us(mk.profile()["clocks"]))
-        summary = profile_summary(programs[b], mk.profile()["clocks"])
+            spans.append(_span_us(mk.profile()))
+        summary = profile_summary(programs[b], mk.profile())
         mk.profiling = False
         for s in seqs:
             engine.remove_sequence(s)

@@ -50,19 +50,9 @@ fi
 export PYTHONPATH=$SITE:$PWD/runtime:$PWD
 # the GGUF under the name the artifact was compiled from: luce-compile serves it as that model id, the requests name it
 G=$W/$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['gguf_name'])" $H/smollm2-135m/spec.json)
-[ -f "$G" ] || python3 scripts/device_check.py gguf $H/smollm2-135m --gguf "$G" > "$RAW/gguf.log" 2>&1 ||
-  { stamp "GGUF generation failed: $(tail -3 "$RAW/gguf.log")"; pack; exit 4; }
 # weights.bin is not carried (prepare.py): rebuilt from the GGUF, each file checked against the manifest's sha256
-python3 - "$A" "$G" > "$RAW/weights.json" 2> "$RAW/weights.err" <<'EOF' ||
-import json, sys
-from pathlib import Path
-sys.path.insert(0, "scripts")
-from device_check import rebuild_weights
-result = rebuild_weights(Path(sys.argv[1]), Path(sys.argv[2]))
-print(json.dumps(result))
-sys.exit(not all(result.values()))
-EOF
-  { stamp "weights.bin failed: $(cat "$RAW/weights.json") $(tail -3 "$RAW/weights.err")"; pack; exit 4; }
+python3 scripts/device_check.py gguf $H/smollm2-135m --gguf "$G" > "$RAW/weights.json" 2> "$RAW/weights.err" ||
+  { stamp "GGUF or weights.bin failed: $(cat "$RAW/weights.json") $(tail -3 "$RAW/weights.err")"; pack; exit 4; }
 stamp "GGUF and weights.bin: $(cat "$RAW/weights.json")"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv > "$RAW/gpu.csv"
 python3 -m pip list 2>/dev/null | grep -iE "^(fastapi|pydantic|uvicorn|llguidance|anyio|torch) " > "$RAW/pip.txt"

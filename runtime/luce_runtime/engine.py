@@ -284,9 +284,8 @@ class Engine:
                 tokens = [0] * n
                 mk = median_time(lambda n=n, t=tokens: self._megakernel_step(seqs[:n], t, logits=False), steps,
                                  warmup=2, sync=self.device.sync)
-                op = median_time(lambda n=n, t=tokens: self._forward(seqs[:n], [[x] for x in t],
-                                                                     Fn.DECODE1 if n == 1 else Fn.DECODE),
-                                 steps, warmup=2, sync=self.device.sync)
+                op = median_time(lambda n=n, t=tokens: self._per_op_step(seqs[:n], t), steps, warmup=2,
+                                 sync=self.device.sync)
                 times[n] = (mk, op)
                 if mk < op:
                     chosen.add(n)
@@ -466,16 +465,19 @@ class Engine:
         self._check_step(seq_ids, [[t] for t in tokens])
         if len(seq_ids) in self._mk_sizes:
             return self._megakernel_step(list(seq_ids), [int(t) for t in tokens])
-        return self._forward(list(seq_ids), [[t] for t in tokens], Fn.DECODE1 if len(seq_ids) == 1 else Fn.DECODE)
+        return self._per_op_step(list(seq_ids), list(tokens))
+
+    def _per_op_step(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
+        return self._forward(seq_ids, [[t] for t in tokens], Fn.DECODE1 if len(seq_ids) == 1 else Fn.DECODE)
 
     def decode_greedy(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> list[int]:
         """decode() followed by each row's argmax (the lowest index of the largest logit), where only the token ids
         cross to the host when the megakernel runs the step (its LM head takes the argmax on the device); the
         per-op path copies the logits and takes it here. For greedy sampling with nothing that needs the logits."""
+        if len(seq_ids) not in self._mk_sizes:
+            return np.argmax(self.decode(seq_ids, tokens), axis=-1).tolist()
         self._check_step(seq_ids, [[t] for t in tokens])
-        if len(seq_ids) in self._mk_sizes:
-            return self._megakernel_step(list(seq_ids), [int(t) for t in tokens], logits=False).tolist()
-        return np.argmax(self.decode(seq_ids, tokens), axis=-1).tolist()
+        return self._megakernel_step(list(seq_ids), [int(t) for t in tokens], logits=False).tolist()
 
     def _megakernel_step(self, seq_ids: list[int], tokens: list[int], logits: bool = True) -> np.ndarray:
         """decode() through the megakernel: TVM's cache reserves each new token's slot (begin of forward, which

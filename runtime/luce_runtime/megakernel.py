@@ -62,7 +62,6 @@ class _Kernel:
         self._lens: list[int] = []
         self.logits = self.arena._create_view((b, int(spec["vocab"])), "float32", 4 * int(spec["logits_at"]))
         self.weights = weights
-        self.tables = {f: tables[key + f] for f in ("tasks", "queue_len")}  # the host's copy, for profiles
         self.epoch = 0
 
     def launch(self, pages, kv_layer_offset, profiling: bool = False) -> None:
@@ -163,13 +162,12 @@ class Megakernel:
         ids = k.finish()[:n]
         return k.logits.numpy()[:n] if logits else ids
 
-
-    def profile(self) -> dict[str, np.ndarray]:
-        """The last step's task clocks (blocks, tasks, clocks) int64 ns, recorded with `profiling` on, beside the
-        kernel's task table (column 0: the opcode) and each block's queue length."""
+    def profile(self) -> np.ndarray:
+        """The last step's task clocks (blocks, tasks, clocks) int64 ns, recorded with `profiling` on (the
+        compiler's fuse/program.profile_summary reads them against the kernel's program)."""
         if self._last is None:
             raise LuceError("megakernel: no step has run yet; set profiling = True and step first.")
-        return {"clocks": self._last.profile.numpy(), **self._last.tables, "batch": np.int32(self._last.batch)}
+        return self._last.profile.numpy()
 
 
 def _stack_weights(section: dict, params: dict[str, np.ndarray], device) -> dict[str, object]:

@@ -104,12 +104,21 @@ class Sampler:
         self.rng = np.random.default_rng(self.params.seed)
 
     @property
+    def _repeat_penalty(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 and p.repeat_last_n != 0
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether any penalty (repetition, presence, frequency) changes the logits."""
+        p = self.params
+        return bool(self._repeat_penalty or p.presence_penalty or p.frequency_penalty)
+
+    @property
     def argmax_only(self) -> bool:
         """Greedy with no penalty: the next token is the logits' argmax, which the device can take
         (Engine.decode_greedy), so the logits need not cross to the host."""
-        p = self.params
-        repeat = p.repetition_penalty != 1.0 and p.repeat_last_n != 0
-        return p.greedy and not (repeat or p.presence_penalty or p.frequency_penalty)
+        return self.params.greedy and not self.penalizes
 
     def sample(self, logits: np.ndarray, history_ids: Sequence[int] | np.ndarray = ()) -> int:
         """The next token for logits of shape (vocab,) or (1, vocab); history_ids feed the penalties."""
@@ -149,11 +158,10 @@ class Sampler:
         if hist.size and (hist.min() < 0 or hist.max() >= x.shape[0]):
             raise SamplingParamsError(f"sampling: history holds token ids outside [0, {x.shape[0]}).")
         p = self.params
-        repeat = p.repetition_penalty != 1.0 and p.repeat_last_n != 0
-        if not hist.size or not (repeat or p.presence_penalty or p.frequency_penalty):
+        if not hist.size or not self.penalizes:
             return x
         x = x.copy()
-        if repeat:
+        if self._repeat_penalty:
             seen = np.unique(hist if p.repeat_last_n < 0 else hist[-p.repeat_last_n:])
             v = x[seen]
             x[seen] = np.where(v <= 0, v * p.repetition_penalty, v / p.repetition_penalty)
