@@ -4,6 +4,7 @@
 
 - cpu-<date>.json → cpu-<date>.png: prefill and decode tok/s, ours vs peers, and % of the memory roofline.
 - serve-<date>.json → serve-<date>.png: aggregate tok/s and p50 TTFT per number of clients.
+- spec-<date>.json → spec-<date>.png: speculative speed-up and tokens per target step, per task and drafter.
 - h200/<date>-<model>.json (scripts/device_check.py records) → h200/<date>.png: our decode and prefill tok/s, with
   llama.cpp's published anchors on the same H200 kind where known (not the same run: those records hold only ours,
   and no bandwidth, so no roofline panel).
@@ -87,6 +88,28 @@ def plot_serve(doc: dict, out: Path) -> Path:
     return save(fig, out)
 
 
+def plot_spec(doc: dict, out: Path) -> Path:
+    from report import spec_summary
+
+    summary = spec_summary(doc)
+    tasks = list(dict.fromkeys(s["task"] for s in summary))
+    drafters = list(dict.fromkeys(s["drafter"] for s in summary))
+    table = {(s["task"], s["drafter"]): s for s in summary}
+
+    def series(key: str) -> dict[str, list[float]]:
+        return {d: [table[(t, d)][key] for t in tasks] for d in drafters}
+
+    plain = {"plain decoding": [table[(t, drafters[0])]["plain_tok_s"] for t in tasks]}
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    grouped_bars(axes[0], tasks, plain | series("spec_tok_s"), "tok/s", "{:.1f}")
+    grouped_bars(axes[1], tasks, series("speedup"), "speed-up over plain decoding", "{:.2f}x")
+    grouped_bars(axes[2], tasks, series("tokens_per_step"), "tokens per target step", "{:.2f}")
+    meta = doc["meta"]
+    fig.suptitle(f"Speculative decoding {meta['date'][:10]}: {meta['target']} with {meta['draft']} or prompt lookup, "
+                 f"{meta['cpu']}, {meta['threads']} threads", fontsize=10)
+    return save(fig, out)
+
+
 def h200_series(records: list[dict]) -> tuple[list[str], dict[str, dict[str, list[float]]]]:
     """(models, panel → engine → value per model) for decode b=1 and each prefill length."""
     models = [r["spec"]["preset"] for r in records]
@@ -123,6 +146,8 @@ def plot_all(results: Path) -> list[Path]:
     written = [plot_cpu(json.loads(p.read_text()), p.with_suffix(".png")) for p in sorted(results.glob("cpu-*.json"))]
     written += [plot_serve(json.loads(p.read_text()), p.with_suffix(".png"))
                 for p in sorted(results.glob("serve-*.json"))]
+    written += [plot_spec(json.loads(p.read_text()), p.with_suffix(".png"))
+                for p in sorted(results.glob("spec-*.json"))]
     by_date: dict[str, list[dict]] = defaultdict(list)
     for p in sorted((results / "h200").glob("*.json")):
         record = json.loads(p.read_text())

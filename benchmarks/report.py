@@ -100,3 +100,45 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def spec_summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """benchmarks/spec.py's rows summed per (task, drafter): tokens/s over the tasks' prompts together (total tokens
+    over total seconds, plain and speculative), the speed-up, acceptance, and how many prompts gave plain decoding's
+    ids."""
+    out = []
+    tasks = list(dict.fromkeys(r["task"] for r in doc["rows"]))
+    drafters = list(dict.fromkeys(name for r in doc["rows"] for name in r["drafters"]))
+    for task in tasks:
+        rows = [r for r in doc["rows"] if r["task"] == task]
+        tokens, plain_s = sum(r["tokens"] for r in rows), sum(r["plain_s"] for r in rows)
+        for name in drafters:
+            runs = [r["drafters"][name] for r in rows]
+            spec_s = sum(d["s"] for d in runs)
+            drafted, accepted = sum(d["drafted"] for d in runs), sum(d["accepted"] for d in runs)
+            steps, verifies = sum(d["steps"] for d in runs), sum(len(d["trace"]) for d in runs)
+            out.append({"task": task, "drafter": name, "prompts": len(rows), "tokens": tokens,
+                        "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s, "speedup": plain_s / spec_s,
+                        "drafted": drafted, "accepted": accepted,
+                        "mean_accepted": accepted / verifies if verifies else 0.0,
+                        "tokens_per_step": (accepted + steps) / steps if steps else 0.0,
+                        "identical": sum(d["identical"] for d in runs)})
+    return out
+
+
+def spec_table(doc: dict[str, Any]) -> str:
+    meta = doc["meta"]
+    lines = [f"# Speculative decoding on the CPU, {meta['date'][:10]}", "",
+             f"{meta['cpu']}, {meta['threads']} threads, load {meta['load_avg_1m']:.2f} → "
+             f"{meta.get('load_avg_1m_end', float('nan')):.2f}; luce-compile {meta['luce_compile']}. Target "
+             f"{meta['target']}, draft {meta['draft']}; greedy, up to {meta['gen_len']} tokens a prompt, draft length "
+             f"adapted up to {meta['draft_max']}. Tokens/s from each generation's first token to its last.", "",
+             f"Command: `{meta['command']}`", "",
+             "| task | drafter | prompts | tokens | plain tok/s | speculative tok/s | speed-up | drafts accepted "
+             "| mean accepted per verify | tokens per target step | ids equal plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in spec_summary(doc):
+        lines.append(f"| {s['task']} | {s['drafter']} | {s['prompts']} | {s['tokens']} | {s['plain_tok_s']:.2f} | "
+                     f"{s['spec_tok_s']:.2f} | {s['speedup']:.2f}x | {s['accepted']} / {s['drafted']} | "
+                     f"{s['mean_accepted']:.2f} | {s['tokens_per_step']:.2f} | {s['identical']} / {s['prompts']} |")
+    return "\n".join(lines) + "\n"

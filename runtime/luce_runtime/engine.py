@@ -312,6 +312,12 @@ class Engine:
         return self.options.prefill_chunk
 
     @property
+    def has_int8_verify(self) -> bool:
+        """The artifact exports `verify` (decode's integer matmuls over several rows): a few tokens cost about one
+        decode step each, where the float32 prefill function costs several."""
+        return str(Fn.VERIFY) in self._fns
+
+    @property
     def max_sequences(self) -> int:
         """Sequences the pool holds at once (decode batch, forks and cached prefixes together)."""
         return self.options.max_batch
@@ -536,7 +542,7 @@ class Engine:
                 raise EngineError(f"engine: sequence {sid} can take {self.chunk_limit(sid)} tokens per call, not "
                                   f"{len(toks)} (TVM's CPU prefill on sliding-window layers, see chunk_limit); "
                                   "speculative decoding needs a model without sliding windows.")
-        fn = Fn.VERIFY if str(Fn.VERIFY) in self._fns else Fn.PREFILL
+        fn = Fn.VERIFY if self.has_int8_verify else Fn.PREFILL
         logits = self._forward(list(seq_ids), [list(t) for t in tokens], fn, every_row=True)
         return np.split(logits, np.cumsum([len(t) for t in tokens])[:-1])
 

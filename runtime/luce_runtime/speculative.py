@@ -35,6 +35,8 @@ from luce_runtime.sampler import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
 
+VERIFY_ROWS = 16  # the most rows the low-row integer path is built for (schedules/cpu/int8_gemv.py)
+
 
 class SpecError(LuceError, ValueError):
     """Speculative decoding cannot run as asked (a draft model with another vocabulary, a sliding-window model)."""
@@ -162,6 +164,10 @@ class DraftModel:
         self._committed = len(history)
         if len(new) == 1:
             return self.engine.decode([self._seq], new)[0]
+        if len(new) <= VERIFY_ROWS and self.engine.has_int8_verify:
+            # after a fully accepted step: 2 new tokens. An int8 artifact's float32 prefill costs several of its
+            # decode steps even for 2 tokens; verify is decode's integer matmuls at ~1.5 steps for 2 rows
+            return self.engine.verify([self._seq], [new])[0][-1]
         return self.engine.prefill([self._seq], [new])[0]
 
     def reset(self) -> None:
@@ -253,6 +259,7 @@ class SpeculativeDecoder:
     draft_max: int = 8
     stats: SpecStats = field(default_factory=SpecStats)
     length: DraftLength = field(init=False)  # kept across generations: the acceptance history of this pair
+    trace: list[tuple[int, int]] | None = None  # a list: each verify step's (drafted, accepted) appended (benchmarks)
 
     def __post_init__(self) -> None:
         refuse_sliding_window(self.engine, "target model")
@@ -293,6 +300,8 @@ class SpeculativeDecoder:
         engine.rollback(seq, len(draft.tokens) - n)
         self.stats.drafted += len(draft.tokens)
         self.stats.accepted += n
+        if self.trace is not None:
+            self.trace.append((len(draft.tokens), n))
         self.length.update(len(draft.tokens), n)
         return [*draft.tokens[:n], token]
 
