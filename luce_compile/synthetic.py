@@ -102,15 +102,21 @@ class SyntheticSpec:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-def _gemma3_270m_overrides(n_layer: int = 18) -> dict[str, str]:
-    """Gemma 3 270M Q4_K_M's quant mix (read from the real file): llama.cpp's use_more_bits layers
-    (first and last eighth, every third between) get Q8_0 attn_v and Q6_K ffn_down; the rest Q5_0 and Q4_K."""
+def _q4_k_m_overrides(n_layer: int, attn_v: tuple[str, str], ffn_down: tuple[str, str],
+                      **fixed: str) -> dict[str, str]:
+    """A Q4_K_M file's quant mix: llama.cpp's use_more_bits layers (first and last eighth, every third between) get
+    the first type of attn_v and ffn_down, the other layers the second; `fixed` names whole tensors (token_embd=…)."""
     more_bits = [i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2 for i in range(n_layer)]
-    overrides = {"token_embd.weight": "Q8_0", "attn_output.weight": "Q4_K"}
+    overrides = {f"{name}.weight": t for name, t in fixed.items()}
     for i, more in enumerate(more_bits):
-        overrides[f"blk.{i}.attn_v.weight"] = "Q8_0" if more else "Q5_0"
-        overrides[f"blk.{i}.ffn_down.weight"] = "Q6_K" if more else "Q4_K"
+        overrides[f"blk.{i}.attn_v.weight"] = attn_v[0] if more else attn_v[1]
+        overrides[f"blk.{i}.ffn_down.weight"] = ffn_down[0] if more else ffn_down[1]
     return overrides
+
+
+def _gemma3_270m_overrides(n_layer: int = 18) -> dict[str, str]:
+    """Gemma 3 270M Q4_K_M's quant mix (read from the real file): Q8_0/Q5_0 attn_v and Q6_K/Q4_K ffn_down."""
+    return _q4_k_m_overrides(n_layer, ("Q8_0", "Q5_0"), ("Q6_K", "Q4_K"), token_embd="Q8_0", attn_output="Q4_K")
 
 
 PRESETS: dict[str, SyntheticSpec] = {
@@ -131,6 +137,16 @@ PRESETS: dict[str, SyntheticSpec] = {
                                         rope_base=5e5, quant="BF16"),
     "qwen3-0.6b": SyntheticSpec(arch="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8, head_dim=128,
                                 n_ff=3072, n_ctx=40960, rope_base=1e6, rms_eps=1e-6, quant="Q8_0"),
+    # issue 14's real pair, Qwen2.5-Coder-1.5B and -0.5B Instruct Q4_K_M: shapes and the quant mix of the real files
+    # (read from them), on SmolLM2's 49152-token vocabulary (theirs is 151936: the LM head is a third of theirs)
+    "qwen2.5-coder-1.5b": SyntheticSpec(arch="qwen2", n_layer=28, n_embd=1536, n_head=12, n_head_kv=2, n_ff=8960,
+                                        n_ctx=32768, rope_base=1e6, rms_eps=1e-6, quant="Q4_K", tied_output=False,
+                                        quant_overrides=_q4_k_m_overrides(28, ("Q6_K", "Q4_K"), ("Q6_K", "Q4_K"),
+                                                                          output="Q6_K")),
+    "qwen2.5-coder-0.5b": SyntheticSpec(arch="qwen2", n_layer=24, n_embd=896, n_head=14, n_head_kv=2, n_ff=4864,
+                                        n_ctx=32768, rope_base=1e6, rms_eps=1e-6, quant="Q5_0", tied_output=False,
+                                        quant_overrides=_q4_k_m_overrides(24, ("Q8_0", "Q5_0"), ("Q6_K", "Q4_K"),
+                                                                          output="Q8_0")),
     "gemma3-270m": SyntheticSpec(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256,
                                  n_ff=2048, n_ctx=32768, rope_base=1e6, rms_eps=1e-6, sliding_window=512,
                                  quant="Q5_0", quant_overrides=_gemma3_270m_overrides()),

@@ -14,6 +14,8 @@
 # llama.cpp (its build is 5 of the ~7 minutes): luce-compile and torch only, e.g. to re-measure after a change.
 # UNTUNED=.gpucheck/h200-untuned (benchmarks/h200/prepare.py --untuned, carried too) also times each workload's
 # artifact compiled without the tuning logs, right after the tuned one: tuned vs untuned in the same run.
+# SPEC_TRACE=benchmarks/results/spec-<date>.json (with the pair among WORKLOADS, prepare.py --dir .gpucheck/spec
+# --workloads qwen2.5-coder-1.5b qwen2.5-coder-0.5b, H=.gpucheck/spec) then replays speculation on the pair.
 # PEROP=1 also times each artifact's decode with the per-op kernels (bench --no-megakernel): ours-perop.json.
 # An artifact with megakernels also gets profile.json (benchmarks/h200/engine_profile.py): device time a step beside
 # the host's wall clock, and one step's time task by task.
@@ -21,7 +23,9 @@ set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Raw outputs go to $RAW; $OUT gets them as one tarball, refreshed after every workload (the device tool returns at
 # most 8 files, and whatever is there when a call runs out of time).
-H=.gpucheck/h200; WORK=$PWD/$H/work; RAW=$WORK/raw-$(date +%H%M%S); OUT=${OUT:-/tmp/h200-out}
+# H: the prepared folder (prepare.py --dir); WORK stays under .gpucheck/h200 so calls on one warm machine share the
+# llama.cpp build and the unpacked runtime
+H=${H:-.gpucheck/h200}; WORK=$PWD/.gpucheck/h200/work; RAW=$WORK/raw-$(date +%H%M%S); OUT=${OUT:-/tmp/h200-out}
 WORKLOADS=${WORKLOADS:-"smollm2-135m llama-1b-body llama-1b-body-bf16 qwen3-0.6b"}; REPEAT=${REPEAT:-3}
 mkdir -p "$WORK" "$RAW" "$OUT"
 # the luce-compile commit measured (the device's copy of the tree may carry no usable git metadata)
@@ -98,4 +102,11 @@ for w in $WORKLOADS; do
   stamp "$w llama-batched-bench rc=$?"
   pack
 done
+if [ -n "${SPEC_TRACE:-}" ]; then  # issue 14: speculation replayed from the CPU run's trace (spec_replay.py's header)
+  set -- ${SPEC_PAIR:-qwen2.5-coder-1.5b qwen2.5-coder-0.5b}
+  python3 benchmarks/h200/spec_replay.py "$H/$1" "$H/$2" --trace "$SPEC_TRACE" --out "$RAW/spec-replay.json" \
+    2> "$RAW/spec-replay.err"
+  stamp "speculation replay rc=$?"
+  pack
+fi
 stamp "done"

@@ -137,8 +137,11 @@ class DraftModel:
         tokens: list[int] = []
         probs: list[np.ndarray] = []
         hist = list(history)
+        next_token = -1
         for i in range(k):
-            if sampler.params.greedy:
+            if logits is None:  # the device took the argmax: the previous step's decode_greedy gave this token
+                token = next_token
+            elif sampler.params.greedy:
                 token = sampler.sample(logits, hist)
             else:
                 probs.append(sampler.distribution(logits, hist))
@@ -146,7 +149,10 @@ class DraftModel:
             tokens.append(token)
             hist.append(token)
             if i + 1 < k:  # the last draft is never fed here: the target verifies it, and the next _sync feeds it
-                logits = self.engine.decode([self._seq], [token])[0]
+                if sampler.argmax_only:  # only the id crosses to the host (the megakernel's argmax on a GPU)
+                    logits, next_token = None, self.engine.decode_greedy([self._seq], [token])[0]
+                else:
+                    logits = self.engine.decode([self._seq], [token])[0]
                 self._tokens.append(token)
         return Draft(tokens, probs or None)
 
@@ -290,7 +296,9 @@ class SpeculativeDecoder:
         k = min(self.length.k, remaining - 1, engine.prefill_chunk - 1)
         draft = self.drafter.propose(history, k, sampler) if k > 0 else Draft([])
         self.stats.steps += 1
-        if not draft.tokens:  # nothing to verify: a plain decode step (the GEMV path)
+        if not draft.tokens:  # nothing to verify: a plain decode step (the GEMV path), as Engine.generate's
+            if sampler.argmax_only:
+                return engine.decode_greedy([seq], [history[-1]])
             return [sampler.sample(engine.decode([seq], [history[-1]])[0], history)]
         if len(draft.tokens) > k:
             raise EngineError(f"speculative: drafter {self.drafter.name} proposed {len(draft.tokens)} tokens, "

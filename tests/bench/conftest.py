@@ -1,0 +1,3 @@
+"""Fixtures of the codegen tests (tiny compiled models) for the benchmark scripts' tests."""
+
+from tests.codegen.conftest import compiled, tiny  # noqa: F401  (fixtures)
