@@ -117,12 +117,13 @@ def spec_summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
             spec_s = sum(d["s"] for d in runs)
             drafted, accepted = sum(d["drafted"] for d in runs), sum(d["accepted"] for d in runs)
             steps, verifies = sum(d["steps"] for d in runs), sum(len(d["trace"]) for d in runs)
+            gaps = [d["parted"]["gap"] for d in runs if (d.get("parted") or {}).get("gap") is not None]
             out.append({"task": task, "drafter": name, "prompts": len(rows), "tokens": tokens,
                         "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s, "speedup": plain_s / spec_s,
                         "drafted": drafted, "accepted": accepted,
                         "mean_accepted": accepted / verifies if verifies else 0.0,
                         "tokens_per_step": (accepted + steps) / steps if steps else 0.0,
-                        "identical": sum(d["identical"] for d in runs)})
+                        "identical": sum(d["identical"] for d in runs), "max_parted_gap": max(gaps) if gaps else None})
     return out
 
 
@@ -135,10 +136,13 @@ def spec_table(doc: dict[str, Any]) -> str:
              f"adapted up to {meta['draft_max']}. Tokens/s from each generation's first token to its last.", "",
              f"Command: `{meta['command']}`", "",
              "| task | drafter | prompts | tokens | plain tok/s | speculative tok/s | speed-up | drafts accepted "
-             "| mean accepted per verify | tokens per target step | ids equal plain |",
+             "| mean accepted per verify | tokens per target step | ids equal plain decoding's |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in spec_summary(doc):
         lines.append(f"| {s['task']} | {s['drafter']} | {s['prompts']} | {s['tokens']} | {s['plain_tok_s']:.2f} | "
                      f"{s['spec_tok_s']:.2f} | {s['speedup']:.2f}x | {s['accepted']} / {s['drafted']} | "
-                     f"{s['mean_accepted']:.2f} | {s['tokens_per_step']:.2f} | {s['identical']} / {s['prompts']} |")
+                     f"{s['mean_accepted']:.2f} | {s['tokens_per_step']:.2f} | {s['identical']} / {s['prompts']}"
+                     + ("" if s["max_parted_gap"] is None else
+                        f" (parted at near ties: gap ≤ {100 * s['max_parted_gap']:.2f}% of the largest logit)")
+                     + " |")
     return "\n".join(lines) + "\n"

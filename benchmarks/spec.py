@@ -85,6 +85,24 @@ def timed(tokens) -> tuple[list[int], float]:
     return ids, (time.perf_counter() - start) if start else 0.0
 
 
+def parting(engine, prompt: list[int], plain_ids: list[int], ids: list[int]) -> dict:
+    """Where speculation's ids first part from plain decoding's, and plain decoding's logit gap there between its
+    own choice and speculation's, relative to the row's largest logit: a near tie that verify's rounding (its
+    attention is prefill's kernel, decode's is another) can flip, or a real difference (a bug)."""
+    import numpy as np
+
+    at = next((i for i, (a, b) in enumerate(zip(plain_ids, ids, strict=False)) if a != b), min(len(plain_ids),
+                                                                                              len(ids)))
+    if at >= min(len(plain_ids), len(ids)):
+        return {"at": at, "gap": None}  # one stopped early on the same ids
+    with engine.sequence() as seq:
+        logits = engine.prefill([seq], [prompt])[0]
+        for token in plain_ids[:at]:
+            logits = engine.decode([seq], [token])[0]
+    gap = float((logits[plain_ids[at]] - logits[ids[at]]) / np.abs(logits).max())
+    return {"at": at, "gap": gap}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--target", default="qwen2.5-coder-1.5b", help="model name, GGUF or artifact (default the pair's)")
@@ -133,6 +151,8 @@ def main() -> int:
             ids, seconds = timed(dec.generate(w["ids"], SamplingParams(temperature=0, max_tokens=args.gen_len)))
             row["drafters"][name] = {"s": seconds, "identical": ids == plain_ids, **dec.stats.to_dict(),
                                      "trace": dec.trace}
+            if ids != plain_ids:  # where and by how much plain decoding's choice was a tie (after the timings)
+                row["drafters"][name]["parted"] = parting(engine, w["ids"], plain_ids, ids)
         rows.append(row)
         print(f"[{i + 1}/{len(work)}] {w['task']} {w['name']}: {len(plain_ids)} tokens, plain {plain_s:.1f} s, "
               + ", ".join(f"{n} {d['s']:.1f} s ({d['accepted']}/{d['drafted']}, same ids: {d['identical']})"

@@ -16,7 +16,8 @@ with the accepted drafts in the history, so speculation changes speed, never wha
 
 Drafters: NgramDrafter (prompt lookup over prompt + output, as llama.cpp's lookup decoding: no model) and DraftModel
 (a second Engine on a smaller artifact with the same vocabulary). The draft length adapts to the acceptance history
-(DraftLength). Chains only: token trees (issue 14's tree verify) need the compiled tree-attention path.
+and to the measured costs of verify rows and drafts (DraftLength): none when drafting does not pay. Chains only:
+token trees (issue 14's tree verify) need the compiled tree-attention path.
 """
 
 from __future__ import annotations
@@ -223,20 +224,77 @@ def accept(rows: np.ndarray, draft: Draft, sampler: Sampler, history: Sequence[i
 
 @dataclass
 class DraftLength:
-    """How many tokens to draft next: +2 after a step that accepted every draft, -1 after one that did not
-    (transformers' "heuristic" schedule for assisted generation), within [1, draft_max]."""
+    """How many tokens to draft next.
+
+    Once the costs are measured (SpeculativeDecoder times its steps and calls observe(): a plain decode step, a
+    verify's extra cost per row, the drafter's cost per drafted token, each an exponential average), the k in
+    [0, draft_max] with the most expected tokens per second, E(k) / T(k):
+      E(k) = (1 - a^(k+1)) / (1 - a)   tokens a step commits when each draft is accepted with probability a,
+                                       a = accepted / (accepted + rejections) over the decayed history
+      T(k) = decode + k (row + draft)  its cost
+    k = 0 is a plain decode step: chosen when no draft pays (drafts rarely accepted, or rows and drafts costing about
+    as much as the steps they save: a 2-core CPU, bandwidth-bound, reads nearly a step's worth of draft model per
+    drafted token), with a probe of PROBE_K drafts after every PROBE_EVERY plain steps, so that a text that turns
+    predictable (a code edit reaching the unchanged lines) is noticed. Until the costs are known, transformers'
+    "heuristic" schedule for assisted generation: +2 after a step that accepted every draft, -1 after one that did
+    not, within [1, draft_max]."""
 
     draft_max: int
     k: int = 0
+    DECAY = 0.9  # per verify step, on the acceptance counts: ~10 steps of memory
+    AVERAGE = 0.2  # weight of a new timing in its exponential average
+    PROBE_EVERY, PROBE_K = 16, 2
 
     def __post_init__(self) -> None:
         if self.draft_max < 1:
             raise SpecError(f"speculative: --draft-max must be at least 1, got {self.draft_max}.")
         self.k = min(self.k or 4, self.draft_max)
+        self._accepted = self._rejected = 0.0
+        self._cost: dict[str, float] = {}  # seconds: "decode" a step, "row" a verify row more, "draft" a token
+        self._plain_run = 0  # plain steps since the last verify
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted:
-            self.k = min(self.k + 2, self.draft_max) if accepted == drafted else max(1, self.k - 1)
+            self._plain_run = 0
+            self._accepted = self.DECAY * self._accepted + accepted
+            self._rejected = self.DECAY * self._rejected + (accepted < drafted)
+            heuristic = min(self.k + 2, self.draft_max) if accepted == drafted else max(1, self.k - 1)
+        else:
+            self._plain_run += 1
+            heuristic = max(self.k, 1)
+        self.k = self._best() if self.measured else heuristic
+
+    def observe(self, kind: str, seconds: float, drafts: int = 0) -> None:
+        """A timing: kind "decode" (one plain step), "verify" (a verify of `drafts` drafts plus the pending token) or
+        "draft" (proposing `drafts` tokens)."""
+        if kind == "verify":
+            if "decode" not in self._cost or not drafts:
+                return
+            kind, seconds = "row", max(seconds - self._cost["decode"], 0.0) / drafts
+        elif kind == "draft":
+            if not drafts:
+                return
+            seconds /= drafts
+        old = self._cost.get(kind)
+        self._cost[kind] = seconds if old is None else (1 - self.AVERAGE) * old + self.AVERAGE * seconds
+
+    @property
+    def measured(self) -> bool:
+        return {"decode", "row", "draft"} <= self._cost.keys()
+
+    @property
+    def acceptance(self) -> float:
+        """a, with a prior of one accepted and one rejected draft."""
+        return (self._accepted + 1) / (self._accepted + self._rejected + 2)
+
+    def _best(self) -> int:
+        a, c = self.acceptance, self._cost
+        per_draft = (c["row"] + c["draft"]) / c["decode"]
+        rate = [(1 - a ** (k + 1)) / (1 - a) / (1 + k * per_draft) for k in range(self.draft_max + 1)]
+        best = max(range(self.draft_max + 1), key=rate.__getitem__)
+        if best == 0 and self._plain_run >= self.PROBE_EVERY:
+            return min(self.PROBE_K, self.draft_max)
+        return best
 
 
 @dataclass
@@ -291,26 +349,35 @@ class SpeculativeDecoder:
 
     def step(self, seq: int, history: list[int], sampler: Sampler, remaining: int) -> list[int]:
         """One target forward: the tokens it commits after history (1 to k + 1 of them)."""
-        engine = self.engine
+        engine, length, clock = self.engine, self.length, time.perf_counter
         # a step emits up to k + 1 tokens; a verify feeds k + 1 into one prefill chunk
-        k = min(self.length.k, remaining - 1, engine.prefill_chunk - 1)
+        k = min(length.k, remaining - 1, engine.prefill_chunk - 1)
+        start = clock()
         draft = self.drafter.propose(history, k, sampler) if k > 0 else Draft([])
+        length.observe("draft", clock() - start, len(draft.tokens))
         self.stats.steps += 1
         if not draft.tokens:  # nothing to verify: a plain decode step (the GEMV path), as Engine.generate's
+            start = clock()
             if sampler.argmax_only:
-                return engine.decode_greedy([seq], [history[-1]])
-            return [sampler.sample(engine.decode([seq], [history[-1]])[0], history)]
+                new = engine.decode_greedy([seq], [history[-1]])
+            else:
+                new = [sampler.sample(engine.decode([seq], [history[-1]])[0], history)]
+            length.observe("decode", clock() - start)
+            length.update(0, 0)
+            return new
         if len(draft.tokens) > k:
             raise EngineError(f"speculative: drafter {self.drafter.name} proposed {len(draft.tokens)} tokens, "
                               f"asked for at most {k}.")
+        start = clock()
         rows = engine.verify([seq], [[history[-1], *draft.tokens]])[0]
+        length.observe("verify", clock() - start, len(draft.tokens))
         n, token = accept(rows, draft, sampler, history)
         engine.rollback(seq, len(draft.tokens) - n)
         self.stats.drafted += len(draft.tokens)
         self.stats.accepted += n
         if self.trace is not None:
             self.trace.append((len(draft.tokens), n))
-        self.length.update(len(draft.tokens), n)
+        length.update(len(draft.tokens), n)
         return [*draft.tokens[:n], token]
 
 

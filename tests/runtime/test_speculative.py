@@ -114,6 +114,56 @@ def test_draft_length_grows_on_full_acceptance_and_shrinks_otherwise():
         DraftLength(draft_max=0)
 
 
+def _measured(decode: float, row: float, draft: float, draft_max: int = 8) -> DraftLength:
+    length = DraftLength(draft_max=draft_max)
+    length.observe("decode", decode)
+    length.observe("verify", decode + 3 * row, drafts=3)
+    length.observe("draft", 3 * draft, drafts=3)
+    assert length.measured
+    return length
+
+
+@pytest.mark.unit
+def test_draft_length_with_measured_costs_maximises_expected_tokens_per_second():
+    # rows nearly free (a GPU) and drafts accepted: draft as far as allowed
+    length = _measured(decode=1.0, row=0.02, draft=0.0)
+    for _ in range(10):
+        length.update(length.k, length.k)
+    assert length.k == 8
+    # a draft model costing half a step per token and rows another half (this 2-core CPU): at a = 0.9,
+    # E(k) / T(k) = (1 - 0.9^(k+1)) / 0.1 / (1 + k) < 1 for every k >= 1, so plain decoding
+    length = _measured(decode=1.0, row=0.5, draft=0.5)
+    for _ in range(30):
+        length.update(10, 9)
+    assert 0.85 < length.acceptance < 0.95 and length.k == 0
+
+
+@pytest.mark.unit
+def test_draft_length_probes_after_a_run_of_plain_steps_and_recovers():
+    length = _measured(decode=1.0, row=0.3, draft=0.0)
+    for _ in range(20):
+        length.update(4, 0)  # nothing accepted: drafting does not pay
+    assert length.k == 0
+    ks = []
+    for _ in range(DraftLength.PROBE_EVERY):
+        length.update(0, 0)
+        ks.append(length.k)
+    assert ks[:-1] == [0] * (DraftLength.PROBE_EVERY - 1) and ks[-1] == DraftLength.PROBE_K
+    for _ in range(30):  # the text turned predictable: every draft accepted
+        length.update(max(length.k, 1), max(length.k, 1))
+    assert length.k >= 4
+
+
+@pytest.mark.unit
+def test_draft_length_ignores_timings_it_cannot_use():
+    length = DraftLength(draft_max=4)
+    length.observe("verify", 1.0, drafts=2)  # no decode step timed yet: no row cost
+    length.observe("draft", 1.0, drafts=0)
+    assert not length.measured
+    length.update(4, 4)
+    assert length.k == 4  # the heuristic until measured
+
+
 @pytest.mark.unit
 def test_greedy_acceptance_is_the_longest_match_then_the_targets_token():
     rows = np.full((4, 6), -1.0, dtype=np.float32)

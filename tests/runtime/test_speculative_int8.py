@@ -5,8 +5,8 @@ plain decoding's ids under the precision in use, not only under f32.
 Tolerance: the matmuls of a verify row and of a decode step are the same integer kernels on the same 8-bit rows;
 the attention is prefill's kernel in one and decode's in the other, which round differently (~1e-7 of the
 logits). An activation within that noise of an 8-bit rounding boundary then quantizes to the neighbouring value and
-moves later logits by ~1e-3-1e-2 (tests/schedules/test_cpu_int8_model.py), so rows must agree to 1e-5 in the
-median and 5e-2 at worst (measured: 0 to 5e-7). Greedy ids must therefore be equal, except that they may part at a
+moves later logits by ~1e-3-1e-2 (tests/schedules/test_cpu_int8_model.py), so rows must agree to 5e-2 at worst,
+and to 1e-5 in a draw that crosses no boundary (measured: 0 to 5e-7). Greedy ids must therefore be equal, except that they may part at a
 near tie of plain decoding's logits (seen in about 1 run in 5 on these random-weight models, at gaps of 0.5-0.7% of
 the row's largest logit).
 """
@@ -46,17 +46,24 @@ def engines(tmp_path_factory):
 
 
 def test_int8_artifact_exports_verify_with_decodes_numbers(engines, rng):
+    """Every row within the boundary-crossing bound; and, since a crossing (at any row: its K and V then move every
+    later row too) happens in roughly one draw in six, some of up to six fresh draws with every row at decode's
+    numbers up to the attention's rounding (a median bound over one draw failed about one CI run in twenty)."""
     target = engines[0]
     assert "verify" in target.contract.functions
-    with target.sequence() as seq:
-        target.prefill([seq], [rng.integers(0, target.vocab_size, 19).tolist()])
-        fed = rng.integers(0, target.vocab_size, 8).tolist()
-        want = np.stack([target.decode([seq], [t])[0] for t in fed])
-        target.rollback(seq, len(fed))
-        (got,) = target.verify([seq], [fed])
-    errors = [rel_err(g, w) for g, w in zip(got, want, strict=True)]
-    print(f"verify vs decode rows, rel errors: {np.array(errors)}")
-    assert float(np.median(errors)) <= 1e-5 and max(errors) <= 5e-2
+    for _ in range(6):
+        with target.sequence() as seq:
+            target.prefill([seq], [rng.integers(0, target.vocab_size, 19).tolist()])
+            fed = rng.integers(0, target.vocab_size, 8).tolist()
+            want = np.stack([target.decode([seq], [t])[0] for t in fed])
+            target.rollback(seq, len(fed))
+            (got,) = target.verify([seq], [fed])
+        errors = [rel_err(g, w) for g, w in zip(got, want, strict=True)]
+        print(f"verify vs decode rows, rel errors: {np.array(errors)}")
+        assert max(errors) <= 5e-2
+        if max(errors) <= 1e-5:
+            return
+    pytest.fail("every draw crossed an 8-bit rounding boundary: verify's rows are not decode's numbers")
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
