@@ -129,7 +129,9 @@ def collect(*runs: Path) -> dict[str, Any]:
             if "error" not in e and bandwidth and e.get("weight_bytes_per_token") and e.get("decode_b1"):
                 e["roofline_tok_s"] = roofline_tok_s(bandwidth, e["weight_bytes_per_token"])
                 e["roofline_fraction"] = e["decode_b1"] / e["roofline_tok_s"]
-    return {"workloads": workloads, "bandwidth_gb_s": bandwidth, "bandwidths_measured_gb_s": bandwidths}
+    replays = [r for r in (_load(run / "spec-replay.json") for run in runs) if r]
+    return {"workloads": workloads, "bandwidth_gb_s": bandwidth, "bandwidths_measured_gb_s": bandwidths} | (
+        {"spec_replay": replays[-1]} if replays else {})
 
 
 def _engine_rows(folder: Path) -> dict[str, dict[str, Any]]:
@@ -220,7 +222,35 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{len(o.get('ids_mismatched', [])) if o else 'n/a'} | {_fmt(b.get('max_rel_diff'), '.1e')} | "
                      + (f"{paths} | " if with_paths else "") + f"{'yes' if ok else 'NO'} |")
     lines += _profile_lines(res["workloads"])
+    lines += spec_replay_lines(res.get("spec_replay"))
     return "\n".join(lines) + "\n"
+
+
+def spec_replay_lines(replay: dict[str, Any] | None) -> list[str]:
+    """benchmarks/h200/spec_replay.py's verify costs and replayed speed-ups (issue 14)."""
+    if not replay:
+        return []
+    t, d = replay["target"], replay["draft"]
+    lines = ["", "Speculative decoding replayed (benchmarks/h200/spec_replay.py): the pair's shapes, each step's "
+             "drafted and accepted counts from the CPU run's trace. Verify of S rows of one sequence after a "
+             f"{t['context']}-token prompt, against one greedy decode step (target: {replay['target_decode_path']}; "
+             f"draft: {replay['draft_decode_path']}):", "",
+             "| S rows | target verify ms | × a target decode step | draft verify ms |", "|---|---|---|---|",
+             f"| decode step | {t['decode_ms']:.3f} | 1.00 | {d['decode_ms']:.3f} |"]
+    for rows, ms in t["verify_ms"].items():
+        lines.append(f"| {rows} | {ms:.3f} | {ms / t['decode_ms']:.2f} | {d['verify_ms'][rows]:.3f} |")
+    lines += ["", "| task | drafter | prompts | tokens | plain tok/s | speculative tok/s | speed-up | tokens per "
+              "target step |", "|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in replay["rows"]:
+        for name, r in row["drafters"].items():
+            groups.setdefault((row["task"], name), []).append(r)
+    for (task, name), rs in groups.items():
+        tokens, plain_s, spec_s = (sum(r[k] for r in rs) for k in ("tokens", "plain_s", "s"))
+        steps, accepted = sum(r["steps"] for r in rs), sum(r["accepted"] for r in rs)
+        lines.append(f"| {task} | {name} | {len(rs)} | {tokens} | {tokens / plain_s:,.0f} | {tokens / spec_s:,.0f} | "
+                     f"{plain_s / spec_s:.2f}× | {(accepted + steps) / steps if steps else 0:.2f} |")
+    return lines
 
 
 def _records_decode_path(res: dict[str, Any]) -> bool:

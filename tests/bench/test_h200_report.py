@@ -127,3 +127,19 @@ def test_tuned_vs_untuned_pairs_each_workloads_two_artifacts(report, tmp_path):
     assert "400 / 320 (1.25×)" in text and "10,000 / 8,000 (1.25×)" in text and "| n/a |" in text
     with pytest.raises(SystemExit, match="ours-untuned"):
         report.tuned_vs_untuned((tmp_path / "out",), tmp_path / "x", "cmd")
+
+
+def test_spec_replay_section_sums_each_task_and_drafter(report, tmp_path):
+    fabricate(tmp_path)
+    replay = {"target_decode_path": "megakernel for 1-2 sequences", "draft_decode_path": "per-op",
+              "target": {"context": 256, "decode_ms": 2.0, "verify_ms": {"1": 2.5, "8": 4.0}},
+              "draft": {"context": 256, "decode_ms": 1.0, "verify_ms": {"1": 1.5, "8": 2.0}},
+              "rows": [{"task": "humaneval", "name": f"HumanEval/{i}", "prompt_tokens": 90,
+                        "drafters": {"draft model": {"tokens": 10, "s": 0.01, "plain_s": 0.02, "steps": 3,
+                                                     "accepted": 6}}} for i in range(2)]}
+    (tmp_path / "spec-replay.json").write_text(json.dumps(replay))
+    res = report.collect(tmp_path)
+    lines = report.spec_replay_lines(res["spec_replay"])
+    assert "| 8 | 4.000 | 2.00 | 2.000 |" in lines
+    assert "| humaneval | draft model | 2 | 20 | 500 | 1,000 | 2.00× | 3.00 |" in lines
+    assert report.spec_replay_lines(report.collect(tmp_path / "tiny").get("spec_replay")) == []

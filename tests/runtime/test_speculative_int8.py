@@ -6,9 +6,9 @@ Tolerance: the matmuls of a verify row and of a decode step are the same integer
 the attention is prefill's kernel in one and decode's in the other, which round differently (~1e-7 of the
 logits). An activation within that noise of an 8-bit rounding boundary then quantizes to the neighbouring value and
 moves later logits by ~1e-3-1e-2 (tests/schedules/test_cpu_int8_model.py), so rows must agree to 5e-2 at worst,
-and to 1e-5 in a draw that crosses no boundary (measured: 0 to 5e-7). Greedy ids must therefore be equal, except that they may part at a
-near tie of plain decoding's logits (seen in about 1 run in 5 on these random-weight models, at gaps of 0.5-0.7% of
-the row's largest logit).
+and to 1e-5 in a draw that crosses no boundary (measured: 0 to 5e-7). Greedy ids must therefore be equal, except
+that they may part at a near tie of plain decoding's logits (seen in about 1 run in 5 on these random-weight models,
+at gaps of 0.5-0.7% of the row's largest logit).
 """
 
 from __future__ import annotations
