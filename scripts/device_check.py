@@ -61,7 +61,7 @@ def prepare(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     # the folder is this script's own output: a re-run replaces the artifact it wrote
     artifact = compile_model(gguf, args.target, out / "artifact", use_cache=not args.no_cache, overwrite=True,
-                             precision=args.precision)
+                             precision=args.precision, megakernel=not args.no_megakernel)
     build_s = time.perf_counter() - start
     precision = json.loads((artifact / "manifest.json").read_text())["kernels"]["precision"]
     (artifact / "weights.bin").unlink()  # rebuilt there from the GGUF: it would not fit the 64 MiB transfer
@@ -555,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--no-megakernel", action="store_true", help="build without the decode megakernels (compile's "
+                   "--no-megakernel): a Q4_K_M mix's per-layer weight types make a 13 MB megakernel source that nvcc "
+                   "takes over 10 minutes to compile")
     p.add_argument("--precision", choices=("auto", "f16", "f32"), default="auto",
                    help="as compile's: auto is f16 (tensor-core prefill) on CUDA; the reference emulates it")
     p.set_defaults(func=prepare)

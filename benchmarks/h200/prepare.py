@@ -65,6 +65,8 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/luce-h200-prepare"), help="where llama.cpp is unpacked")
     p.add_argument("--untuned", type=Path, help="only compile each workload without the tuning logs into this folder "
                    "(run.sh's UNTUNED: tuned vs untuned in one run); artifacts only, no reference, no weights")
+    p.add_argument("--no-megakernel", action="store_true", help="compile the workloads without decode megakernels "
+                   "(device_check.py prepare --no-megakernel)")
     args = p.parse_args()
     if args.untuned:
         return prepare_untuned(args.workloads, args.target, args.untuned)
@@ -74,7 +76,7 @@ def main() -> int:
         bundle = ["--bundle", str(args.dir / "bundle")] if i == 0 else []
         subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "prepare", "--preset", w,
                         "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16",
-                        *bundle], check=True)
+                        *bundle, *(["--no-megakernel"] if args.no_megakernel else [])], check=True)
     tgz = pack_llama_cpp(extract_llama_cpp(find_sdist(), args.work), args.dir / "peer" / "llama.cpp.tgz")
     size = sum(f.stat().st_size for f in args.dir.rglob("*") if f.is_file())
     print(f"{args.dir}: {size / 2**20:.1f} MiB to carry (llama.cpp {tgz.stat().st_size / 2**20:.1f} MiB)")

@@ -14,8 +14,9 @@
 # llama.cpp (its build is 5 of the ~7 minutes): luce-compile and torch only, e.g. to re-measure after a change.
 # UNTUNED=.gpucheck/h200-untuned (benchmarks/h200/prepare.py --untuned, carried too) also times each workload's
 # artifact compiled without the tuning logs, right after the tuned one: tuned vs untuned in the same run.
-# SPEC_TRACE=benchmarks/results/spec-<date>.json (with the pair among WORKLOADS, prepare.py --dir .gpucheck/spec
-# --workloads qwen2.5-coder-1.5b qwen2.5-coder-0.5b, H=.gpucheck/spec) then replays speculation on the pair.
+# SPEC_TRACE=benchmarks/results/spec-<date>.json (with the pair among WORKLOADS: prepare.py --no-megakernel --dir
+# .gpucheck/spec --workloads qwen2.5-coder-1.5b qwen2.5-coder-0.5b, and H=.gpucheck/spec) then replays speculation on
+# the pair.
 # PEROP=1 also times each artifact's decode with the per-op kernels (bench --no-megakernel): ours-perop.json.
 # An artifact with megakernels also gets profile.json (benchmarks/h200/engine_profile.py): device time a step beside
 # the host's wall clock, and one step's time task by task.
