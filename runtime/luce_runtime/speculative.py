@@ -235,15 +235,17 @@ class DraftLength:
     k = 0 is a plain decode step: chosen when no draft pays (drafts rarely accepted, or rows and drafts costing about
     as much as the steps they save: a 2-core CPU, bandwidth-bound, reads nearly a step's worth of draft model per
     drafted token), with a probe of PROBE_K drafts after every PROBE_EVERY plain steps, so that a text that turns
-    predictable (a code edit reaching the unchanged lines) is noticed. Until the costs are known, transformers'
-    "heuristic" schedule for assisted generation: +2 after a step that accepted every draft, -1 after one that did
-    not, within [1, draft_max]."""
+    predictable (a code edit reaching the unchanged lines) is noticed, unless even full acceptance would gain less
+    than PROBE_GAIN (drafts that cost about a step each: no acceptance rate can pay for them). Until the costs are
+    known, transformers' "heuristic" schedule for assisted generation: +2 after a step that accepted every draft, -1
+    after one that did not, within [1, draft_max]; a caller that times its steps gets one plain step after its first
+    drafts, to time a step to compare them with."""
 
     draft_max: int
     k: int = 0
     DECAY = 0.9  # per verify step, on the acceptance counts: ~10 steps of memory
     AVERAGE = 0.2  # weight of a new timing in its exponential average
-    PROBE_EVERY, PROBE_K = 16, 2
+    PROBE_EVERY, PROBE_K, PROBE_GAIN = 16, 2, 1.2
 
     def __post_init__(self) -> None:
         if self.draft_max < 1:
@@ -262,7 +264,12 @@ class DraftLength:
         else:
             self._plain_run += 1
             heuristic = max(self.k, 1)
-        self.k = self._best() if self.measured else heuristic
+        if self.measured:
+            self.k = self._best()
+        elif drafted and "draft" in self._cost and "decode" not in self._cost:
+            self.k = 0  # the caller times its steps: one plain step, so that verify rows have a step to compare with
+        else:
+            self.k = heuristic
 
     def observe(self, kind: str, seconds: float, drafts: int = 0) -> None:
         """A timing: kind "decode" (one plain step), "verify" (a verify of `drafts` drafts plus the pending token) or
@@ -292,7 +299,10 @@ class DraftLength:
         per_draft = (c["row"] + c["draft"]) / c["decode"]
         rate = [(1 - a ** (k + 1)) / (1 - a) / (1 + k * per_draft) for k in range(self.draft_max + 1)]
         best = max(range(self.draft_max + 1), key=rate.__getitem__)
-        if best == 0 and self._plain_run >= self.PROBE_EVERY:
+        # probe only where a text that turned predictable could pay: with every draft accepted, k drafts give k + 1
+        # tokens for 1 + k per_draft steps (a probe itself costs a draft model its catch-up over the plain steps)
+        ceiling = (self.draft_max + 1) / (1 + self.draft_max * per_draft)
+        if best == 0 and self._plain_run >= self.PROBE_EVERY and ceiling >= self.PROBE_GAIN:
             return min(self.PROBE_K, self.draft_max)
         return best
 
@@ -324,6 +334,9 @@ class SpeculativeDecoder:
     stats: SpecStats = field(default_factory=SpecStats)
     length: DraftLength = field(init=False)  # kept across generations: the acceptance history of this pair
     trace: list[tuple[int, int]] | None = None  # a list: each verify step's (drafted, accepted) appended (benchmarks)
+    # the draft length from measured costs (DraftLength); False: from the acceptance alone, drafting at every step
+    # (tests that must reach every drafter's paths, on tiny models where drafting rarely pays)
+    timed_length: bool = True
 
     def __post_init__(self) -> None:
         refuse_sliding_window(self.engine, "target model")
@@ -350,11 +363,12 @@ class SpeculativeDecoder:
     def step(self, seq: int, history: list[int], sampler: Sampler, remaining: int) -> list[int]:
         """One target forward: the tokens it commits after history (1 to k + 1 of them)."""
         engine, length, clock = self.engine, self.length, time.perf_counter
+        observe = length.observe if self.timed_length else _ignore
         # a step emits up to k + 1 tokens; a verify feeds k + 1 into one prefill chunk
         k = min(length.k, remaining - 1, engine.prefill_chunk - 1)
         start = clock()
         draft = self.drafter.propose(history, k, sampler) if k > 0 else Draft([])
-        length.observe("draft", clock() - start, len(draft.tokens))
+        observe("draft", clock() - start, len(draft.tokens))
         self.stats.steps += 1
         if not draft.tokens:  # nothing to verify: a plain decode step (the GEMV path), as Engine.generate's
             start = clock()
@@ -362,7 +376,7 @@ class SpeculativeDecoder:
                 new = engine.decode_greedy([seq], [history[-1]])
             else:
                 new = [sampler.sample(engine.decode([seq], [history[-1]])[0], history)]
-            length.observe("decode", clock() - start)
+            observe("decode", clock() - start)
             length.update(0, 0)
             return new
         if len(draft.tokens) > k:
@@ -370,7 +384,7 @@ class SpeculativeDecoder:
                               f"asked for at most {k}.")
         start = clock()
         rows = engine.verify([seq], [[history[-1], *draft.tokens]])[0]
-        length.observe("verify", clock() - start, len(draft.tokens))
+        observe("verify", clock() - start, len(draft.tokens))
         n, token = accept(rows, draft, sampler, history)
         engine.rollback(seq, len(draft.tokens) - n)
         self.stats.drafted += len(draft.tokens)
@@ -379,6 +393,10 @@ class SpeculativeDecoder:
             self.trace.append((len(draft.tokens), n))
         length.update(len(draft.tokens), n)
         return [*draft.tokens[:n], token]
+
+
+def _ignore(*timing: object) -> None:
+    """DraftLength.observe's stand-in where the draft length comes from the acceptance alone."""
 
 
 # Prompts for `luce-compile bench --spec/--draft`: a code edit (the answer repeats most of the prompt, where prompt

@@ -136,6 +136,9 @@ def test_draft_length_with_measured_costs_maximises_expected_tokens_per_second()
     for _ in range(30):
         length.update(10, 9)
     assert 0.85 < length.acceptance < 0.95 and length.k == 0
+    for _ in range(3 * DraftLength.PROBE_EVERY):  # nothing to probe for: even full acceptance would gain < 6%
+        length.update(0, 0)
+        assert length.k == 0
 
 
 @pytest.mark.unit
@@ -152,6 +155,20 @@ def test_draft_length_probes_after_a_run_of_plain_steps_and_recovers():
     for _ in range(30):  # the text turned predictable: every draft accepted
         length.update(max(length.k, 1), max(length.k, 1))
     assert length.k >= 4
+
+
+@pytest.mark.unit
+def test_draft_length_times_a_plain_step_after_its_first_timed_drafts():
+    length = DraftLength(draft_max=6)
+    length.observe("draft", 0.3, drafts=3)
+    length.update(3, 3)
+    assert length.k == 0  # a plain step to time
+    length.observe("decode", 1.0)
+    length.update(0, 0)
+    assert length.k >= 1 and not length.measured
+    length.observe("verify", 1.5, drafts=1)
+    length.update(1, 1)
+    assert length.measured
 
 
 @pytest.mark.unit
@@ -217,7 +234,7 @@ def test_rejection_sampling_gives_the_target_distribution():
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", ["ngram", "q4", "other", "self"])
 def test_greedy_speculation_gives_plain_decodings_ids(name, target, drafts, rng):
-    decoder = SpeculativeDecoder(target, drafter_of(name, target, drafts), draft_max=6)
+    decoder = SpeculativeDecoder(target, drafter_of(name, target, drafts), draft_max=6, timed_length=False)
     params = SamplingParams(temperature=0, max_tokens=40)
     for prompt in prompts(rng, target.vocab_size, 24):
         assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params)), prompt
@@ -231,9 +248,21 @@ def test_greedy_speculation_gives_plain_decodings_ids(name, target, drafts, rng)
 
 
 @pytest.mark.e2e
+def test_draft_length_from_measured_costs_keeps_plain_decodings_ids(target, drafts, rng):
+    """The default draft length (timed steps, plain steps where drafting does not pay) changes when the target
+    verifies, never what it commits."""
+    decoder = SpeculativeDecoder(target, drafter_of("q4", target, drafts), draft_max=6)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    for prompt in prompts(rng, target.vocab_size, 8):
+        assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params)), prompt
+    assert decoder.length.measured and decoder.stats.drafted > 0, decoder.stats
+
+
+@pytest.mark.e2e
 def test_stops_end_speculation_where_they_end_plain_decoding(target, drafts, rng):
     """A stop token or stop string inside a step's accepted drafts ends the output there, as in plain decoding."""
-    decoder = SpeculativeDecoder(target, drafter_of("self", target, drafts), draft_max=6)  # every draft accepted
+    decoder = SpeculativeDecoder(target, drafter_of("self", target, drafts), draft_max=6,  # every draft accepted
+                                 timed_length=False)
     prompt = [int(t) for t in rng.integers(0, target.vocab_size, 10)]
     full = list(target.generate(prompt, SamplingParams(temperature=0, max_tokens=30)))
     stop_token = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(full[13],))
@@ -252,7 +281,7 @@ def test_caches_after_speculation_are_plain_decodings(temperature, target, draft
     last token (the next input) and scores the next token as a fresh prefill of that history does; the draft model's
     cache, re-synced, drafts what a fresh draft sequence drafts."""
     drafter = DraftModel(drafts["q4"], target)
-    decoder = SpeculativeDecoder(target, drafter, draft_max=5)
+    decoder = SpeculativeDecoder(target, drafter, draft_max=5, timed_length=False)
     sampler = Sampler(SamplingParams(temperature=temperature, seed=3))
     history = [int(t) for t in rng.integers(0, target.vocab_size, 9)]
     seq = target.add_sequence()
@@ -310,7 +339,7 @@ def test_sampled_speculation_has_the_targets_distribution(target, drafts):
         joint |= {(int(t1), int(t2)): float(p1[t1] * p2[t2]) for t2 in np.flatnonzero(p2)}
     cells = sorted(joint)
     for drafter in (DraftModel(drafts["q4"], target), PointDrafter(DraftModel(drafts["q4"], target))):
-        decoder = SpeculativeDecoder(target, drafter, draft_max=2)
+        decoder = SpeculativeDecoder(target, drafter, draft_max=2, timed_length=False)
         seen = Counter(tuple(list(decoder.generate(prompt, replace(params, seed=seed)))[:2]) for seed in range(1000))
         assert set(seen) <= set(cells), (drafter.name, seen)
         counts = np.array([seen[c] for c in cells], dtype=np.float64)

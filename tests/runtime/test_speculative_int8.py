@@ -73,7 +73,7 @@ def test_greedy_speculation_on_int8_gives_plain_decodings_ids(engines, drafter, 
 
     target, draft = engines
     decoder = SpeculativeDecoder(target, NgramDrafter() if drafter == "ngram" else DraftModel(draft, target),
-                                 draft_max=6)
+                                 draft_max=6, timed_length=False)
     params = SamplingParams(temperature=0, max_tokens=24)
     # prompt lookup drafts only where the greedy ids repeat an earlier n-gram, which a random-weight model may not do
     # on any of six prompts (CI saw drafted == 0 once): go on, up to 40 prompts, until something was drafted
@@ -124,7 +124,7 @@ def test_int8_draft_model_catches_up_through_verify(engines, rng, monkeypatch):
 
     for name in calls:
         monkeypatch.setattr(mirror, name, counting(name))
-    decoder = SpeculativeDecoder(target, DraftModel(mirror, target), draft_max=4)
+    decoder = SpeculativeDecoder(target, DraftModel(mirror, target), draft_max=4, timed_length=False)
     params = SamplingParams(temperature=0, max_tokens=20)
     # longer than VERIFY_ROWS: the prompt itself goes through prefill
     prompts = [rng.integers(0, target.vocab_size, int(rng.integers(20, 40))).tolist() for _ in range(3)]
