@@ -15,8 +15,8 @@ A step emits between 1 and k + 1 tokens. p_i is the Sampler's distribution (pena
 with the accepted drafts in the history, so speculation changes speed, never what is sampled.
 
 Drafters: NgramDrafter (prompt lookup over prompt + output, as llama.cpp's lookup decoding: no model) and DraftModel
-(a second Engine on a smaller artifact with the same vocabulary). The draft length adapts to the acceptance history
-and to the measured costs of verify rows and drafts (DraftLength): none when drafting does not pay. Chains only:
+(a second Engine on a smaller artifact with the same vocabulary). The draft length adapts to the acceptance history,
+and drafting stops where the measured costs of verify rows and drafts say it does not pay (DraftLength). Chains only:
 token trees (issue 14's tree verify) need the compiled tree-attention path.
 """
 
@@ -224,22 +224,24 @@ def accept(rows: np.ndarray, draft: Draft, sampler: Sampler, history: Sequence[i
 
 @dataclass
 class DraftLength:
-    """How many tokens to draft next.
+    """How many tokens to draft next: transformers' "heuristic" schedule for assisted generation (+2 after a step
+    that accepted every draft, -1 after one that did not, within [1, draft_max]: it rides the runs of accepted drafts
+    that code edits make), and, once the costs are measured, plain decoding (k = 0) wherever no draft pays.
 
-    Once the costs are measured (SpeculativeDecoder times its steps and calls observe(): a plain decode step, a
-    verify's extra cost per row, the drafter's cost per drafted token, each an exponential average), the k in
-    [0, draft_max] with the most expected tokens per second, E(k) / T(k):
+    SpeculativeDecoder times its steps and calls observe(): a plain decode step, a verify's extra cost per row, the
+    drafter's cost per drafted token (exponential averages). Drafting pays when some k in [1, draft_max] has more
+    expected tokens per second than a plain step, E(k) / T(k) > 1:
       E(k) = (1 - a^(k+1)) / (1 - a)   tokens a step commits when each draft is accepted with probability a,
                                        a = accepted / (accepted + rejections) over the decayed history
-      T(k) = decode + k (row + draft)  its cost
-    k = 0 is a plain decode step: chosen when no draft pays (drafts rarely accepted, or rows and drafts costing about
-    as much as the steps they save: a 2-core CPU, bandwidth-bound, reads nearly a step's worth of draft model per
-    drafted token), with a probe of PROBE_K drafts after every PROBE_EVERY plain steps, so that a text that turns
-    predictable (a code edit reaching the unchanged lines) is noticed, unless even full acceptance would gain less
-    than PROBE_GAIN (drafts that cost about a step each: no acceptance rate can pay for them). Until the costs are
-    known, transformers' "heuristic" schedule for assisted generation: +2 after a step that accepted every draft, -1
-    after one that did not, within [1, draft_max]; a caller that times its steps gets one plain step after its first
-    drafts, to time a step to compare them with."""
+      T(k) = 1 + k (row + draft) / decode   its cost in plain steps
+    It does not when drafts are rarely accepted, or when rows and drafts cost about as much as the steps they save
+    (this 2-core CPU, bandwidth-bound, reads nearly a step's worth of draft model per drafted token). Then plain steps,
+    with a probe of PROBE_K drafts after every PROBE_EVERY of them, so that a text that turns predictable (a code edit
+    reaching the unchanged lines) is noticed, unless even full acceptance would gain less than PROBE_GAIN (drafts
+    costing about a step each: no acceptance rate can pay for them). A caller that times its steps gets one plain
+    step after its first drafts, to time a step to compare them with. (The expected-rate model alone, choosing k by
+    E(k) / T(k), was tried and measured: with a decayed mean acceptance it drafts too little inside the runs of a code
+    edit, 1.37x where the heuristic gets 1.52x; benchmarks/README.md.)"""
 
     draft_max: int
     k: int = 0
@@ -264,12 +266,15 @@ class DraftLength:
         else:
             self._plain_run += 1
             heuristic = max(self.k, 1)
-        if self.measured:
-            self.k = self._best()
-        elif drafted and "draft" in self._cost and "decode" not in self._cost:
-            self.k = 0  # the caller times its steps: one plain step, so that verify rows have a step to compare with
-        else:
+        if not self.measured:
+            untimed = drafted and "draft" in self._cost and "decode" not in self._cost
+            self.k = 0 if untimed else heuristic  # untimed: one plain step, for verify rows to compare with
+        elif self._pays():
             self.k = heuristic
+        elif self._plain_run >= self.PROBE_EVERY and self._ceiling() >= self.PROBE_GAIN:
+            self.k = min(self.PROBE_K, self.draft_max)
+        else:
+            self.k = 0
 
     def observe(self, kind: str, seconds: float, drafts: int = 0) -> None:
         """A timing: kind "decode" (one plain step), "verify" (a verify of `drafts` drafts plus the pending token) or
@@ -294,17 +299,16 @@ class DraftLength:
         """a, with a prior of one accepted and one rejected draft."""
         return (self._accepted + 1) / (self._accepted + self._rejected + 2)
 
-    def _best(self) -> int:
-        a, c = self.acceptance, self._cost
-        per_draft = (c["row"] + c["draft"]) / c["decode"]
-        rate = [(1 - a ** (k + 1)) / (1 - a) / (1 + k * per_draft) for k in range(self.draft_max + 1)]
-        best = max(range(self.draft_max + 1), key=rate.__getitem__)
-        # probe only where a text that turned predictable could pay: with every draft accepted, k drafts give k + 1
-        # tokens for 1 + k per_draft steps (a probe itself costs a draft model its catch-up over the plain steps)
-        ceiling = (self.draft_max + 1) / (1 + self.draft_max * per_draft)
-        if best == 0 and self._plain_run >= self.PROBE_EVERY and ceiling >= self.PROBE_GAIN:
-            return min(self.PROBE_K, self.draft_max)
-        return best
+    def _per_draft(self) -> float:
+        return (self._cost["row"] + self._cost["draft"]) / self._cost["decode"]
+
+    def _pays(self) -> bool:
+        a, per_draft = self.acceptance, self._per_draft()
+        return any((1 - a ** (k + 1)) / (1 - a) > 1 + k * per_draft for k in range(1, self.draft_max + 1))
+
+    def _ceiling(self) -> float:
+        """Tokens per plain step's time with every draft accepted, at draft_max."""
+        return (self.draft_max + 1) / (1 + self.draft_max * self._per_draft())
 
 
 @dataclass

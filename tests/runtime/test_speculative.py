@@ -124,7 +124,7 @@ def _measured(decode: float, row: float, draft: float, draft_max: int = 8) -> Dr
 
 
 @pytest.mark.unit
-def test_draft_length_with_measured_costs_maximises_expected_tokens_per_second():
+def test_draft_length_with_measured_costs_drafts_where_it_pays_and_decodes_plainly_where_not():
     # rows nearly free (a GPU) and drafts accepted: draft as far as allowed
     length = _measured(decode=1.0, row=0.02, draft=0.0)
     for _ in range(10):
