@@ -69,10 +69,17 @@ def test_h200_report_record(path: Path, report):
     doc = json.loads(path.read_text())
     meta, res = doc["meta"], doc["results"]
     assert meta["gpu"].startswith("NVIDIA") and meta["runs"] and meta["command"]
-    assert set(res) == {"workloads", "bandwidth_gb_s", "bandwidths_measured_gb_s"}
+    assert set(res) - {"spec_replay"} == {"workloads", "bandwidth_gb_s", "bandwidths_measured_gb_s"}
     assert all(_positive(b) for b in res["bandwidths_measured_gb_s"])
     assert res["bandwidth_gb_s"] == statistics.median_high(res["bandwidths_measured_gb_s"])
-    assert set(res["workloads"]) == set(report.WORKLOADS)
+    if "spec_replay" in res:  # issue 14's run: the speculation pair, and the replay's verify costs and speed-ups
+        assert set(res["workloads"]) == {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"}
+        replay = res["spec_replay"]
+        assert all(_positive(ms) for side in ("target", "draft") for ms in replay[side]["verify_ms"].values())
+        assert replay["rows"] and all(_positive(d["s"]) and _positive(d["plain_s"])
+                                      for r in replay["rows"] for d in r["drafters"].values())
+    else:
+        assert set(res["workloads"]) == set(report.WORKLOADS)
     for name, w in res["workloads"].items():
         engines = list(w["engines"])  # the per-op row (run.sh PEROP=1) after the three engines, where timed
         assert engines in (list(report.ENGINES), [*report.ENGINES, report.PER_OP]), name
