@@ -45,6 +45,11 @@ REL_TOL, NEAR_TIE, BATCH_TOL = 1e-3, 0.05, 1e-4
 # 3.3e-3 when its inputs are perturbed by 1e-6 before the rounding (SmolLM2 shape, random weights). The kernels
 # alone are held to 1e-5 of the emulation (`gemm` below: at most 1.2e-5 measured, k = 8192).
 REL_TOL_F16 = 1e-2
+# --megakernel-q8's decode against the oracle with the rounding emulated, and against the per-op path (float
+# activations): float32 arithmetic puts some activations on the other side of an 8-bit rounding boundary than
+# float64 does, each such flip moving later logits by ~1e-2 (scripts/megakernel_check.py: Q8_REL_TOL); the per-op
+# path differs by the rounding itself (4-5e-2 on tiny models). A wrong dot product is O(1) off.
+REL_TOL_Q8 = 0.1
 # TVM's python package less what only the compiler needs (libtvm_compiler.so alone is 248 MB)
 TVM_SKIP = ("lib/libtvm_compiler.so", "3rdparty", "src", "include", "web", "__pycache__")
 
@@ -61,38 +66,64 @@ def prepare(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     # the folder is this script's own output: a re-run replaces the artifact it wrote
     artifact = compile_model(gguf, args.target, out / "artifact", use_cache=not args.no_cache, overwrite=True,
-                             precision=args.precision, megakernel=not args.no_megakernel)
+                             precision=args.precision, megakernel=not args.no_megakernel,
+                             megakernel_q8=args.megakernel_q8)
     build_s = time.perf_counter() - start
     precision = json.loads((artifact / "manifest.json").read_text())["kernels"]["precision"]
     (artifact / "weights.bin").unlink()  # rebuilt there from the GGUF: it would not fit the 64 MiB transfer
     prompt = [int(t) for t in np.random.default_rng(args.seed).integers(1, 49152, args.prompt_len)]
     # precision f16: matmuls of more rows than the last low-batch bucket run on tensor cores
-    ids, logits = _oracle_trace(gguf, prompt, args.steps, half_above=LOW_BATCH[-1][0] if precision == "f16" else None)
+    from luce_compile.fuse.build import Q8_ORDER
+
+    q8 = tuple(Q8_ORDER) if args.megakernel_q8 else ()  # the megakernel decodes, rounding as llama.cpp
+    ids, logits = _oracle_trace(gguf, prompt, args.steps, half_above=LOW_BATCH[-1][0] if precision == "f16" else None,
+                                q8_types=q8, q8_decode_only=True)
     np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
     (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name, "target": args.target,
+                                               "megakernel_q8": args.megakernel_q8,
                                                "precision": precision, "build_seconds": round(build_s, 1)}))
     if args.bundle:
         make_bundle(Path(args.bundle))
     print(json.dumps({"dir": str(out), "build_seconds": round(build_s, 1), "reference_rows": len(logits)}))
 
 
-def _oracle_trace(gguf: Path, prompt: list[int], steps: int,
-                  half_above: int | None = None) -> tuple[list[int], np.ndarray]:
+def _oracle_trace(gguf: Path, prompt: list[int], steps: int, half_above: int | None = None,
+                  q8_types: tuple[str, ...] = (), half_kv: bool = False,
+                  q8_decode_only: bool = False) -> tuple[list[int], np.ndarray]:
     """The oracle's greedy trace; half_above=N rounds both operands of the matmuls of more than N rows to float16
-    (precision f16's tensor-core GEMMs; the logits rows asked of the LM head stay float32, as in the build)."""
+    (precision f16's tensor-core GEMMs; the logits rows asked of the LM head stay float32, as in the build);
+    q8_types: the weight types whose matmul inputs are rounded to llama.cpp's 8-bit blocks (the megakernel's
+    q8_activations); half_kv: keys and values rounded to float16 as a float16 KV cache stores them (with 8-bit
+    activations a check must emulate it: its ~1e-3 moves activations across rounding boundaries, and the logits
+    by ~2e-2, measured on tiny-llama); q8_decode_only: the rounding in decode steps only (an artifact built with
+    --megakernel-q8: the megakernel decodes, the per-op kernels prefill)."""
     from luce_compile.graph.oracle import Oracle
+    from luce_compile.graph.rounding import GgmlRounding
 
-    class FastOracle(Oracle):  # 2-D operands take numpy's BLAS path (the oracle's formula, ~20x faster)
+    class Base(GgmlRounding):
+        def __init__(self, source):
+            super().__init__(source, types=q8_types, gelu_table=False)
+
+    class FastOracle(Base if q8_types else Oracle):  # 2-D operands: numpy's BLAS path (the same formula, ~20x faster)
+        decoding = False
+
+        def _plain_or_rounded(self, op, x2):
+            if q8_decode_only and not self.decoding:
+                return Oracle._matmul(self, op, x2)
+            return super()._matmul(op, x2)
+
         def _matmul(self, op, x):
             x2 = x.reshape(-1, x.shape[-1])
             if half_above is not None and len(x2) > half_above:
                 y = _half(x2) @ _half(self.weight(op.weights["weight"])).T
                 y = y + self.weight(op.weights["bias"]) if "bias" in op.weights else y
             else:
-                y = super()._matmul(op, x2)
+                y = self._plain_or_rounded(op, x2)
             return y.reshape(*x.shape[:-1], y.shape[-1])
 
         def _attention(self, op, q, k, v, positions):
+            if half_kv:
+                k, v = _half(k), _half(v)
             # a prefill from an empty cache runs the tensor-core kernel: Q, K and V rounded to float16 there (the
             # cache keeps them float32; P's rounding is not emulated)
             if half_above is None or op.attrs["layer"] in self._kv or q.shape[1] < 2:
@@ -102,11 +133,12 @@ def _oracle_trace(gguf: Path, prompt: list[int], steps: int,
             return out
 
         def _lm_head(self, op, x):  # the build computes only the last row's logits in a prefill
-            y = super()._matmul(op, x.reshape(-1, x.shape[-1]))
+            y = self._plain_or_rounded(op, x.reshape(-1, x.shape[-1]))
             return y.reshape(*x.shape[:-1], y.shape[-1])
 
     oracle = FastOracle(gguf)
     rows = [oracle.prefill(prompt)[-1]]
+    oracle.decoding = True
     ids = []
     for _ in range(steps):
         ids.append(int(np.argmax(rows[-1])))
@@ -191,9 +223,11 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got.astype(np.float64) - want).max() / np.abs(want).max())
 
 
-def near_tie(row: np.ndarray) -> bool:
-    """The best two logits of a reference row closer than NEAR_TIE: its greedy id is not a fair check."""
-    return float(np.diff(np.partition(row, -2)[-2:])[0]) < NEAR_TIE
+def near_tie(row: np.ndarray, tol: float = 0.0) -> bool:
+    """The best two logits of a reference row closer than NEAR_TIE, or than `tol` of the row's largest (the
+    check's tolerance): its greedy id is not a fair check."""
+    gap = float(np.diff(np.partition(row, -2)[-2:])[0])
+    return gap < NEAR_TIE or gap < tol * float(np.abs(row).max())
 
 
 def check_oracle(engine, ref, tol: float = REL_TOL) -> dict:
@@ -203,7 +237,7 @@ def check_oracle(engine, ref, tol: float = REL_TOL) -> dict:
     rows += [engine.decode([seq], [t])[0] for t in ids[:len(want) - 1]]  # teacher-forced with the oracle's ids
     engine.remove_sequence(seq)
     errs = [_rel(g, w) for g, w in zip(rows, want, strict=True)]
-    first_tie = next((i for i, w in enumerate(want) if near_tie(w)), len(want))
+    first_tie = next((i for i, w in enumerate(want) if near_tie(w, tol)), len(want))
     mismatched = [i for i in range(first_tie) if int(np.argmax(rows[i])) != ids[i]]
     return {"steps": len(want) - 1, "max_rel_err": max(errs), "prefill_rel_err": errs[0],
             "ids_checked": first_tie, "ids_mismatched": mismatched,
@@ -243,12 +277,13 @@ def check_batched(engine, sizes: tuple[int, ...] = (2, 5, 8), steps: int = 16, s
     return {"sequences": list(sizes), "steps": steps, "max_rel_diff": worst, "ok": worst <= BATCH_TOL}
 
 
-def check_paths(engine, per_op, steps: int = 64, seed: int = 2) -> dict:
+def check_paths(engine, per_op, steps: int = 64, seed: int = 2, tol: float = BATCH_TOL) -> dict:
     """The megakernel's decode against the per-op kernels' on the same artifact: one prefill each (the same
     kernels), then greedy steps teacher-forced with the per-op ids, at batch 1 and at 3 sequences (the batch-4
     kernel with a repeated padding row). Both decode in float32 over the same float32 pages; they differ only in
     summation order, so the logits must agree to 1e-4 of the row's largest (BATCH_TOL) and the ids until a near tie.
-    The megakernel's argmax on the device (decode_greedy) must be the argmax of its own logits, every id."""
+    The megakernel's argmax on the device (decode_greedy) must be the argmax of its own logits, every id. A
+    megakernel with 8-bit activations (--megakernel-q8) differs by their rounding: `tol` = REL_TOL_Q8."""
     rng = np.random.default_rng(seed)
     worst, mismatched, checked, device_ids, device_mismatched = 0.0, 0, 0, 0, 0
     for n_seq in (1, 3):
@@ -279,12 +314,12 @@ def check_paths(engine, per_op, steps: int = 64, seed: int = 2) -> dict:
         for got, want in zip(rows["mk"][1:], rows["op"][1:], strict=True):
             for g, w in zip(got, want, strict=True):
                 worst = max(worst, _rel(g, w))
-                if not near_tie(w):
+                if not near_tie(w, tol):
                     checked += 1
                     mismatched += int(np.argmax(g)) != int(np.argmax(w))
     return {"steps": steps, "sequences": [1, 3], "max_rel_diff": worst, "ids_checked": checked,
             "ids_mismatched": mismatched, "device_ids": device_ids, "device_ids_mismatched": device_mismatched,
-            "ok": worst <= BATCH_TOL and mismatched == 0 and device_mismatched == 0}
+            "tolerance": tol, "ok": worst <= tol and mismatched == 0 and device_mismatched == 0}
 
 
 def time_engine(engine, prompt_len: int = 512, prefill_lens: tuple[int, ...] = (2048,), steps: int = 128) -> dict:
@@ -336,12 +371,14 @@ def run(args: argparse.Namespace) -> int:
     if kernels.get("tuning"):  # how many kernels took tuning records (the H200 report says so)
         result["tuning"] = {k: kernels["tuning"][k] for k in ("tuned", "default", "files")}
     half = result["spec"].get("precision", "f32") == "f16"
-    checks = {"oracle": check_oracle(engine, np.load(folder / "reference.npz"), REL_TOL_F16 if half else REL_TOL),
+    q8 = bool(engine.artifact.manifest.get("megakernel", {}).get("options", {}).get("q8_activations"))
+    tol = REL_TOL_Q8 if q8 else REL_TOL_F16 if half else REL_TOL
+    checks = {"oracle": check_oracle(engine, np.load(folder / "reference.npz"), tol),
               "batched": check_batched(engine, joint_prefill=not half)}
     result["decode_path"] = engine.decode_path
     if engine.megakernel is not None:
         per_op = Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=False))
-        checks["megakernel_vs_per_op"] = check_paths(engine, per_op)
+        checks["megakernel_vs_per_op"] = check_paths(engine, per_op, tol=REL_TOL_Q8 if q8 else BATCH_TOL)
         del per_op
     result["checks"] = checks
     if not args.no_timing:
@@ -558,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-megakernel", action="store_true", help="build without the decode megakernels (compile's "
                    "--no-megakernel): a Q4_K_M mix's per-layer weight types make a 13 MB megakernel source that nvcc "
                    "takes over 10 minutes to compile")
+    p.add_argument("--megakernel-q8", action="store_true", help="compile's --megakernel-q8; the reference rounds "
+                   "the decode steps' matmul inputs as the megakernel does")
     p.add_argument("--precision", choices=("auto", "f16", "f32"), default="auto",
                    help="as compile's: auto is f16 (tensor-core prefill) on CUDA; the reference emulates it")
     p.set_defaults(func=prepare)

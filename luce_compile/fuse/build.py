@@ -24,6 +24,12 @@ from luce_compile.lower.quant_layout import plane_specs
 log = logging.getLogger(__name__)
 
 
+# q8_activations: the weight types whose matvecs take 8-bit activations, and the order of a 32-value block's quants
+# in the words they read (emit_cuda.quantize_q8); here so that the runtime side (the checks' oracle) needs no
+# compiler import
+Q8_ORDER = {"Q4_0": "nibbles", "Q4_1": "nibbles", "Q8_0": "natural"}
+
+
 @dataclass(frozen=True)
 class MegakernelOptions:
     batches: tuple[int, ...] = (1, 2, 4, 8)
@@ -50,6 +56,12 @@ class MegakernelOptions:
     # a matvec's K passes are unrolled up to this many (every load of a step in flight at once); ncu (run6) puts 20%
     # of the warps' time in instruction-cache misses of the unrolled loops: 1 is the variant to time next
     unroll_passes: int = 4
+    # matvecs of Q4_0/Q4_1/Q8_0 weights take 8-bit activations (llama.cpp's q8_0/q8_1 blocks, the CPU int8 build's
+    # rounding) and integer dot products (dp4a): ~4x fewer instructions per weight than dequantizing to float32
+    q8_activations: bool = False
+    # shared memory a block, KiB: 44 is static (under the 48 KiB that needs no opt-in); more is dynamic shared
+    # memory, up to 99 KiB on sm_86/sm_120 and 227 on sm_90 (one block an SM: it costs no occupancy)
+    shared_kib: int = 44
 
 
 def _buffer_dtype(param) -> str:
@@ -127,7 +139,8 @@ MODULE_FILE = "megakernel.so"
 TABLES_FILE = "megakernel.npz"
 
 
-def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: str) -> tuple[dict, dict[str, Path]]:
+def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: str,
+                         q8_activations: bool = False) -> tuple[dict, dict[str, Path]]:
     """Compile the megakernels for an artifact: the manifest's "megakernel" section and the files it names
     (luce_runtime/megakernel.py reads both). The section says why when there is none: a target or model the
     generator does not cover yet is built without one, and the engine runs the per-op path."""
@@ -137,7 +150,8 @@ def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: s
         # TVM's cache keeps a sliding window's keys in a ring of pages with sinks, which the megakernel's
         # attention does not read
         return {"skipped": "sliding-window layers (TVM's cache pages them as a ring)"}, {}
-    options = MegakernelOptions(max_context=min(int(graph.config.n_ctx_train), 4096), kv_dtype=kv_dtype)
+    options = MegakernelOptions(max_context=min(int(graph.config.n_ctx_train), 4096), kv_dtype=kv_dtype,
+                                q8_activations=q8_activations)
     try:
         programs = compile_megakernels(graph, target_name, work / MODULE_FILE, options)
     except UnsupportedError as e:

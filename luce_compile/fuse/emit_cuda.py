@@ -33,16 +33,16 @@ from tvm.tirx.script.builder import ir as B
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse import program as P
-from luce_compile.fuse.build import MegakernelOptions
+from luce_compile.fuse.build import Q8_ORDER, MegakernelOptions
 from luce_compile.fuse.taskgraph import TaskKind
 from luce_compile.graph.ir import Op, OpKind
-from luce_compile.lower.quant_layout import plane_specs
+from luce_compile.lower.quant_layout import as_ggml_type, plane_specs
 from luce_compile.lower.quant_matmul import dequant_expr, exact_int_to_float
 
-SHARED_FLOATS = P.SHARED_FLOATS
 LINE = 128  # bytes per L2 prefetch
 SPIN_LIMIT = 1 << 21  # polls (~1 µs each with the back-off) before a wait gives up: seconds
 F32 = "float32"
+Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
 
 
 def i32(v: int) -> tirx.IntImm:
@@ -76,6 +76,10 @@ class MegakernelEmitter:
         self.nb = prog.batch
         self.threads, self.warps = options.threads, options.threads // 32
         self.unroll_passes = options.unroll_passes
+        self.q8 = options.q8_activations
+        self.q8_batch = max(options.batches or (self.nb,))  # a stage's q8 choice is the same at every batch size
+        # float32 words of shared memory: static up to 48 KiB, dynamic above (TVM's launch raises the limit)
+        self.shared_floats = options.shared_kib * 256
         # measured (benchmarks/README.md, run4's variants): 32 sums a lane are 10% faster at batch 8, 20% slower at 1
         self.accumulators = options.accumulators or (32 if self.nb >= 4 else 16)
 
@@ -182,7 +186,12 @@ class MegakernelEmitter:
             bx, tx = B.env_thread("blockIdx.x"), B.env_thread("threadIdx.x")
             with B.launch_thread(bx, len(p.queue_len)), B.launch_thread(tx, self.threads):
                 self.tx, self.warp, self.lane = tx, tx // 32, tx % 32
-                self.smem = B.alloc_buffer((SHARED_FLOATS,), F32, scope="shared")
+                scope = "shared.dyn" if self.shared_floats > 12 * 1024 else "shared"
+                self.smem = B.alloc_buffer((self.shared_floats,), F32, scope=scope)
+                # the same words as int32: the quantized activations (q8_activations)
+                self.smem_i = B.decl_buffer((self.shared_floats,), "int32", data=self.smem.data, scope=scope)
+                self.smem_b = B.decl_buffer((self.shared_floats * 4,), "int8", data=self.smem.data, scope=scope)
+                self.int_views: dict[int, tirx.Buffer] = {}  # int8 planes as int32 words, by buffer identity
                 self.red = B.alloc_buffer((2 * self.warps,), F32, scope="shared")
                 self.redi = B.alloc_buffer((2 * self.warps,), "int32", scope="shared")
                 self.part = B.alloc_buffer((self.warps * self.accumulators,), F32, scope="shared")  # K-slice sums
@@ -346,11 +355,11 @@ class MegakernelEmitter:
         if k_in % 8:
             raise UnsupportedError(f"fuse: a matvec input of {k_in} features is not a multiple of 8")
         env_need = max(self._env_floats(st, u, rows) for u, rows in enumerate(op.max_rows))
-        staged = nb * k_in + env_need + nb <= SHARED_FLOATS
-        if env_need + nb > SHARED_FLOATS:
+        staged = nb * k_in + env_need + nb <= self.shared_floats
+        if env_need + nb > self.shared_floats:
             raise UnsupportedError(f"fuse: a matvec tile of stage {op.stage} needs {env_need} floats of shared "
                                    "memory; build with --no-megakernel")
-        rstd_at = SHARED_FLOATS - nb  # per-sequence 1/rms of the prologue norm
+        rstd_at = self.shared_floats - nb  # per-sequence 1/rms of the prologue norm
         x_name = st.input
         norm_w = st.prologue.weights["weight"] if st.prologue is not None else None
 
@@ -368,6 +377,29 @@ class MegakernelEmitter:
         def x_at(b, k) -> tirx.Expr:  # transposed by granule: xs[(b*8 + j) * G + g] = x[b, 8g + j]
             return (b * 8 + k % 8) * granules + k // 8
 
+        order = self._q8_order(st, k_in)
+        q8_words = nb * self._q8_words(k_in)
+        if order is not None:
+            if q8_words + env_need + nb > self.shared_floats:
+                raise UnsupportedError(f"fuse: stage {op.stage}'s 8-bit input and tile need {q8_words + env_need} "
+                                       "floats of shared memory; build with a larger shared_kib or without "
+                                       "q8_activations")
+            if st.prologue is not None:  # the norm's 1/rms per sequence, in the float path's order
+                with B.serial(0, nb) as b:
+                    def read(k, b=b):
+                        v = self.local()
+                        self.store(v, 0, self.arena_at(op, x_name, b, k))
+                        return v[0]
+
+                    rstd_of(b, self.cta(self._granule_squares(granules, read)[0], "sum"))
+                    self.sync()
+            self.quantize_q8(order, k_in, xval)
+            self.sync()
+            self.phase(3)
+            for u, unit in enumerate(st.units):
+                with self.when(self.col(P.UNIT) == u):
+                    self.matvec_unit(op, st, u, unit, k_in, True, xval, q8_words, q8=order)
+            return
         if st.merged >= 0:  # the attention's split partials merged here, into shared memory (no merge tasks)
             if not staged:
                 raise UnsupportedError(f"fuse: stage {op.stage} merges attention partials but its input does not "
@@ -452,7 +484,8 @@ class MegakernelEmitter:
     def _env_floats(self, st, u: int, rows: int) -> int:
         return len(set(self._env_slots(st, u).values())) * self.nb * rows
 
-    def matvec_unit(self, op: P.Opcode, st, u: int, unit, k_in: int, staged: bool, xval, env_base: int) -> None:
+    def matvec_unit(self, op: P.Opcode, st, u: int, unit, k_in: int, staged: bool, xval, env_base: int,
+                    q8: str | None = None) -> None:
         nb, rows_max = self.nb, op.max_rows[u]
         self._cur_rows_max = rows_max
         granules = k_in // 8
@@ -488,19 +521,10 @@ class MegakernelEmitter:
                 g = slice_ * per_slice + gi * 32 + self.lane
                 exact = split == 1 and granules % 32 == 0
                 with _nothing() if exact else self.when(g < g_end):
-                    for b in range(nb):
-                        for j in range(8):
-                            x = self.smem[(b * 8 + j) * granules + g] if staged else xval(b, g * 8 + j)
-                            self.store(xv, b * 8 + j, x)
-                    for m_i, m in enumerate(unit.matmuls):
-                        for r in range(rows):
-                            row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
-                            for j in range(8):  # the granule dequantized once, into registers, for every sequence
-                                self.store(wv, j, self.dequant(op, m.weights["weight"], row, g * 8 + j))
-                            for j in range(8):
-                                for b in range(nb):
-                                    a = (m_i * rows + r) * nb + b
-                                    self.store(acc, a, acc[a] + wv[j] * xv[b * 8 + j])
+                    if q8 is not None:
+                        self._q8_pass(op, unit, rows, r0, hi, g, granules, k_in, acc)
+                    else:
+                        self._float_pass(op, unit, rows, r0, hi, g, granules, staged, xval, acc, xv, wv)
             n_acc = n_m * rows * nb
             for a in range(n_acc):
                 self.store(acc, a, T.cuda.warp_sum(acc[a]))
@@ -540,6 +564,122 @@ class MegakernelEmitter:
         if any(m.kind == OpKind.LM_HEAD for m in unit.matmuls):
             last = unit.epilogue[-1].outputs[0] if unit.epilogue else unit.matmuls[0].outputs[0]
             self.lm_partial(slots[last], env, n, rows_max, lo)
+
+    def _float_pass(self, op, unit, rows: int, r0, hi, g, granules: int, staged: bool, xval, acc, xv, wv) -> None:
+        """One granule (8 features) of `rows` rows of each matmul, dequantized to float32, times every sequence."""
+        nb = self.nb
+        for b in range(nb):
+            for j in range(8):
+                x = self.smem[(b * 8 + j) * granules + g] if staged else xval(b, g * 8 + j)
+                self.store(xv, b * 8 + j, x)
+        for m_i, m in enumerate(unit.matmuls):
+            for r in range(rows):
+                row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
+                for j in range(8):  # the granule dequantized once, into registers, for every sequence
+                    self.store(wv, j, self.dequant(op, m.weights["weight"], row, g * 8 + j))
+                for j in range(8):
+                    for b in range(nb):
+                        a = (m_i * rows + r) * nb + b
+                        self.store(acc, a, acc[a] + wv[j] * xv[b * 8 + j])
+
+    # ---- 8-bit activations (q8_activations): llama.cpp's vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 -------------
+    @staticmethod
+    def _q8_words(k_in: int) -> int:
+        """Shared-memory words of one sequence's 8-bit input: the quants (4 a word), d and s/4 per block."""
+        return k_in // 4 + 2 * (k_in // Q8_BLOCK)
+
+    def _q8_order(self, st, k_in: int) -> str | None:
+        """The activation order the stage's matmuls take ("nibbles" for Q4_0/Q4_1, "natural" for Q8_0), or None
+        where it keeps float32 activations: the option is off, a weight type has no integer body here, the types
+        want different orders, the input is merged from attention partials, or the largest batch's 8-bit input
+        would take more than 3/4 of the shared memory. The choice depends on the stage and the build's largest
+        batch only, so every batch size computes a sequence alike (batched equal to alone)."""
+        if not self.q8 or st.merged >= 0 or self.q8_batch * self._q8_words(k_in) > self.shared_floats * 3 // 4:
+            return None
+        types = {as_ggml_type(self.p.graph.weights[m.weights["weight"]].ggml_type).name
+                 for unit in st.units for m in unit.matmuls}
+        orders = {Q8_ORDER.get(t) for t in types}
+        return orders.pop() if len(orders) == 1 and None not in orders else None
+
+    def quantize_q8(self, order: str, k_in: int, xval) -> None:
+        """The input (with its norm) as 8-bit blocks of 32 in shared memory, each sequence's rows on their own, as
+        ggml's x86 quantize_row_q8_0/q8_1 (lower/cpu_int8.py: the CPU build's, which the emulating oracle follows):
+        q = rint(x · 127/amax), d = fp16(amax/127), s = fp16(d · Σq) from the float32 d. A warp per block, a lane
+        per value (a thread per block, 32 dependent loads, took 4-5 µs a task on the H200).
+        Layout (32-bit words): word (b·2 + h)·G + g holds 4 quants of granule g (8 features): for "nibbles" its
+        features 2j + h (j = 0..3: the bytes of a Q4 word masked or shifted), for "natural" 4h + j; then d per
+        (b, block), then s/4 per (b, block) (each of a block's 4 granule lanes adds m·s/4)."""
+        nb, granules, blocks = self.nb, k_in // 8, k_in // Q8_BLOCK
+        d_at, s_at = nb * 2 * granules, nb * 2 * granules + nb * blocks
+        v, amax = self.local(), self.local()
+        q, qsum = self.local("int32"), self.local("int32")
+        with B.serial(0, -(-nb * blocks // self.warps)) as it:
+            pair = it * self.warps + self.warp
+            with self.when(pair < nb * blocks):  # warp-uniform: every lane reaches the shuffles
+                b, blk = pair // blocks, pair % blocks
+                self.store(v, 0, xval(b, blk * Q8_BLOCK + self.lane))
+                self.store(amax, 0, T.cuda.warp_reduce(tirx.abs(v[0]), "max", 32))
+                inv = tirx.Select(amax[0] > f32(0), f32(127) / amax[0], f32(0))
+                self.store(q, 0, tirx.nearbyint(v[0] * inv).astype("int32"))
+                self.store(qsum, 0, T.cuda.warp_reduce(q[0], "sum", 32))
+                gg, r = self.lane // 8, self.lane % 8
+                h, j = (r % 2, r // 2) if order == "nibbles" else (r // 4, r % 4)
+                self.store(self.smem_b, ((b * 2 + h) * granules + blk * 4 + gg) * 4 + j, q[0].astype("int8"))
+                with self.when(self.lane == 0):
+                    d = amax[0] / f32(127)
+                    self.store(self.smem, d_at + b * blocks + blk, d.astype("float16").astype(F32))
+                    self.store(self.smem, s_at + b * blocks + blk,
+                               (d * qsum[0].astype(F32)).astype("float16").astype(F32) * f32(0.25))
+
+    def _int_view(self, buf: tirx.Buffer) -> tirx.Buffer:
+        """An int8 plane (layers, n_out, n_in) as int32 words (layers, n_out, n_in / 4)."""
+        key = id(buf)
+        if key not in self.int_views:
+            g, n_out, n_in = (int(d) for d in buf.shape)
+            self.int_views[key] = B.decl_buffer((g, n_out, n_in // 4), "int32", data=buf.data)
+        return self.int_views[key]
+
+    def _q8_pass(self, op, unit, rows: int, r0, hi, g, granules: int, k_in: int, acc) -> None:
+        """One granule of `rows` rows of each matmul against every sequence's 8-bit activations: two dp4a a
+        (row, sequence), then d_w·(d_x·Σ) [+ m_w·s_x/4]. Q4_0 dots the stored unsigned quants and starts the sum
+        at −8·Σq_x (the integer of ggml's Σ(q − 8)·q_x)."""
+        nb, blocks = self.nb, k_in // Q8_BLOCK
+        d_at, s_at = nb * 2 * granules, nb * 2 * granules + nb * blocks
+        blk = g // 4
+        dp4a = lambda a, b, c: tirx.call_pure_extern("int32", "__dp4a", a, b, c)  # noqa: E731
+        xw, xsum, wl = self.local("int32", 2 * nb), self.local("int32", nb), self.local("int32", 2)
+        types = [as_ggml_type(self.p.graph.weights[m.weights["weight"]].ggml_type).name for m in unit.matmuls]
+        for b in range(nb):
+            for h in range(2):
+                self.store(xw, 2 * b + h, self.smem_i[(b * 2 + h) * granules + g])
+            if "Q4_0" in types:
+                ones = i32(0x01010101)
+                self.store(xsum, b, i32(-8) * dp4a(xw[2 * b + 1], ones, dp4a(xw[2 * b], ones, i32(0))))
+        for m_i, m in enumerate(unit.matmuls):
+            planes = self.weight(op, m.weights["weight"])
+            layer = self.col(P.LAYER)
+            for r in range(rows):
+                row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
+                if types[m_i] == "Q8_0":
+                    words = self._int_view(planes["qs"])
+                    w = [words[layer, row, 2 * g], words[layer, row, 2 * g + 1]]
+                else:
+                    qs = planes["qs"][layer, row, g]
+                    mask = tirx.const(0x0F0F0F0F, "uint32")
+                    w = [tirx.reinterpret("int32", qs & mask),
+                         tirx.reinterpret("int32", (qs >> tirx.const(4, "uint32")) & mask)]
+                self.store(wl, 0, w[0])
+                self.store(wl, 1, w[1])
+                dw = planes["d"][layer, row, blk].astype(F32)
+                mw = planes["m"][layer, row, blk].astype(F32) if types[m_i] == "Q4_1" else None
+                for b in range(nb):
+                    a = (m_i * rows + r) * nb + b
+                    start = xsum[b] if types[m_i] == "Q4_0" else i32(0)
+                    total = dp4a(wl[1], xw[2 * b + 1], dp4a(wl[0], xw[2 * b], start))
+                    y = acc[a] + dw * (self.smem[d_at + b * blocks + blk] * exact_int_to_float(total))
+                    if mw is not None:
+                        y = y + mw * self.smem[s_at + b * blocks + blk]
+                    self.store(acc, a, y)
 
     def _each(self, total: int, body) -> None:
         with B.serial(0, (total + self.threads - 1) // self.threads) as it:
@@ -706,7 +846,7 @@ class MegakernelEmitter:
         slots: dict[str, int] = {}
         for e in st.ops:
             slots[e.outputs[0]] = slots[e.inputs[0]] if e.kind == OpKind.RESHAPE else len(set(slots.values()))
-        if len(set(slots.values())) * w > SHARED_FLOATS:
+        if len(set(slots.values())) * w > self.shared_floats:
             raise UnsupportedError(f"fuse: a row stage of {w} features does not fit shared memory")
         b = self.col(P.ROW)
 
@@ -750,7 +890,7 @@ class MegakernelEmitter:
         q_at, p_at = 0, group * d
         o_at = p_at + self.warps * group * 32
         ml_at = o_at + self.warps * group * d
-        if ml_at + 2 * self.warps * group > SHARED_FLOATS:
+        if ml_at + 2 * self.warps * group > self.shared_floats:
             raise UnsupportedError("fuse: attention's partials for this head group do not fit shared memory")
         b, g, split = self.col(P.ROW), self.col(P.LO), self.col(P.SPLIT)
         partials = self.p.partials.get(op.stage)

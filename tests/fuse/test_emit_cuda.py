@@ -80,3 +80,42 @@ def test_the_variant_knobs_emit_kernels_without_divergent_collectives():
     source = cuda_source(emit_megakernel(prog, options=MegakernelOptions(threads=256, unroll_passes=1)))
     assert "__launch_bounds__(256)" in source
     assert divergent_collectives(source) == []
+
+
+@pytest.mark.parametrize("quant,integer", [("Q4_0", True), ("Q4_1", True), ("Q8_0", True), ("F16", False),
+                                           ("Q5_1", False)])
+def test_q8_activations_give_integer_dots_where_the_weight_type_has_them(quant, integer):
+    """q8_activations: the matvecs of Q4_0/Q4_1/Q8_0 weights quantize their input once per task (a thread per
+    32-value block) and dot 8-bit words (dp4a); other weight types keep the float32 body. The kernels' numbers are
+    checked on the H200 (scripts/megakernel_check.py, against the oracle with the rounding emulated)."""
+    import dataclasses
+
+    from luce_compile.fuse.build import MegakernelOptions
+
+    graph, _ = open_graph(cached_synthetic(dataclasses.replace(preset("tiny-llama"), quant=quant)))
+    for batch in (1, 3):
+        prog = build_program(graph, batch=batch, n_sms=8, max_context=64, kv_chunk=16)
+        source = cuda_source(emit_megakernel(prog, options=MegakernelOptions(q8_activations=True)))
+        assert ("__dp4a" in source) == integer and ("nearbyintf" in source) == integer
+        assert divergent_collectives(source) == []
+        plain = cuda_source(emit_megakernel(prog))
+        assert "__dp4a" not in plain
+
+
+def test_q8_choice_is_the_same_at_every_batch_size():
+    """A stage takes 8-bit activations only if the build's largest batch fits them in 3/4 of shared memory: then a
+    sequence is computed alike at every batch size (batched equal to alone), and a build whose largest batch does
+    not fit keeps float32 activations at batch 1 too."""
+    import dataclasses
+
+    from luce_compile.fuse.build import MegakernelOptions
+
+    graph, _ = open_graph(cached_synthetic(dataclasses.replace(preset("tiny-llama"), quant="Q4_1")))
+    prog = build_program(graph, batch=1, n_sms=8, max_context=64, kv_chunk=16)
+    fits = MegakernelOptions(q8_activations=True, batches=(1, 8))
+    assert "__dp4a" in cuda_source(emit_megakernel(prog, options=fits))
+    too_wide = dataclasses.replace(fits, batches=(1, 800))  # 800 x 64 features: over 3/4 of 44 KiB, under 3/4 of 96
+    assert "__dp4a" not in cuda_source(emit_megakernel(prog, options=too_wide))
+    wider_memory = dataclasses.replace(too_wide, shared_kib=96)  # dynamic shared memory
+    source = cuda_source(emit_megakernel(prog, options=wider_memory))
+    assert "__dp4a" in source and "extern __shared__" in source

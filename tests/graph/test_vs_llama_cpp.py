@@ -6,12 +6,12 @@ llama.cpp is not exact, and these tests name each of its roundings instead of wi
   weights, Q8_1 (the same values plus an f16 block sum used against the weight's block minimum) for Q4_1/Q5_1,
   Q8_K for K-quants; for F16 weights it rounds activations to f16 (ggml-cpu.c, type_traits_cpu[].vec_dot_type);
 - its CPU GELU reads a table indexed by the input rounded to f16 (ggml-cpu/vec.h, GGML_GELU_FP16).
-`GgmlRounding` is the oracle with exactly those roundings added. With it, synthetic models of every architecture
-and quant type agree with llama.cpp to float32 rounding (~1e-7 of the logits' scale), which proves the graph and
-the dequantization; the plain float64 oracle differs by the rounding's effect (2e-2 to 7e-2 on quantized tiny
-models). Where an activation sits within float32 noise of an 8-bit rounding boundary, llama.cpp (float32) and the
-oracle (float64) round it differently; one such flip moves later logits by ~1e-2, so the quant grid asserts that
-most models agree to 1e-5, not all.
+`GgmlRounding` (luce_compile/graph/rounding.py) is the oracle with exactly those roundings added. With it, synthetic
+models of every architecture and quant type agree with llama.cpp to float32 rounding (~1e-7 of the logits' scale),
+which proves the graph and the dequantization; the plain float64 oracle differs by the rounding's effect (2e-2 to 7e-2
+on quantized tiny models). Where an activation sits within float32 noise of an 8-bit rounding boundary, llama.cpp
+(float32) and the oracle (float64) round it differently; one such flip moves later logits by ~1e-2, so the quant grid
+asserts that most models agree to 1e-5, not all.
 
 Real models (llama.cpp's defaults: f16 KV cache, quantized activations), measured on 7 prompts, 2026-11-30:
 SmolLM2-135M Q4_1: 98.1% argmax agreement over 104 positions, max |diff| 1.59 (logits up to ~40);
@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from luce_compile.graph.oracle import Oracle, gelu_tanh
+from luce_compile.graph.oracle import Oracle
+from luce_compile.graph.rounding import GgmlRounding
 from tests.conftest import requires_llama_cpp
 from tests.graph.conftest import TINY
 
@@ -41,79 +42,6 @@ PROMPTS = [
     "Water boils at 100 degrees Celsius, which is",
 ]
 GGML_TYPE_F32 = 0
-
-
-def _f16(a: np.ndarray) -> np.ndarray:
-    return a.astype(np.float16).astype(np.float64)
-
-
-def _q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's x86 quantize_row_q8_0/q8_1: q = rint(x · 127/amax) per 32 values, d = amax/127 (float32)."""
-    b = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
-    amax = np.abs(b).max(-1, keepdims=True)
-    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
-    return np.rint(b * inv), amax / np.float32(127)
-
-
-def _q8_0(x: np.ndarray) -> np.ndarray:
-    q, d = _q8_blocks(x)
-    return (q * _f16(d)).reshape(x.shape)  # the block scale is stored as f16
-
-
-def _q8_k_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """quantize_row_q8_K_ref: per 256 values, iscale = -127/max (max: the first value of largest magnitude),
-    q = min(127, rint(iscale · x)), d = 1/iscale (kept as float32). Returns q (..., nb, 256), d (..., nb, 1)."""
-    b = x.reshape(*x.shape[:-1], -1, 256).astype(np.float32)
-    top = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)
-    iscale = np.divide(np.float32(-127), top, out=np.zeros_like(top), where=top != 0)
-    d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
-    return np.minimum(np.rint(iscale * b), 127), d
-
-
-def _q8_k(x: np.ndarray) -> np.ndarray:
-    q, d = _q8_k_blocks(x)
-    return (q * d.astype(np.float64)).reshape(x.shape)
-
-
-_ACTIVATION_ROUNDING = {
-    "F16": _f16,
-    "Q8_0": _q8_0,
-    "Q4_0": _q8_0,
-    "Q5_0": _q8_0,
-    "Q4_K": _q8_k,
-    "Q5_K": _q8_k,
-    "Q6_K": _q8_k,
-}
-
-
-class GgmlRounding(Oracle):
-    """The oracle plus llama.cpp's CPU roundings of activations (see the module docstring)."""
-
-    def _block_minimums(self, name: str) -> np.ndarray:
-        info = self.gguf.tensor(name)  # block_q4_1 / block_q5_1 start with f16 d, then f16 m
-        blocks = self.gguf.raw(name).reshape(*info.shape[:-1], info.shape[-1] // 32, -1)
-        return blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)  # (out, n_blocks)
-
-    def _matmul(self, op, x):
-        name = op.weights["weight"]
-        kind = self.gguf.tensor(name).ggml_type.name
-        if kind not in ("Q4_1", "Q5_1"):
-            rounding = _ACTIVATION_ROUNDING.get(kind)
-            return super()._matmul(op, rounding(x) if rounding else x)
-        # q8_1 · q4_1 = Σ_blocks d_w·d_x·Σ q_w·q_x + m_w·s_x, with s_x = f16(d_x · Σ q_x) from the float32 d_x
-        q, d = _q8_blocks(x)
-        m = self._block_minimums(name)
-        y = (q * _f16(d)).reshape(x.shape) @ (self.weight(name) - np.repeat(m, 32, axis=-1)).T
-        y = y + _f16(d[..., 0] * q.sum(-1)) @ m.T
-        return y + self.weight(op.weights["bias"]) if "bias" in op.weights else y
-
-    _lm_head = _matmul
-
-    def _glu(self, op, gate, up):
-        if op.attrs["activation"] != "gelu_tanh":
-            return super()._glu(op, gate, up)
-        table = _f16(gelu_tanh(_f16(gate)))  # ggml_vec_geglu_f32 with GGML_GELU_FP16
-        return np.where(gate <= -10, 0.0, np.where(gate >= 10, gate, table)) * up
 
 
 def _llama(path, exact_kv: bool = False):

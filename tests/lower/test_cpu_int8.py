@@ -20,6 +20,8 @@ import tvm
 from gguf import GGMLQuantizationType
 
 from luce_compile.errors import UnsupportedError
+from luce_compile.graph.rounding import q8_blocks as _q8_blocks
+from luce_compile.graph.rounding import q8_k_blocks as _q8_k_blocks
 from luce_compile.lower.cpu_int8 import (
     INT8_FORMATS,
     INT8_GEMV_ATTR,
@@ -29,7 +31,6 @@ from luce_compile.lower.cpu_int8 import (
     resolve_precision,
 )
 from luce_compile.lower.quant_layout import repack
-from tests.graph.test_vs_llama_cpp import _q8_blocks, _q8_k_blocks
 from tests.lower.test_quant_matmul import random_raw, reference_dequant
 
 pytestmark = pytest.mark.unit

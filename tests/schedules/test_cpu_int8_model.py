@@ -2,7 +2,7 @@
 
 The build is compile_model(precision="int8"): decode1's GEMVs, the batched decode and, since issue 13's prefill
 part, prefill all take 8-bit activations (more than 16 rows: schedules/cpu/int8_gemm.py's body). The reference
-is therefore tests/graph/test_vs_llama_cpp.py's GgmlRounding for every matmul input. A prompt of LONG tokens
+is therefore luce_compile/graph/rounding.py's GgmlRounding for every matmul input. A prompt of LONG tokens
 exercises the many-row body in the model, at the looser tolerance (ties: below).
 
 Tolerance: with the rounding emulated, the remaining differences are float32 rounding (~1e-6), except where an
@@ -26,9 +26,9 @@ import pytest
 
 import luce_compile.codegen.compile as compile_module
 from luce_compile.graph.oracle import Oracle
+from luce_compile.graph.rounding import GgmlRounding
 from luce_compile.synthetic import SyntheticSpec, cached_synthetic
 from tests.codegen._reference import engine_logits, rel_err
-from tests.graph.test_vs_llama_cpp import GgmlRounding
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 STEPS = 6

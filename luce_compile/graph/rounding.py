@@ -1,0 +1,103 @@
+"""The float64 oracle with llama.cpp's activation roundings emulated, for checks of kernels that quantize
+activations as llama.cpp does (the CPU int8 build, the megakernel's q8_activations) and against llama.cpp itself.
+
+Before a matmul with a quantized weight, ggml rounds the activations to 8 bits (ggml-cpu.c, type_traits_cpu[].
+vec_dot_type): Q8_0 blocks for Q4_0/Q5_0/Q8_0 weights, Q8_1 (the same values plus an fp16 block sum used against
+the weight's block minimum) for Q4_1/Q5_1, Q8_K for K-quants; for F16 weights it rounds them to fp16. Its CPU GELU
+reads a table indexed by the input rounded to fp16 (ggml-cpu/vec.h, GGML_GELU_FP16). `GgmlRounding` adds exactly
+those roundings to the oracle, for the weight types it is given (all of them by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from luce_compile.gguf.reader import GGUFFile
+from luce_compile.graph.ir import Graph
+from luce_compile.graph.oracle import Oracle, gelu_tanh
+
+
+def f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float64)
+
+
+def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's x86 quantize_row_q8_0/q8_1: q = rint(x · 127/amax) per 32 values, d = amax/127 (float32)."""
+    b = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    return np.rint(b * inv), amax / np.float32(127)
+
+
+def q8_0(x: np.ndarray) -> np.ndarray:
+    q, d = q8_blocks(x)
+    return (q * f16(d)).reshape(x.shape)  # the block scale is stored as f16
+
+
+def q8_k_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_row_q8_K_ref: per 256 values, iscale = -127/max (max: the first value of largest magnitude),
+    q = min(127, rint(iscale · x)), d = 1/iscale (kept as float32). Returns q (..., nb, 256), d (..., nb, 1)."""
+    b = x.reshape(*x.shape[:-1], -1, 256).astype(np.float32)
+    top = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)
+    iscale = np.divide(np.float32(-127), top, out=np.zeros_like(top), where=top != 0)
+    d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
+    return np.minimum(np.rint(iscale * b), 127), d
+
+
+def q8_k(x: np.ndarray) -> np.ndarray:
+    q, d = q8_k_blocks(x)
+    return (q * d.astype(np.float64)).reshape(x.shape)
+
+
+ACTIVATION_ROUNDING = {
+    "F16": f16,
+    "Q8_0": q8_0,
+    "Q4_0": q8_0,
+    "Q5_0": q8_0,
+    "Q4_K": q8_k,
+    "Q5_K": q8_k,
+    "Q6_K": q8_k,
+}
+Q8_1_TYPES = ("Q4_1", "Q5_1")  # Q8_1 activations: q8_0's values plus s = fp16(d · Σq) against the block minimum
+
+
+class GgmlRounding(Oracle):
+    """The oracle plus llama.cpp's CPU roundings of activations (module docstring). `types`: the weight types whose
+    matmul inputs are rounded (None: every type ggml rounds for); `gelu_table`: ggml's fp16 GELU table."""
+
+    def __init__(self, source: Graph | GGUFFile | str | Path, types: Iterable[str] | None = None,
+                 gelu_table: bool = True):
+        super().__init__(source)
+        self.types = None if types is None else frozenset(types)
+        self.gelu_table = gelu_table
+
+    def _block_minimums(self, name: str) -> np.ndarray:
+        info = self.gguf.tensor(name)  # block_q4_1 / block_q5_1 start with f16 d, then f16 m
+        blocks = self.gguf.raw(name).reshape(*info.shape[:-1], info.shape[-1] // 32, -1)
+        return blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)  # (out, n_blocks)
+
+    def _matmul(self, op, x):
+        name = op.weights["weight"]
+        kind = self.gguf.tensor(name).ggml_type.name
+        if self.types is not None and kind not in self.types:
+            return super()._matmul(op, x)
+        if kind not in Q8_1_TYPES:
+            rounding = ACTIVATION_ROUNDING.get(kind)
+            return super()._matmul(op, rounding(x) if rounding else x)
+        # q8_1 · q4_1 = Σ_blocks d_w·d_x·Σ q_w·q_x + m_w·s_x, with s_x = f16(d_x · Σ q_x) from the float32 d_x
+        q, d = q8_blocks(x)
+        m = self._block_minimums(name)
+        y = (q * f16(d)).reshape(x.shape) @ (self.weight(name) - np.repeat(m, 32, axis=-1)).T
+        y = y + f16(d[..., 0] * q.sum(-1)) @ m.T
+        return y + self.weight(op.weights["bias"]) if "bias" in op.weights else y
+
+    _lm_head = _matmul
+
+    def _glu(self, op, gate, up):
+        if not self.gelu_table or op.attrs["activation"] != "gelu_tanh":
+            return super()._glu(op, gate, up)
+        table = f16(gelu_tanh(f16(gate)))  # ggml_vec_geglu_f32 with GGML_GELU_FP16
+        return np.where(gate <= -10, 0.0, np.where(gate >= 10, gate, table)) * up
