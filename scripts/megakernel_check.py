@@ -485,8 +485,9 @@ def report(args: argparse.Namespace) -> int:
              f"{first.get('device', 'NVIDIA H200')}; `bash benchmarks/h200/megakernel.sh` (TIME=1), luce-compile "
              f"{args.commit}. Synthetic random-weight GGUFs at the real shapes; decode from context 512; device time "
              "per step from CUDA events over 200 back-to-back launches (each feeding the next its ids and lengths), "
-             "host time per step with the ids copied to the host every step. llama.cpp: run3 of the same day on the "
-             "same kind of machine (not this run: the megakernel is not in the engine yet).", "",
+             "host time per step with the ids copied to the host every step. llama.cpp: "
+             "results/h200-2026-11-30-run3.md (2026-11-30, the same kind of machine; not this run: these runs time "
+             "the kernel alone).", "",
              "| workload | b | device µs/step | tok/s (device) | tok/s (host) | % roofline (b=1) | llama.cpp tok/s "
              "| ours / llama.cpp |", "|---|---|---|---|---|---|---|---|"]
     for name in WORKLOADS:

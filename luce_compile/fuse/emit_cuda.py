@@ -77,6 +77,7 @@ class MegakernelEmitter:
         self.threads, self.warps = options.threads, options.threads // 32
         self.unroll_passes = options.unroll_passes
         self.q8 = options.q8_activations
+        self.q8_by_block = options.q8_by_block
         self.q8_batch = max(options.batches or (self.nb,))  # a stage's q8 choice is the same at every batch size
         # float32 words of shared memory: static up to 48 KiB, dynamic above (TVM's launch raises the limit)
         self.shared_floats = options.shared_kib * 256
@@ -499,16 +500,20 @@ class MegakernelEmitter:
         # The block's warps split K into `split` slices (enough granules per slice to keep 32 lanes busy) and the
         # rows into self.warps / split groups; a warp accumulates `rows` rows at once (`accumulators` sums a lane):
         # every weight load of a pass is independent of the others, so all of them are in flight together
+        # With 8-bit activations and K of 1,024 or more, a lane takes a whole 32-value block of a row (one 16-byte
+        # load of Q4 quants) instead of an 8-value granule (4 bytes): 4x the bytes in flight per load
+        by_block = self.q8_by_block and q8 is not None and k_in // Q8_BLOCK >= 32
+        units = k_in // Q8_BLOCK if by_block else granules  # what a lane takes per pass
         split = 1
-        while split < self.warps and granules // (2 * split) >= 32:
+        while split < self.warps and units // (2 * split) >= 32:
             split *= 2
         groups = self.warps // split
-        per_slice = -(-granules // split)
+        per_slice = -(-units // split)
         rows = max(1, min(-(-rows_max // groups), self.accumulators // (n_m * nb)))
         steps = -(-rows_max // (groups * rows))
         passes = -(-per_slice // 32)
         slice_, group = self.warp % split, self.warp // split
-        g_end = tirx.min((slice_ + 1) * per_slice, granules)
+        g_end = tirx.min((slice_ + 1) * per_slice, units)
         acc = self.local(F32, n_m * rows * nb)
         xv = self.local(F32, 8 * nb)
         wv = self.local(F32, 8)
@@ -519,9 +524,11 @@ class MegakernelEmitter:
             loop = B.unroll if passes <= self.unroll_passes else B.serial
             with loop(0, passes) as gi:
                 g = slice_ * per_slice + gi * 32 + self.lane
-                exact = split == 1 and granules % 32 == 0
+                exact = split == 1 and units % 32 == 0
                 with _nothing() if exact else self.when(g < g_end):
-                    if q8 is not None:
+                    if by_block:
+                        self._q8_block_pass(op, unit, rows, r0, hi, g, granules, k_in, acc)
+                    elif q8 is not None:
                         self._q8_pass(op, unit, rows, r0, hi, g, granules, k_in, acc)
                     else:
                         self._float_pass(op, unit, rows, r0, hi, g, granules, staged, xval, acc, xv, wv)
@@ -679,6 +686,56 @@ class MegakernelEmitter:
                     y = acc[a] + dw * (self.smem[d_at + b * blocks + blk] * exact_int_to_float(total))
                     if mw is not None:
                         y = y + mw * self.smem[s_at + b * blocks + blk]
+                    self.store(acc, a, y)
+
+    def _q8_block_pass(self, op, unit, rows: int, r0, hi, blk, granules: int, k_in: int, acc) -> None:
+        """Block `blk` (32 values) of `rows` rows of each matmul against every sequence's 8-bit activations: the
+        block's quants in one or two 16-byte loads, eight dp4a a (row, sequence), then d_w·(d_x·Σ) [+ m_w·s_x]."""
+        nb, blocks = self.nb, k_in // Q8_BLOCK
+        d_at, s_at = nb * 2 * granules, nb * 2 * granules + nb * blocks
+        dp4a = lambda a, b, c: tirx.call_pure_extern("int32", "__dp4a", a, b, c)  # noqa: E731
+        xw, xsum = self.local("int32", 8 * nb), self.local("int32", nb)
+        wq, wi = self.local("uint32", 4), self.local("int32", 8)
+        types = [as_ggml_type(self.p.graph.weights[m.weights["weight"]].ggml_type).name for m in unit.matmuls]
+        ones = i32(0x01010101)
+        for b in range(nb):
+            for h in range(2):
+                for gg in range(4):
+                    self.store(xw, b * 8 + h * 4 + gg, self.smem_i[(b * 2 + h) * granules + blk * 4 + gg])
+            if "Q4_0" in types:
+                total = i32(0)
+                for w in range(8):
+                    total = dp4a(xw[b * 8 + w], ones, total)
+                self.store(xsum, b, i32(-8) * total)
+        layer = self.col(P.LAYER)
+        mask, four = tirx.const(0x0F0F0F0F, "uint32"), tirx.const(4, "uint32")
+        for m_i, m in enumerate(unit.matmuls):
+            planes = self.weight(op, m.weights["weight"])
+            for r in range(rows):
+                row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
+                if types[m_i] == "Q8_0":  # words 2gg (features 8gg..8gg+3) and 2gg+1 of granule gg
+                    words = self._int_view(planes["qs"])
+                    for half in range(2):
+                        B.buffer_store(wi, words.vload([layer, row, blk * 8 + half * 4], "int32x4"),
+                                       [tirx.Ramp(i32(half * 4), i32(1), 4)])
+                    pairs = [(wi[2 * gg], wi[2 * gg + 1]) for gg in range(4)]
+                else:  # one word per granule: the low nibbles are its even features, the high ones its odd
+                    B.buffer_store(wq, planes["qs"].vload([layer, row, blk * 4], "uint32x4"),
+                                   [tirx.Ramp(i32(0), i32(1), 4)])
+                    for gg in range(4):
+                        self.store(wi, 2 * gg, tirx.reinterpret("int32", wq[gg] & mask))
+                        self.store(wi, 2 * gg + 1, tirx.reinterpret("int32", (wq[gg] >> four) & mask))
+                    pairs = [(wi[2 * gg], wi[2 * gg + 1]) for gg in range(4)]
+                dw = planes["d"][layer, row, blk].astype(F32)
+                mw = planes["m"][layer, row, blk].astype(F32) if types[m_i] == "Q4_1" else None
+                for b in range(nb):
+                    a = (m_i * rows + r) * nb + b
+                    total = xsum[b] if types[m_i] == "Q4_0" else i32(0)
+                    for gg, (w0, w1) in enumerate(pairs):
+                        total = dp4a(w1, xw[b * 8 + 4 + gg], dp4a(w0, xw[b * 8 + gg], total))
+                    y = acc[a] + dw * (self.smem[d_at + b * blocks + blk] * exact_int_to_float(total))
+                    if mw is not None:  # s/4 is stored for the granule lanes; ×4 is exact
+                        y = y + mw * (self.smem[s_at + b * blocks + blk] * f32(4))
                     self.store(acc, a, y)
 
     def _each(self, total: int, body) -> None:

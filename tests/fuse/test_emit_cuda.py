@@ -119,3 +119,24 @@ def test_q8_choice_is_the_same_at_every_batch_size():
     wider_memory = dataclasses.replace(too_wide, shared_kib=96)  # dynamic shared memory
     source = cuda_source(emit_megakernel(prog, options=wider_memory))
     assert "__dp4a" in source and "extern __shared__" in source
+
+
+@pytest.mark.parametrize("quant", ["Q4_1", "Q8_0"])
+def test_q8_by_block_loads_a_block_a_lane_where_k_is_wide(quant):
+    """q8_by_block: inputs of 1,024 features or more give each lane a whole 32-value block of a row, read with
+    16-byte loads (one for Q4 quants, two for Q8_0); narrower inputs keep a lane per 8 values."""
+    import dataclasses
+
+    from luce_compile.fuse.build import MegakernelOptions
+
+    spec = dataclasses.replace(preset("tiny-llama"), n_embd=1024, n_head=8, n_head_kv=4, n_ff=128, quant=quant)
+    graph, _ = open_graph(cached_synthetic(spec))
+    prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16)
+    options = MegakernelOptions(q8_activations=True, q8_by_block=True)
+    source = cuda_source(emit_megakernel(prog, options=options))
+    vector_load = r"= \*\((u?int4)\*\)\((?:\(\(int\*\))?w\d+_\d+_qs_ptr"
+    loads = re.findall(vector_load, source)
+    assert loads and set(loads) == {"uint4" if quant == "Q4_1" else "int4"}
+    assert divergent_collectives(source) == []
+    granules = cuda_source(emit_megakernel(prog, options=dataclasses.replace(options, q8_by_block=False)))
+    assert not re.findall(vector_load, granules)
