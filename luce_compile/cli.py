@@ -528,8 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "of 1-8 sequences, which the engine otherwise runs); every step takes the per-op kernels")
     s.add_argument("--megakernel-q8", action="store_true",
                    help="CUDA targets: the megakernels' Q4_0/Q4_1/Q8_0 matvecs quantize their input to 8-bit "
-                        "blocks and use integer dot products, as llama.cpp's mmvq does (8-19%% faster decode steps on "
-                        "the H200; logits within llama.cpp's own rounding of float32, not within 1e-4)")
+                        "blocks and use integer dot products, as llama.cpp's mmvq does (decode steps 2-39%% shorter on "
+                        "the H200's benchmark models; logits move by that rounding, not within 1e-4)")
     logs = s.add_mutually_exclusive_group()
     logs.add_argument("--tune-logs", type=Path, metavar="DIR",
                       help="tuning records to take kernel knobs from: DIR/<target>/*.jsonl (default: the shipped "
