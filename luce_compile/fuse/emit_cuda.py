@@ -375,6 +375,16 @@ class MegakernelEmitter:
                 v = v * self.smem[rstd_at + b] * self.vector(op, norm_w, k)
             return v
 
+        def rstd_from_arena() -> None:  # each sequence's 1/rms from its input in the arena (not staged)
+            with B.serial(0, nb) as b:
+                def read(k, b=b):
+                    v = self.local()
+                    self.store(v, 0, self.arena_at(op, x_name, b, k))
+                    return v[0]
+
+                rstd_of(b, self.cta(self._granule_squares(granules, read)[0], "sum"))
+                self.sync()
+
         def x_at(b, k) -> tirx.Expr:  # transposed by granule: xs[(b*8 + j) * G + g] = x[b, 8g + j]
             return (b * 8 + k % 8) * granules + k // 8
 
@@ -386,14 +396,7 @@ class MegakernelEmitter:
                                        "floats of shared memory; build with a larger shared_kib or without "
                                        "q8_activations")
             if st.prologue is not None:  # the norm's 1/rms per sequence, in the float path's order
-                with B.serial(0, nb) as b:
-                    def read(k, b=b):
-                        v = self.local()
-                        self.store(v, 0, self.arena_at(op, x_name, b, k))
-                        return v[0]
-
-                    rstd_of(b, self.cta(self._granule_squares(granules, read)[0], "sum"))
-                    self.sync()
+                rstd_from_arena()
             self.quantize_q8(order, k_in, xval)
             self.sync()
             self.phase(3)
@@ -440,14 +443,7 @@ class MegakernelEmitter:
                                        * self.vector(op, norm_w, g * 8 + j))
                 self.sync()
         elif st.prologue is not None:  # the norm's scale per sequence; the body reads the arena (xval)
-            with B.serial(0, nb) as b:
-                def read(k, b=b):
-                    v = self.local()
-                    self.store(v, 0, self.arena_at(op, x_name, b, k))
-                    return v[0]
-
-                rstd_of(b, self.cta(self._granule_squares(granules, read)[0], "sum"))
-                self.sync()
+            rstd_from_arena()
         env_base = nb * k_in if staged else 0
         self.phase(3)
         for u, unit in enumerate(st.units):
