@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -95,9 +96,13 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     cached = cache_dir() / "artifacts" / key
     if use_cache and (cached / "manifest.json").is_file():
         say(f"reusing the cached build {cached}")
-        say(_cached_summary(cached))
-        _copy_tree(cached, out_dir, overwrite)
-        return out_dir
+        try:
+            say(_cached_summary(cached))
+            _copy_tree(cached, out_dir, overwrite)  # out_dir changes only once the whole copy is in place
+            os.utime(cached)  # the cache keeps the most recently used builds (_prune)
+            return out_dir
+        except OSError as e:  # another compile pruned it meanwhile (seen with two compiles sharing the cache)
+            say(f"the cached build went away while it was copied ({e.__class__.__name__}); building it again")
     gguf = read_gguf(gguf_path)
     graph = build_graph(gguf)  # refuses unsupported models before any work
     built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision), tuning, megakernel,
@@ -223,7 +228,7 @@ KEEP_CACHED = 24  # artifacts kept in the build cache (each is roughly the size 
 
 
 def _prune(folder: Path, keep: int) -> None:
-    """Drop all but the `keep` most recently written cached builds."""
+    """Drop all but the `keep` most recently written or reused cached builds."""
     entries = sorted((p for p in folder.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in entries[keep:]:
         shutil.rmtree(old, ignore_errors=True)

@@ -122,3 +122,28 @@ def test_the_library_refuses_before_compiling(tmp_path, monkeypatch):
     monkeypatch.setattr(codegen, "file_sha256", lambda _p: pytest.fail("hashed before checking the destination"))
     with pytest.raises(ArtifactError, match="not an artifact"):
         codegen.compile_model(tmp_path / "missing.gguf", "cpu", tmp_path / "out")
+
+
+def test_a_cached_build_pruned_while_it_is_copied_is_built_again(gguf, tmp_path, monkeypatch):
+    """Two compiles sharing the cache: one can prune (KEEP_CACHED) the entry the other is copying from. The copy
+    fails before anything reaches -o, and compile builds the model instead of failing (seen once, 2026-12-02, as a
+    test failing while a device_check prepare compiled in parallel)."""
+    import shutil
+
+    import luce_compile.codegen.compile as compile_module
+
+    real = compile_module._copy_tree
+    monkeypatch.setenv("LUCE_CACHE", str(tmp_path / "cache"))  # a cache of this test's own
+    compile_module.compile_model(gguf, "cpu", tmp_path / "first")
+
+    def pruned_meanwhile(src: Path, dst: Path, overwrite: bool) -> None:
+        if "artifacts" in src.parts:  # the reuse: the other compile removes the entry under it
+            shutil.rmtree(src)
+            raise FileNotFoundError(src)
+        real(src, dst, overwrite)
+
+    monkeypatch.setattr(compile_module, "_copy_tree", pruned_meanwhile)
+    messages: list[str] = []
+    out = compile_module.compile_model(gguf, "cpu", tmp_path / "second", progress=messages.append)
+    assert json.loads((out / "manifest.json").read_text())["target"]["name"] == "cpu"
+    assert any("went away" in m for m in messages)
