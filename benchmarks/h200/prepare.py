@@ -67,6 +67,8 @@ def main() -> int:
                    "(run.sh's UNTUNED: tuned vs untuned in one run); artifacts only, no reference, no weights")
     p.add_argument("--no-megakernel", action="store_true", help="compile the workloads without decode megakernels "
                    "(device_check.py prepare --no-megakernel)")
+    p.add_argument("--megakernel-q8", action="store_true", help="the megakernels' Q4_0/Q4_1/Q8_0 matvecs with 8-bit "
+                   "activations (compile --megakernel-q8); the references round the decode steps as they do")
     args = p.parse_args()
     if args.untuned:
         return prepare_untuned(args.workloads, args.target, args.untuned)
@@ -76,7 +78,8 @@ def main() -> int:
         bundle = ["--bundle", str(args.dir / "bundle")] if i == 0 else []
         subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "prepare", "--preset", w,
                         "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16",
-                        *bundle, *(["--no-megakernel"] if args.no_megakernel else [])], check=True)
+                        *bundle, *(["--no-megakernel"] if args.no_megakernel else []),
+                        *(["--megakernel-q8"] if args.megakernel_q8 else [])], check=True)
     tgz = pack_llama_cpp(extract_llama_cpp(find_sdist(), args.work), args.dir / "peer" / "llama.cpp.tgz")
     size = sum(f.stat().st_size for f in args.dir.rglob("*") if f.is_file())
     print(f"{args.dir}: {size / 2**20:.1f} MiB to carry (llama.cpp {tgz.stat().st_size / 2**20:.1f} MiB)")

@@ -324,6 +324,8 @@ def build_description(*runs: Path) -> str:
     text = "; ".join(words.get(p, p) for p in precisions)
     if tuned:
         text += f"; {sum(t['tuned'] for t in tuned)} kernels tuned, {sum(t['default'] for t in tuned)} default"
+    if any((s or {}).get("spec", {}).get("megakernel_q8") for s in specs):  # prepare.py --megakernel-q8
+        text += "; the megakernels' Q4_0/Q4_1/Q8_0 matvecs with llama.cpp's 8-bit activations (--megakernel-q8)"
     return text
 
 

@@ -18,6 +18,8 @@
 # .gpucheck/spec --workloads qwen2.5-coder-1.5b qwen2.5-coder-0.5b, and H=.gpucheck/spec) then replays speculation on
 # the pair.
 # PEROP=1 also times each artifact's decode with the per-op kernels (bench --no-megakernel): ours-perop.json.
+# 8-bit megakernel matvecs: prepare.py --megakernel-q8 --dir .gpucheck/h200-q8, then H=.gpucheck/h200-q8 (the
+# checks then hold the decode to REL_TOL_Q8; report.py names the build).
 # An artifact with megakernels also gets profile.json (benchmarks/h200/engine_profile.py): device time a step beside
 # the host's wall clock, and one step's time task by task.
 set -o pipefail

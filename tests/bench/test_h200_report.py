@@ -143,3 +143,15 @@ def test_spec_replay_section_sums_each_task_and_drafter(report, tmp_path):
     assert "| 8 | 4.000 | 2.00 | 2.000 |" in lines
     assert "| humaneval | draft model | 2 | 20 | 500 | 1,000 | 2.00× | 3.00 |" in lines
     assert report.spec_replay_lines(report.collect(tmp_path / "tiny").get("spec_replay")) == []
+
+
+def test_build_description_names_the_8_bit_megakernel(report, tmp_path):
+    """An artifact built with prepare.py --megakernel-q8 says so in the table's header (device_check prepare records
+    it in spec.json, which check.json carries)."""
+    for name, q8 in (("plain", False), ("q8", True)):
+        w = tmp_path / name / "tiny"
+        w.mkdir(parents=True)
+        (w / "check.json").write_text(json.dumps({"spec": {"precision": "f16", "megakernel_q8": q8}}))
+    assert "--megakernel-q8" not in report.build_description(tmp_path / "plain")
+    assert "--megakernel-q8" in report.build_description(tmp_path / "q8")
+    assert report.build_description(tmp_path / "q8").startswith("float16 tensor-core GEMMs")
