@@ -12,7 +12,9 @@ Task bodies:
                 runs several rows at once for all sequences, lanes stride over granules, a warp sum per output; the
                 tile's outputs go to shared memory, where the epilogue ops run (elementwise, per-head norms,
                 RoPE); then the values other stages read go to the arena, keys/values to their pages, and the LM
-                head's tile leaves its best logit per sequence
+                head's tile leaves its best logit per sequence. With q8_activations, the tiles of Q4_0/Q4_1/Q8_0
+                weights quantize the input into 8-bit blocks instead (a warp per block) and dot 8-bit words (dp4a),
+                a lane per 32-value block of a row where K >= 1,024 (q8_by_block), else per 8 values
   row           a whole-row op (gemma's post-norms) and its epilogue, for one sequence, in shared memory
   attn_partial  one (sequence, KV head, key chunk): lanes own keys for the scores (online softmax per warp), own
                 dimensions for p·v; the warps' partials merge in shared memory; one chunk writes the output,
