@@ -1,6 +1,7 @@
 """The committed megakernel records (benchmarks/results/megakernel/, scripts/megakernel_check.py on the H200): every
 model that ran passed its checks within the script's bars, and the committed markdown's tables are the JSON
-rendered by `megakernel_check.py report`."""
+rendered by `megakernel_check.py report`. `timing-only-*` files are timings whose checks do not apply (their md says
+why) and are not records."""
 
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ def test_megakernel_record(path: Path):
     for model, run in raw.items():
         r = run.get(model, run)
         assert r.get("ok") is True, (model, r.get("error") or r.get("oracle"))
-        assert r["oracle"]["max_rel_err"] < megakernel_check.REL_TOL and r["oracle"]["ids_mismatched"] == 0
+        # the bar the run held it to: REL_TOL, or Q8_REL_TOL for 8-bit activations (megakernel_check says why)
+        tol = r["oracle"].get("tol", megakernel_check.REL_TOL)
+        assert tol in (megakernel_check.REL_TOL, megakernel_check.Q8_REL_TOL), model
+        assert tol == megakernel_check.REL_TOL or path.name.startswith("h200-") and "q8" in path.name, model
+        assert r["oracle"]["max_rel_err"] < tol and r["oracle"]["ids_mismatched"] == 0
         assert r["oracle"]["ids_checked"] >= 1, model
         assert r["batched"]["max_rel_diff"] <= megakernel_check.BATCH_TOL and r["batched"]["sizes"], model
         for t in r.get("timing", []):
