@@ -47,6 +47,11 @@ F32 = "float32"
 Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
 
 
+def dp4a(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
+    """c + the dot of the four signed bytes of a and b (CUDA's __dp4a)."""
+    return tirx.call_pure_extern("int32", "__dp4a", a, b, c)
+
+
 def i32(v: int) -> tirx.IntImm:
     return tirx.const(v, "int32")
 
@@ -593,6 +598,25 @@ class MegakernelEmitter:
         """Shared-memory words of one sequence's 8-bit input: the quants (4 a word), d and s/4 per block."""
         return k_in // 4 + 2 * (k_in // Q8_BLOCK)
 
+    def _q8_scales_at(self, k_in: int) -> tuple[int, int]:
+        """Where d and s/4 of the 8-bit input's blocks start in shared memory (after every sequence's quants)."""
+        words = self.nb * 2 * (k_in // 8)
+        return words, words + self.nb * (k_in // Q8_BLOCK)
+
+    def _weight_types(self, unit) -> list[str]:
+        return [as_ggml_type(self.p.graph.weights[m.weights["weight"]].ggml_type).name for m in unit.matmuls]
+
+    def _q8_accumulate(self, acc, a: int, total, dw, mw, b: int, blk, k_in: int, lanes_per_block: int) -> None:
+        """acc[a] += d_w·(d_x·Σ) [+ m_w·s_x], the block's min term split over the lanes that share the block
+        (s/4 is stored: 4 granule lanes add it once each; a lane with the whole block multiplies it by 4, exactly)."""
+        d_at, s_at = self._q8_scales_at(k_in)
+        blocks = k_in // Q8_BLOCK
+        y = acc[a] + dw * (self.smem[d_at + b * blocks + blk] * exact_int_to_float(total))
+        if mw is not None:
+            s = self.smem[s_at + b * blocks + blk]
+            y = y + mw * (s if lanes_per_block == 4 else s * f32(4))
+        self.store(acc, a, y)
+
     def _q8_order(self, st, k_in: int) -> str | None:
         """The activation order the stage's matmuls take ("nibbles" for Q4_0/Q4_1, "natural" for Q8_0), or None
         where it keeps float32 activations: the option is off, a weight type has no integer body here, the types
@@ -601,8 +625,7 @@ class MegakernelEmitter:
         batch only, so every batch size computes a sequence alike (batched equal to alone)."""
         if not self.q8 or st.merged >= 0 or self.q8_batch * self._q8_words(k_in) > self.shared_floats * 3 // 4:
             return None
-        types = {as_ggml_type(self.p.graph.weights[m.weights["weight"]].ggml_type).name
-                 for unit in st.units for m in unit.matmuls}
+        types = {t for unit in st.units for t in self._weight_types(unit)}
         orders = {Q8_ORDER.get(t) for t in types}
         return orders.pop() if len(orders) == 1 and None not in orders else None
 
@@ -615,7 +638,7 @@ class MegakernelEmitter:
         features 2j + h (j = 0..3: the bytes of a Q4 word masked or shifted), for "natural" 4h + j; then d per
         (b, block), then s/4 per (b, block) (each of a block's 4 granule lanes adds m·s/4)."""
         nb, granules, blocks = self.nb, k_in // 8, k_in // Q8_BLOCK
-        d_at, s_at = nb * 2 * granules, nb * 2 * granules + nb * blocks
+        d_at, s_at = self._q8_scales_at(k_in)
         v, amax = self.local(), self.local()
         q, qsum = self.local("int32"), self.local("int32")
         with B.serial(0, -(-nb * blocks // self.warps)) as it:
@@ -648,12 +671,10 @@ class MegakernelEmitter:
         """One granule of `rows` rows of each matmul against every sequence's 8-bit activations: two dp4a a
         (row, sequence), then d_w·(d_x·Σ) [+ m_w·s_x/4]. Q4_0 dots the stored unsigned quants and starts the sum
         at −8·Σq_x (the integer of ggml's Σ(q − 8)·q_x)."""
-        nb, blocks = self.nb, k_in // Q8_BLOCK
-        d_at, s_at = nb * 2 * granules, nb * 2 * granules + nb * blocks
+        nb = self.nb
         blk = g // 4
-        dp4a = lambda a, b, c: tirx.call_pure_extern("int32", "__dp4a", a, b, c)  # noqa: E731
         xw, xsum, wl = self.local("int32", 2 * nb), self.local("int32", nb), self.local("int32", 2)
-        types = [as_ggml_type(self.p.graph.weights[m.weights["weight"]].ggml_type).name for m in unit.matmuls]
+        types = self._weight_types(unit)
         for b in range(nb):
             for h in range(2):
                 self.store(xw, 2 * b + h, self.smem_i[(b * 2 + h) * granules + g])
@@ -681,20 +702,15 @@ class MegakernelEmitter:
                     a = (m_i * rows + r) * nb + b
                     start = xsum[b] if types[m_i] == "Q4_0" else i32(0)
                     total = dp4a(wl[1], xw[2 * b + 1], dp4a(wl[0], xw[2 * b], start))
-                    y = acc[a] + dw * (self.smem[d_at + b * blocks + blk] * exact_int_to_float(total))
-                    if mw is not None:
-                        y = y + mw * self.smem[s_at + b * blocks + blk]
-                    self.store(acc, a, y)
+                    self._q8_accumulate(acc, a, total, dw, mw, b, blk, k_in, lanes_per_block=4)
 
     def _q8_block_pass(self, op, unit, rows: int, r0, hi, blk, granules: int, k_in: int, acc) -> None:
         """Block `blk` (32 values) of `rows` rows of each matmul against every sequence's 8-bit activations: the
         block's quants in one or two 16-byte loads, eight dp4a a (row, sequence), then d_w·(d_x·Σ) [+ m_w·s_x]."""
-        nb, blocks = self.nb, k_in // Q8_BLOCK
-        d_at, s_at = nb * 2 * granules, nb * 2 * granules + nb * blocks
-        dp4a = lambda a, b, c: tirx.call_pure_extern("int32", "__dp4a", a, b, c)  # noqa: E731
+        nb = self.nb
         xw, xsum = self.local("int32", 8 * nb), self.local("int32", nb)
         wq, wi = self.local("uint32", 4), self.local("int32", 8)
-        types = [as_ggml_type(self.p.graph.weights[m.weights["weight"]].ggml_type).name for m in unit.matmuls]
+        types = self._weight_types(unit)
         ones = i32(0x01010101)
         for b in range(nb):
             for h in range(2):
@@ -731,10 +747,7 @@ class MegakernelEmitter:
                     total = xsum[b] if types[m_i] == "Q4_0" else i32(0)
                     for gg, (w0, w1) in enumerate(pairs):
                         total = dp4a(w1, xw[b * 8 + 4 + gg], dp4a(w0, xw[b * 8 + gg], total))
-                    y = acc[a] + dw * (self.smem[d_at + b * blocks + blk] * exact_int_to_float(total))
-                    if mw is not None:  # s/4 is stored for the granule lanes; ×4 is exact
-                        y = y + mw * (self.smem[s_at + b * blocks + blk] * f32(4))
-                    self.store(acc, a, y)
+                    self._q8_accumulate(acc, a, total, dw, mw, b, blk, k_in, lanes_per_block=1)
 
     def _each(self, total: int, body) -> None:
         with B.serial(0, (total + self.threads - 1) // self.threads) as it:
