@@ -18,6 +18,7 @@ import numpy as np
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse.plan import CostModel
 from luce_compile.fuse.program import PROFILE_CLOCKS, Program, build_program
+from luce_compile.fuse.taskgraph import KV_MIN_KEYS
 from luce_compile.graph.ir import LOGITS, Graph
 from luce_compile.lower.quant_layout import plane_specs
 
@@ -30,17 +31,22 @@ log = logging.getLogger(__name__)
 Q8_ORDER = {"Q4_0": "nibbles", "Q4_1": "nibbles", "Q8_0": "natural"}
 
 
+STATIC_KIB = 44  # shared memory without opting in (under 48 KiB, with room for the kernel's static buffers)
+SHARED_KIB_MAX = 128  # measured no faster above (96 vs 44 at b=1; 128 lets K = 8,192 inputs of 8 rows take 8 bits)
+
+
 @dataclass(frozen=True)
 class MegakernelOptions:
     batches: tuple[int, ...] = (1, 2, 4, 8)
     max_context: int = 4096
     page_size: int = 16
-    # keys per attention task; longer contexts split into chunks merged by a second task. One 1024-key chunk (no
-    # merge stage) measured slower on the H200: the chunk's keys run serially in one task (28 µs vs 6 + 9 µs)
+    # with kv_splits = 0: keys per attention task; longer contexts split into chunks merged by a second task
     kv_chunk: int = 256
-    # > 0: that many key chunks per (sequence, KV head), sized each step (TaskGraph.kv_splits); -1: even splits at
-    # batch 1, chunks of kv_chunk above (build_task_graph)
+    # > 0: that many key chunks per (sequence, KV head), sized each step (TaskGraph.kv_splits); -1: as many even
+    # splits as fill the SMs once at the batch size (build_task_graph); 0: chunks of kv_chunk
     kv_splits: int = -1
+    # an even split's shortest chunk of keys (TaskGraph.kv_min_keys): a task's fixed cost outweighs fewer keys
+    kv_min_keys: int = KV_MIN_KEYS
     fold_merge: bool = False  # the O projection merges split attention partials (no merge tasks: build_program)
     kv_dtype: str = "float16"
     # bytes of each weight plane's tile (and of each attention chunk's keys/values) asked into L2 before a task's
@@ -63,8 +69,17 @@ class MegakernelOptions:
     # (measured on the H200: the 1B body 1,199 -> 921 us a step at b=1, 4,329 -> 3,107 at b=8)
     q8_by_block: bool = True
     # shared memory a block, KiB: 44 is static (under the 48 KiB that needs no opt-in); more is dynamic shared
-    # memory, up to 99 KiB on sm_86/sm_120 and 227 on sm_90 (one block an SM: it costs no occupancy)
-    shared_kib: int = 44
+    # memory, up to 99 KiB on sm_86/sm_120 and 227 on sm_90 (one block an SM: it costs no occupancy). 0: the
+    # target's (for_target): 128 where it allows (then the 1B's K = 8,192 down projection takes 8-bit inputs at
+    # batch 8 as well: 743 -> 667 µs a step at b=1 on the H200), else what it allows
+    shared_kib: int = 0
+
+    def for_target(self, facts: dict) -> MegakernelOptions:
+        """These options with shared_kib = 0 resolved for a target's facts (targets.py)."""
+        if self.shared_kib:
+            return self
+        opt_in = int(facts.get("max_shared_memory_opt_in", 48 << 10)) >> 10
+        return dataclasses.replace(self, shared_kib=min(SHARED_KIB_MAX, opt_in - 3) if opt_in > 48 else STATIC_KIB)
 
 
 def _buffer_dtype(param) -> str:
@@ -84,7 +99,8 @@ def plan_programs(graph: Graph, facts: dict, options: MegakernelOptions) -> dict
     n_sms = int(facts["sm_count"])
     cost = CostModel(bandwidth=facts["mem_bandwidth_gb_s"] * 1e9, n_sms=n_sms)
     return {b: build_program(graph, batch=b, n_sms=n_sms, max_context=options.max_context,
-                             kv_chunk=options.kv_chunk, kv_splits=options.kv_splits, fold_merge=options.fold_merge,
+                             kv_chunk=options.kv_chunk, kv_splits=options.kv_splits, kv_min_keys=options.kv_min_keys,
+                             fold_merge=options.fold_merge,
                              page_size=options.page_size, cost=cost)
             for b in options.batches}
 
@@ -112,6 +128,7 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
     if info.kind != "cuda":
         raise UnsupportedError(f"fuse: the megakernel is generated for CUDA targets so far, not {info.name}; "
                                "build with --no-megakernel.")
+    options = options.for_target(info.facts)
     programs = plan_programs(graph, info.facts, options)
 
     def emit(b: int, p: Program):
@@ -153,8 +170,10 @@ def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: s
         # TVM's cache keeps a sliding window's keys in a ring of pages with sinks, which the megakernel's
         # attention does not read
         return {"skipped": "sliding-window layers (TVM's cache pages them as a ring)"}, {}
+    from luce_compile.targets import get_target
+
     options = MegakernelOptions(max_context=min(int(graph.config.n_ctx_train), 4096), kv_dtype=kv_dtype,
-                                q8_activations=q8_activations)
+                                q8_activations=q8_activations).for_target(get_target(target_name).facts)
     try:
         programs = compile_megakernels(graph, target_name, work / MODULE_FILE, options)
     except UnsupportedError as e:

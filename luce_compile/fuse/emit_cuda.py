@@ -35,7 +35,7 @@ from tvm.tirx.script.builder import ir as B
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse import program as P
-from luce_compile.fuse.build import Q8_ORDER, MegakernelOptions
+from luce_compile.fuse.build import Q8_ORDER, STATIC_KIB, MegakernelOptions
 from luce_compile.fuse.taskgraph import TaskKind
 from luce_compile.graph.ir import Op, OpKind
 from luce_compile.lower.quant_layout import as_ggml_type, plane_specs
@@ -87,7 +87,7 @@ class MegakernelEmitter:
         self.q8_by_block = options.q8_by_block
         self.q8_batch = max(options.batches or (self.nb,))  # a stage's q8 choice is the same at every batch size
         # float32 words of shared memory: static up to 48 KiB, dynamic above (TVM's launch raises the limit)
-        self.shared_floats = options.shared_kib * 256
+        self.shared_floats = (options.shared_kib or STATIC_KIB) * 256  # 0: no target known here, the static
         # measured (benchmarks/README.md, run4's variants): 32 sums a lane are 10% faster at batch 8, 20% slower at 1
         self.accumulators = options.accumulators or (32 if self.nb >= 4 else 16)
 
@@ -126,6 +126,23 @@ class MegakernelEmitter:
                                                                  else tirx.min(out[0], x)))
         self.sync()
         return out[0]
+
+    def cta_sums(self, parts: tirx.Buffer, n: int) -> tirx.Buffer:
+        """Block-wide sums of parts[0..n) in every thread, with one barrier pair for all of them; each is added in
+        cta(.., "sum")'s order (warp sums, then the warps in turn), so it is the same to the bit."""
+        for i in range(n):
+            part = self.local()
+            self.store(part, 0, T.cuda.warp_reduce(parts[i], "sum", 32))
+            with self.when(self.lane == 0):
+                self.store(self.red, i * self.warps + self.warp, part[0])
+        self.sync()
+        out = self.local(F32, n)
+        for i in range(n):
+            self.store(out, i, self.red[i * self.warps])
+            for w in range(1, self.warps):
+                self.store(out, i, out[i] + self.red[i * self.warps + w])
+        self.sync()
+        return out
 
     def col(self, c: int) -> tirx.Expr:
         return self.trow[c]
@@ -200,7 +217,7 @@ class MegakernelEmitter:
                 self.smem_i = B.decl_buffer((self.shared_floats,), "int32", data=self.smem.data, scope=scope)
                 self.smem_b = B.decl_buffer((self.shared_floats * 4,), "int8", data=self.smem.data, scope=scope)
                 self.int_views: dict[int, tirx.Buffer] = {}  # int8 planes as int32 words, by buffer identity
-                self.red = B.alloc_buffer((2 * self.warps,), F32, scope="shared")
+                self.red = B.alloc_buffer((max(2, self.nb) * self.warps,), F32, scope="shared")  # cta_sums
                 self.redi = B.alloc_buffer((2 * self.warps,), "int32", scope="shared")
                 self.part = B.alloc_buffer((self.warps * self.accumulators,), F32, scope="shared")  # K-slice sums
                 self.trow = self.local("int32", p.tasks.shape[2])
@@ -382,15 +399,14 @@ class MegakernelEmitter:
                 v = v * self.smem[rstd_at + b] * self.vector(op, norm_w, k)
             return v
 
-        def rstd_from_arena() -> None:  # each sequence's 1/rms from its input in the arena (not staged)
-            with B.serial(0, nb) as b:
-                def read(k, b=b):
-                    v = self.local()
-                    self.store(v, 0, self.arena_at(op, x_name, b, k))
-                    return v[0]
+        def rstd_all(parts: tirx.Buffer) -> None:  # every sequence's 1/rms from its thread sums (one reduction)
+            sums = self.cta_sums(parts, nb)
+            for b in range(nb):
+                rstd_of(b, sums[b])
+            self.sync()
 
-                rstd_of(b, self.cta(self._granule_squares(granules, read)[0], "sum"))
-                self.sync()
+        def rstd_from_arena() -> None:  # each sequence's 1/rms from its input in the arena (not staged)
+            rstd_all(self._granule_squares(granules, lambda b, k: self.arena_at(op, x_name, b, k)))
 
         def x_at(b, k) -> tirx.Expr:  # transposed by granule: xs[(b*8 + j) * G + g] = x[b, 8g + j]
             return (b * 8 + k % 8) * granules + k // 8
@@ -430,15 +446,15 @@ class MegakernelEmitter:
             # the input read from the arena once, raw into shared memory, then the norm's scale in place. A thread
             # takes a granule (8 features): the transposed stores of a warp's lanes land in consecutive words, where
             # a feature a thread put 8 lanes on one bank (ncu: half the kernel's shared wavefronts were conflicts)
-            with B.serial(0, nb) as b:  # a loop, not a copy per sequence: the kernel's size is nvcc's time
-                def keep(k, b=b):
-                    self.store(self.smem, x_at(b, k), self.arena_at(op, x_name, b, k))
-                    return self.smem[x_at(b, k)]  # the stored value: the arena is read once
+            def keep(b, k):
+                self.store(self.smem, x_at(b, k), self.arena_at(op, x_name, b, k))
+                return self.smem[x_at(b, k)]  # the stored value: the arena is read once
 
-                part = self._granule_squares(granules, keep, square=st.prologue is not None)
-                if st.prologue is not None:
-                    rstd_of(b, self.cta(part[0], "sum"))
-            self.sync()
+            parts = self._granule_squares(granules, keep, square=st.prologue is not None)
+            if st.prologue is not None:
+                rstd_all(parts)
+            else:
+                self.sync()
             if st.prologue is not None:
                 with B.serial(0, -(-nb * granules // self.threads)) as it:
                     idx = it * self.threads + self.tx
@@ -458,18 +474,23 @@ class MegakernelEmitter:
                 self.matvec_unit(op, st, u, unit, k_in, staged, xval, env_base)
 
     def _granule_squares(self, granules: int, value, square: bool = True) -> tirx.Buffer:
-        """A thread's granules of a row (8 features each, in turn), value(k) giving feature k; returns the thread's
-        sum of their squares (`square`). The one order of the norm's sum, staged or not: a batch too wide to stage
+        """A thread's granules of every sequence's row (8 features each, in turn), value(b, k) giving sequence b's
+        feature k; returns the thread's sum of their squares per sequence (`square`). The sequences are the inner
+        loop, so all their loads are in flight at once (a loop over sequences outside took a round trip and a
+        block reduction each: 7-14 µs at batch 8 on the H200); each sequence's sum keeps one order, so a batch
         gives each sequence the 1/rms it gets alone, to the bit."""
-        part = self.local()
-        self.store(part, 0, f32(0))
+        part = self.local(F32, self.nb)
+        for b in range(self.nb):
+            self.store(part, b, f32(0))
         with B.serial(0, -(-granules // self.threads)) as it:
             g = it * self.threads + self.tx
             with self.when(g < granules):
-                for j in range(8):
-                    v = value(g * 8 + j)
-                    if square:
-                        self.store(part, 0, part[0] + v * v)
+                for b in range(self.nb):
+                    for j in range(8):
+                        v = self.local()
+                        self.store(v, 0, value(b, g * 8 + j))  # one load, squared
+                        if square:
+                            self.store(part, b, part[b] + v[0] * v[0])
         return part
 
     def _env_slots(self, st, u: int) -> dict[str, int]:
@@ -641,23 +662,31 @@ class MegakernelEmitter:
         d_at, s_at = self._q8_scales_at(k_in)
         v, amax = self.local(), self.local()
         q, qsum = self.local("int32"), self.local("int32")
-        with B.serial(0, -(-nb * blocks // self.warps)) as it:
-            pair = it * self.warps + self.warp
-            with self.when(pair < nb * blocks):  # warp-uniform: every lane reaches the shuffles
-                b, blk = pair // blocks, pair % blocks
-                self.store(v, 0, xval(b, blk * Q8_BLOCK + self.lane))
-                self.store(amax, 0, T.cuda.warp_reduce(tirx.abs(v[0]), "max", 32))
-                inv = tirx.Select(amax[0] > f32(0), f32(127) / amax[0], f32(0))
-                self.store(q, 0, tirx.nearbyint(v[0] * inv).astype("int32"))
-                self.store(qsum, 0, T.cuda.warp_reduce(q[0], "sum", 32))
-                gg, r = self.lane // 8, self.lane % 8
-                h, j = (r % 2, r // 2) if order == "nibbles" else (r // 4, r % 4)
-                self.store(self.smem_b, ((b * 2 + h) * granules + blk * 4 + gg) * 4 + j, q[0].astype("int8"))
-                with self.when(self.lane == 0):
-                    d = amax[0] / f32(127)
-                    self.store(self.smem, d_at + b * blocks + blk, d.astype("float16").astype(F32))
-                    self.store(self.smem, s_at + b * blocks + blk,
-                               (d * qsum[0].astype(F32)).astype("float16").astype(F32) * f32(0.25))
+        n_pairs = nb * blocks
+        n_it = -(-n_pairs // self.warps)
+        ahead = min(n_it, 8)  # (sequence, block) pairs a warp loads at once: 8 round trips became one
+        vals = self.local(F32, ahead)
+        with B.serial(0, -(-n_it // ahead)) as it:
+            for u in range(ahead):
+                pc = tirx.min((it * ahead + u) * self.warps + self.warp, n_pairs - 1)  # past the end: unused
+                self.store(vals, u, xval(pc // blocks, pc % blocks * Q8_BLOCK + self.lane))
+            for u in range(ahead):
+                pair = (it * ahead + u) * self.warps + self.warp
+                with self.when(pair < n_pairs):  # warp-uniform: every lane reaches the shuffles
+                    b, blk = pair // blocks, pair % blocks
+                    self.store(v, 0, vals[u])
+                    self.store(amax, 0, T.cuda.warp_reduce(tirx.abs(v[0]), "max", 32))
+                    inv = tirx.Select(amax[0] > f32(0), f32(127) / amax[0], f32(0))
+                    self.store(q, 0, tirx.nearbyint(v[0] * inv).astype("int32"))
+                    self.store(qsum, 0, T.cuda.warp_reduce(q[0], "sum", 32))
+                    gg, r = self.lane // 8, self.lane % 8
+                    h, j = (r % 2, r // 2) if order == "nibbles" else (r // 4, r % 4)
+                    self.store(self.smem_b, ((b * 2 + h) * granules + blk * 4 + gg) * 4 + j, q[0].astype("int8"))
+                    with self.when(self.lane == 0):
+                        d = amax[0] / f32(127)
+                        self.store(self.smem, d_at + b * blocks + blk, d.astype("float16").astype(F32))
+                        self.store(self.smem, s_at + b * blocks + blk,
+                                   (d * qsum[0].astype(F32)).astype("float16").astype(F32) * f32(0.25))
 
     def _int_view(self, buf: tirx.Buffer) -> tirx.Buffer:
         """An int8 plane (layers, n_out, n_in) as int32 words (layers, n_out, n_in / 4)."""
@@ -1008,17 +1037,43 @@ class MegakernelEmitter:
             for c in range(per_lane):
                 self.store(o, hh * per_lane + c, f32(0))
         waves = -(-chunk // (self.warps * 32))
+        # a lane's key row in 16-byte loads (all in flight at once) where the head's rows are whole vectors: as
+        # 32-bit words (TVM's CUDA codegen has no float16x8 type), each value taken out of its word
+        bits = DataType(self.kv_dtype).bits
+        per_word = 32 // bits
+        vec = 4 if d % (4 * per_word) == 0 else 0
+        krow, page = self.local("uint32", max(1, d // per_word)), self.local("int32")
+        n_pages = 32 // ps + (2 if 32 % ps else 1)  # pages a warp's 32 consecutive keys can touch
+        pages_of = self.local("int32", n_pages)
+        words = B.decl_buffer((self.n_kv // per_word,), "uint32", data=self.pages.data) if vec else None
+
+        def key_value(c):
+            if not vec:
+                return self.kv_at(layer, page[0], 0, g, slot, c).astype(F32)
+            w = krow[c // per_word]
+            if per_word == 1:
+                return tirx.reinterpret(self.kv_dtype, w).astype(F32)
+            part = (w >> tirx.const(bits * (c % per_word), "uint32")) & tirx.const((1 << bits) - 1, "uint32")
+            return tirx.reinterpret(self.kv_dtype, part.astype(f"uint{bits}")).astype(F32)
+
         with B.serial(0, waves) as wv:
             base = kv_lo + (wv * self.warps + self.warp) * 32
-            with self.when(base < kv_hi):
+            with self.when(base < kv_hi):  # warp-uniform: every lane reaches the shuffles
                 j = base + self.lane
                 valid = j < kv_hi
-                jc = tirx.min(j, kv_hi - 1)
-                page, slot = self.page_table[b, jc // ps], jc % ps
+                jc = tirx.min(j, kv_hi - 1)  # past the chunk: a visible key's address, its weight 0
+                self.store(page, 0, self.page_table[b, jc // ps])
+                slot = jc % ps
+                # the row's first word as a multiple of the vector (exact: rows start on multiples of d), which is
+                # what lets TVM's codegen emit one 16-byte load instead of four gathered words
+                row16 = self.kv_index(layer, page[0], 0, g, slot, 0) // (vec * per_word)
+                for i in range(d // (vec * per_word) if vec else 0):
+                    B.buffer_store(krow, words.vload([(row16 + i) * vec], f"uint32x{vec}"),
+                                   [tirx.Ramp(i32(i * vec), i32(1), vec)])
                 for hh in range(group):
                     self.store(s, hh, f32(0))
-                with B.unroll(0, d) as c:  # every key's loads in flight at once
-                    kval = self.kv_at(layer, page, 0, g, slot, c).astype(F32)
+                for c in range(d):
+                    kval = key_value(c)
                     for hh in range(group):
                         self.store(s, hh, s[hh] + self.smem[q_at + hh * d + c] * kval)
                 for hh in range(group):
@@ -1041,18 +1096,27 @@ class MegakernelEmitter:
                         self.store(o, hh * per_lane + c, o[hh * per_lane + c] * corr[0])
                     self.store(m, hh, m_new[0])
                 B.evaluate(T.cuda.warp_sync())
+                # p·v without a branch a key: the warp's 32 keys lie on at most 32 / ps + 1 pages, read once; a key
+                # past the chunk reads a clamped visible key with weight 0; so all 32 keys' loads can be in flight
+                # at once (a branch and a page-table load a key made them 64 dependent round trips)
+                first_page = base // ps
+                last = (kv_hi - 1) // ps
+                for i in range(n_pages):
+                    self.store(pages_of, i, self.page_table[b, tirx.min(first_page + i, last)])
                 with B.unroll(0, 32) as kk:
-                    jj = base + kk
-                    with self.when(jj < kv_hi):
-                        pg, sl = self.page_table[b, jj // ps], jj % ps
-                        for c in range(per_lane):
-                            dim = tirx.min(c * 32 + self.lane, d - 1)
-                            v = self.kv_at(layer, pg, 1, g, sl, dim).astype(F32)
-                            for hh in range(group):
-                                i = hh * per_lane + c
-                                self.store(o, i, o[i] + self.smem[p_at + (self.warp * group + hh) * 32 + kk] * v)
+                    jk = tirx.min(base + kk, kv_hi - 1)
+                    pg = pages_of[0]
+                    for i in range(1, n_pages):
+                        pg = tirx.Select(jk // ps - first_page >= i, pages_of[i], pg)
+                    sl = jk % ps
+                    for c in range(per_lane):
+                        dim = tirx.min(c * 32 + self.lane, d - 1)
+                        v = self.kv_at(layer, pg, 1, g, sl, dim).astype(F32)
+                        for hh in range(group):
+                            i = hh * per_lane + c
+                            self.store(o, i, o[i] + self.smem[p_at + (self.warp * group + hh) * 32 + kk] * v)
                 B.evaluate(T.cuda.warp_sync())
-        self.phase(4)  # thread 0's warp (the others may still run)
+        self.phase(4)  # thread 0's warp's keys done (the others may still run)
         # the warps' partials → shared, then one (max, sum, o) per head
         for hh in range(group):
             with self.when(self.lane == 0):
@@ -1063,6 +1127,7 @@ class MegakernelEmitter:
                     self.store(self.smem, o_at + (self.warp * group + hh) * d + c * 32 + self.lane,
                                o[hh * per_lane + c])
         self.sync()
+        self.phase(5)  # every warp's partials in shared memory: the rest is the combine and its writes
         out = att.outputs[0]
 
         def combine(idx) -> None:

@@ -30,7 +30,15 @@ import numpy as np
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse.plan import CostModel, Plan, plan_queues
-from luce_compile.fuse.taskgraph import ARGMAX_PARTIAL, Stage, TaskGraph, TaskKind, build_task_graph, value_width
+from luce_compile.fuse.taskgraph import (
+    ARGMAX_PARTIAL,
+    KV_MIN_KEYS,
+    Stage,
+    TaskGraph,
+    TaskKind,
+    build_task_graph,
+    value_width,
+)
 from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph
 
 # task table columns (then one arena offset per operand slot of the task's opcode: inputs, then outputs)
@@ -114,13 +122,14 @@ class Program:
 
 
 def build_program(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_chunk: int = 256,
-                  kv_splits: int = 0, fold_merge: bool = False, page_size: int = 16, cost: CostModel | None = None,
-                  max_tile_bytes: int = 36 * 1024) -> Program:
+                  kv_splits: int = 0, kv_min_keys: int = KV_MIN_KEYS, fold_merge: bool = False, page_size: int = 16,
+                  cost: CostModel | None = None, max_tile_bytes: int = 36 * 1024) -> Program:
     """Plan the decode step of `graph` for `batch` sequences on `n_sms` persistent blocks; `fold_merge`: the O
     projection's tiles merge split attention partials themselves when the batch's input fits half the kernel's
     shared memory (where a matvec stages its input)."""
     tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=max_context, kv_chunk=kv_chunk,
-                          kv_splits=kv_splits, fold_merge_floats=SHARED_FLOATS // 2 if fold_merge else 0,
+                          kv_splits=kv_splits, kv_min_keys=kv_min_keys,
+                          fold_merge_floats=SHARED_FLOATS // 2 if fold_merge else 0,
                           max_tile_rows=max_tile_bytes // (4 * batch * 4))
     plan = plan_queues(tg, cost or CostModel(n_sms=n_sms))
     values = graph.values()
@@ -333,10 +342,10 @@ def _tables(prog: Program, stage_values, lm_tile: dict[int, int]) -> None:
 
 def profile_summary(p: Program, prof: np.ndarray) -> dict:
     """One step's task clocks (blocks, tasks, PROFILE_CLOCKS) from the GPU's global timer (ns), summarized: per
-    opcode, tasks, mean wait and body time (and a matvec body's phases); per stage (by opcode, means over the
-    layers): the handoff, from the previous stage's last task's end to this stage's first body, and the stage's span,
-    from that first body to its last task's end; the step's span (the device time of the step) and each SM's mean
-    time in bodies and in waits."""
+    opcode, tasks, mean wait and body time, the longest body (and the body's phases where it stamps them); per stage
+    (by opcode, means over the layers): the handoff, from the previous stage's last task's end to this stage's first
+    body, and the stage's span, from that first body to its last task's end; the step's span (the device time of
+    the step) and each SM's mean time in bodies and in waits."""
     per: dict = {}
     stage_times: dict[int, tuple[float, float]] = {}  # stage → (first body start, last end)
     stage_ops: dict[int, set[int]] = {}  # stage → the opcodes its tasks ran
@@ -350,10 +359,11 @@ def profile_summary(p: Program, prof: np.ndarray) -> dict:
         for i in range(n):
             op = p.opcodes[int(p.tasks[sm, i, 0])]
             key = f"op{op.index} {op.kind}"
-            d = per.setdefault(key, [0, 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0.0])
+            d = per.setdefault(key, [0, 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0.0])
             d[0] += 1
             d[1] += t[i, 1] - t[i, 0]
             d[2] += t[i, 2] - t[i, 1]
+            d[8] = max(d[8], t[i, 2] - t[i, 1])
             if t.shape[1] > 5 and prof[sm, i, 3] and prof[sm, i, 5]:  # the body's phases (emit_cuda `phase`)
                 d[3] += 1
                 d[4] += t[i, 3] - t[i, 1]  # input
@@ -378,7 +388,8 @@ def profile_summary(p: Program, prof: np.ndarray) -> dict:
                         float(np.mean([b[2] for b in busy])))
     return {"clock": "globaltimer", "span_us": round(span, 1), "mean_sm_body_us": round(body, 1),
             "mean_sm_wait_us": round(wait, 1),
-            "opcodes": {k: {"tasks": v[0], "wait_us": round(v[1] / v[0], 2), "body_us": round(v[2] / v[0], 2)}
+            "opcodes": {k: {"tasks": v[0], "wait_us": round(v[1] / v[0], 2), "body_us": round(v[2] / v[0], 2),
+                            "body_max_us": round(v[8], 2)}
                         | ({"phases_us": {"input": round(v[4] / v[3], 2), "main": round(v[5] / v[3], 2),
                                           "epilogue": round(v[6] / v[3], 2), "writes": round(v[7] / v[3], 2)}}
                            if v[3] else {})

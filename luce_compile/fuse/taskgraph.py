@@ -161,10 +161,12 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
     if graph.outputs != (LOGITS,):
         raise UnsupportedError(f"fuse: the megakernel needs a graph whose one output is {LOGITS!r}.")
     values = graph.values()
-    if kv_splits < 0:  # measured on the H200 (benchmarks/README.md, run6): even splits win at batch 1 (SmolLM2
-        # −12%) and lose at 8 (+14%): there, chunks of kv_chunk
+    if kv_splits < 0:  # as many even splits as fill the SMs once: measured on the H200 (benchmarks/README.md,
+        # 2026-12-02), with a warp's keys loaded at once a task's time hardly grows with its keys, so fewer, longer
+        # tasks win as long as the SMs are filled (b=8: 256-key chunks 2,392 µs a step on the 1B, 1,024-key 2,109,
+        # but SmolLM2's 24 (sequence, KV head) pairs in 1,024-key chunks 1,662 against 1,586)
         heads = max((op.attrs["n_head_kv"] for op in graph.attention_ops()), default=1)
-        kv_splits = max(1, n_sms // heads) if batch == 1 else 0
+        kv_splits = max(1, n_sms // (heads * batch))
     stages = _stages(graph, values, max_context, kv_chunk, kv_splits)
     if fold_merge_floats:
         stages = _fold_merges(stages, values, batch, fold_merge_floats)

@@ -86,8 +86,9 @@ class KVPages:
         base = self.layers[0].data_ptr()
         size = np.dtype(str(self.layers[0].dtype)).itemsize
         offsets = [(t.data_ptr() - base) for t in self.layers]
-        if any(o % size for o in offsets):
-            raise LuceError("engine: the KV cache's layer pages are not aligned to their element size.")
+        if any(o % 16 for o in offsets):  # the megakernel reads a key's row in 16-byte words
+            raise LuceError("engine: the KV cache's layer pages are not 16-byte aligned to each other; build with "
+                            "--no-megakernel.")
         return np.array([o // size for o in offsets], dtype=np.int64)
 
     def kernel_args(self, device) -> tuple:

@@ -17,7 +17,7 @@ from luce_compile.synthetic import cached_synthetic, preset
 pytestmark = pytest.mark.unit
 
 PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
-COLLECTIVES = ("__syncthreads", "warp_reduce", "__syncwarp")
+COLLECTIVES = ("__syncthreads", "warp_reduce", "__syncwarp", "__shfl_sync")
 
 
 def cuda_source(func) -> str:
