@@ -157,7 +157,7 @@ class Runner:
         self.profile = t.zeros((len(prog.queue_len), prog.tasks.shape[1], PROFILE_CLOCKS), dtype=t.int64,
                                device=dev)
         self.profiling = 0
-        self.tok = [t.zeros(b, dtype=t.int32, device=dev) for _ in range(2)]
+        self.tok = [t.zeros(b + 1, dtype=t.int32, device=dev) for _ in range(2)]  # the ids, then the gave-up marker
         self.len = [t.zeros(b, dtype=t.int32, device=dev) for _ in range(2)]
         self.weights = weights
         self.epoch = 0
@@ -192,12 +192,12 @@ class Runner:
 
     def step(self, tokens: list[int], lengths: list[int]) -> tuple[np.ndarray, list[int]]:
         t = self.torch
-        self.tok[self.cur].copy_(t.tensor(tokens, dtype=t.int32))
+        self.tok[self.cur].copy_(t.tensor([*tokens, 0], dtype=t.int32))
         self.len[self.cur].copy_(t.tensor(lengths, dtype=t.int32))
         self.launch()
         self.check_status()
         logits = self.arena[self.logits_at:self.logits_at + self.p.batch * self.vocab].reshape(self.p.batch, -1)
-        return logits.double().cpu().numpy(), self.tok[self.cur].cpu().tolist()
+        return logits.double().cpu().numpy(), self.tok[self.cur][:self.p.batch].cpu().tolist()
 
 
 def stacked_weights(prog, gguf, torch) -> list:
@@ -324,7 +324,7 @@ def time_runner(runner, context: int = 512, steps: int = 200) -> dict:
     torch = runner.torch
     runner.pages.normal_()  # values do not change the speed; positions below `context` are read
     b = runner.p.batch
-    runner.tok[runner.cur].copy_(torch.randint(1, 1000, (b,), dtype=torch.int32))
+    runner.tok[runner.cur].copy_(torch.randint(1, 1000, (b + 1,), dtype=torch.int32))
     runner.len[runner.cur].fill_(context)
     for _ in range(10):
         runner.launch()

@@ -196,7 +196,7 @@ def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: s
             "name": kernel_name(b), "batch": b, "params": p.param_names, "param_dtypes": p.param_dtypes,
             "weights": weights, "arena_size": int(p.arena_size), "n_counters": int(p.n_counters),
             "lm_tiles": int(p.lm_tiles), "logits_at": int(p.arena[LOGITS]), "vocab": int(p.width(LOGITS)),
-            "n_queues": int(len(p.queue_len)), "profile_clocks": PROFILE_CLOCKS,
+            "n_queues": int(len(p.queue_len)), "profile_clocks": PROFILE_CLOCKS, "gave_up_marker": True,
             "fingerprint": program_fingerprint(p)}
     np.savez_compressed(work / TABLES_FILE, **tables)  # mostly zeros: 6.5 MB -> 0.5 MB for SmolLM2
     kv = next(iter(programs.values())).kv

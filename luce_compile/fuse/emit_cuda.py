@@ -156,7 +156,9 @@ class MegakernelEmitter:
         # head dim), each a separate allocation, so the kernel takes layer 0's tensor flat and each layer's offset
         # from it in elements (int64: the allocations may lie far apart, before or after layer 0's)
         self.n_kv = tirx.Var("n_kv", "int64")
-        self.tokens = B.arg("tokens", B.buffer((nb,), "int32"))
+        # ids in [0, nb); element nb of the step's token_out is the gave-up marker (wait): one copy back per step
+        # tells the host both the ids and whether every block finished. tokens and token_out swap between steps
+        self.tokens = B.arg("tokens", B.buffer((nb + 1,), "int32"))
         self.lengths = B.arg("lengths", B.buffer((nb,), "int32"))
         self.page_table = B.arg("page_table", B.buffer((nb, max_pages), "int32"))
         self.pages = B.arg("pages", B.buffer((self.n_kv,), self.kv_dtype))
@@ -164,7 +166,7 @@ class MegakernelEmitter:
         self.arena = B.arg("arena", B.buffer((p.arena_size,), F32))
         self.amax_val = B.arg("amax_val", B.buffer((nb, max(1, p.lm_tiles)), F32))
         self.amax_idx = B.arg("amax_idx", B.buffer((nb, max(1, p.lm_tiles)), "int32"))
-        self.token_out = B.arg("token_out", B.buffer((nb,), "int32"))
+        self.token_out = B.arg("token_out", B.buffer((nb + 1,), "int32"))
         # the next step's lengths: a greedy loop swaps (tokens, lengths) with (token_out, lengths_out) and launches
         # nothing else between steps
         self.lengths_out = B.arg("lengths_out", B.buffer((nb,), "int32"))
@@ -270,8 +272,8 @@ class MegakernelEmitter:
         """Spin (thread 0) until counters[counter] >= target. Acquire loads (served by L2, coherent) order the
         task's reads after the producers' writes; the block's barrier after the wait passes that on to every
         thread (CUTLASS's generic barrier does the same). A wait that exceeds the block's budget records itself
-        in `status` and gives up, and the block's later waits give up at once: a planning bug or a block that is not
-        resident becomes an error the host reports, not a hung GPU."""
+        in `status` and the step's epoch in token_out[nb], and gives up; the block's later waits give up at once: a
+        planning bug or a block that is not resident becomes an error the host reports, not a hung GPU."""
         seen, n = self.local("int32"), self.local("int32")
         addr = T.address_of(self.counters[counter])
         self.store(n, 0, i32(0))
@@ -287,6 +289,7 @@ class MegakernelEmitter:
             self.store(self.status, [bx, 1], counter)
             self.store(self.status, [bx, 2], target)
             self.store(self.status, [bx, 3], seen[0])
+            self.store(self.token_out, self.nb, self.epoch)  # the step's marker: read with the ids
             self.store(spins, 0, i32(0))
 
     def prefetch(self, op: P.Opcode) -> None:

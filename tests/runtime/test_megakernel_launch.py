@@ -15,22 +15,23 @@ pytestmark = pytest.mark.unit
 VOCAB, MAX_PAGES, QUEUES = 7, 3, 2
 
 
-def spec(batch: int) -> dict:
+def spec(batch: int, marker: bool = False) -> dict:
     return {"batch": batch, "n_queues": QUEUES, "arena_size": 16 + 17 * VOCAB, "lm_tiles": 1, "n_counters": 4,
-            "profile_clocks": 6, "vocab": VOCAB, "logits_at": 16,
+            "profile_clocks": 6, "vocab": VOCAB, "logits_at": 16, "gave_up_marker": marker,
             "params": ["tokens", "lengths", "page_table", "pages", "arena", "token_out", "lengths_out", "status",
                        "epoch"]}
 
 
 class NumpyKernel:
     """Stands in for the compiled kernel: logits row r = token + page sum (one-hot at (token + pages) % VOCAB),
-    token_out = its argmax, lengths_out = lengths + 1; `stall` sets a block's status as a bounded wait does."""
+    token_out = its argmax, lengths_out = lengths + 1; `stall` sets a block's status as a bounded wait does, and
+    with `marker` (kernels built since 2026-12-02) the step's epoch after the ids."""
 
-    def __init__(self, batch: int):
-        self.batch, self.seen, self.stall = batch, [], False
+    def __init__(self, batch: int, marker: bool = False):
+        self.batch, self.seen, self.stall, self.marker = batch, [], False, marker
 
     def __call__(self, tokens, lengths, page_table, pages, arena, token_out, lengths_out, status, epoch):
-        t, n, pt = tokens.numpy(), lengths.numpy(), page_table.numpy()
+        t, n, pt = tokens.numpy()[:self.batch], lengths.numpy(), page_table.numpy()
         self.seen.append((t.copy(), n.copy(), pt.copy()))
         hot = (t + pt.sum(axis=1)) % VOCAB
         logits = np.zeros((self.batch, VOCAB), np.float32)
@@ -38,7 +39,8 @@ class NumpyKernel:
         a = arena.numpy()
         a[16:16 + logits.size] = logits.reshape(-1)
         arena.copyfrom(a)
-        token_out.copyfrom(hot.astype(np.int32))
+        mark = [epoch if self.stall else 0] if self.marker else []
+        token_out.copyfrom(np.array([*hot, *mark], np.int32))
         lengths_out.copyfrom((n + 1).astype(np.int32))
         st = np.zeros((QUEUES, 4), np.int32)
         if self.stall:
@@ -46,14 +48,45 @@ class NumpyKernel:
         status.copyfrom(st)
 
 
-def megakernel(batches=(1, 4)) -> tuple[Megakernel, dict[int, NumpyKernel]]:
+def megakernel(batches=(1, 4), marker: bool = False) -> tuple[Megakernel, dict[int, NumpyKernel]]:
     mk = Megakernel.__new__(Megakernel)
     mk.batches, mk.profiling, mk._last = sorted(batches), False, None
-    fns = {b: NumpyKernel(b) for b in batches}
+    fns = {b: NumpyKernel(b, marker) for b in batches}
     tables = {f"b{b}_{f}": np.zeros((QUEUES, 2, 14) if f == "tasks" else (QUEUES,), np.int32)
               for b in batches for f in ("tasks", "queue_len", "deps")}
-    mk.kernels = {b: _Kernel(fns[b], spec(b), tables, {}, tvm.cpu(0), MAX_PAGES) for b in batches}
+    mk.kernels = {b: _Kernel(fns[b], spec(b, marker), tables, {}, tvm.cpu(0), MAX_PAGES) for b in batches}
     return mk, fns
+
+
+class _CountedReads:
+    def __init__(self, tensor):
+        self.tensor, self.reads = tensor, 0
+
+    def numpy(self):
+        self.reads += 1
+        return self.tensor.numpy()
+
+    def copyfrom(self, array):  # the kernel's write
+        self.tensor.copyfrom(array)
+
+
+def test_with_the_marker_a_step_copies_back_only_the_ids_and_still_fails_a_stalled_block():
+    """Kernels that write the gave-up marker after the ids: a step whose blocks all finished never reads their
+    status (one synchronizing copy back, not two); a stalled block still fails the step, with its status."""
+    mk, fns = megakernel(marker=True)
+    pages = tvm.runtime.tensor(np.zeros(4, np.float32), tvm.cpu(0))
+    k = mk.kernels[1]
+    k.status = _CountedReads(k.status)
+    tokens, lengths = [3], [10]
+    for _ in range(3):
+        tokens = mk.step(tokens, lengths, [[1]], pages, None, logits=False).tolist()
+        lengths = [lengths[0] + 1]
+    assert k.status.reads == 0 and tokens == [(((3 + 1) % VOCAB + 1) % VOCAB + 1) % VOCAB]
+    assert fns[1].seen[-1][0].tolist() == [tokens[0] - 1 if tokens[0] else VOCAB - 1]
+    fns[1].stall = True
+    with pytest.raises(MegakernelError, match="1 blocks gave up waiting"):
+        mk.step(tokens, lengths, [[1]], pages, None, logits=False)
+    assert k.status.reads == 1
 
 
 def test_a_step_hands_each_row_its_inputs_and_pads_with_the_last_row():
