@@ -110,37 +110,27 @@ class MegakernelEmitter:
         B.evaluate(T.tvm_storage_sync("shared"))
 
     def cta(self, value: tirx.Expr, how: str, dtype: str = F32) -> tirx.Expr:
-        """A block-wide sum/max/min, in every thread (TVM's cta_reduce redefines the warp helpers warp_reduce
-        defines: nvcc rejects a kernel that uses both)."""
-        scratch = self.red if dtype == F32 else self.redi
-        part = self.local(dtype)  # every lane shuffles: the reduction must not sink into the lane-0 branch
-        self.store(part, 0, T.cuda.warp_reduce(value, how, 32))
-        with self.when(self.lane == 0):
-            self.store(scratch, self.warp, part[0])
-        self.sync()
-        out = self.local(dtype)
-        self.store(out, 0, scratch[0])
-        for w in range(1, self.warps):
-            x = scratch[w]
-            self.store(out, 0, out[0] + x if how == "sum" else (tirx.max(out[0], x) if how == "max"
-                                                                 else tirx.min(out[0], x)))
-        self.sync()
-        return out[0]
+        """A block-wide sum/max/min, in every thread."""
+        return self.cta_many([value], how, dtype)[0]
 
-    def cta_sums(self, parts: tirx.Buffer, n: int) -> tirx.Buffer:
-        """Block-wide sums of parts[0..n) in every thread, with one barrier pair for all of them; each is added in
-        cta(.., "sum")'s order (warp sums, then the warps in turn), so it is the same to the bit."""
-        for i in range(n):
-            part = self.local()
-            self.store(part, 0, T.cuda.warp_reduce(parts[i], "sum", 32))
+    def cta_many(self, values: list[tirx.Expr], how: str, dtype: str = F32) -> tirx.Buffer:
+        """Block-wide sums/maxima/minima of several values, in every thread, with one barrier pair for all of them:
+        warp results, then the warps in turn, so each is the same to the bit as reduced on its own (TVM's
+        cta_reduce redefines the warp helpers warp_reduce defines: nvcc rejects a kernel that uses both)."""
+        scratch = self.red if dtype == F32 else self.redi
+        for i, value in enumerate(values):
+            part = self.local(dtype)  # every lane shuffles: the reduction must not sink into the lane-0 branch
+            self.store(part, 0, T.cuda.warp_reduce(value, how, 32))
             with self.when(self.lane == 0):
-                self.store(self.red, i * self.warps + self.warp, part[0])
+                self.store(scratch, i * self.warps + self.warp, part[0])
         self.sync()
-        out = self.local(F32, n)
-        for i in range(n):
-            self.store(out, i, self.red[i * self.warps])
+        out = self.local(dtype, len(values))
+        for i in range(len(values)):
+            self.store(out, i, scratch[i * self.warps])
             for w in range(1, self.warps):
-                self.store(out, i, out[i] + self.red[i * self.warps + w])
+                x = scratch[i * self.warps + w]
+                self.store(out, i, out[i] + x if how == "sum" else (tirx.max(out[i], x) if how == "max"
+                                                                     else tirx.min(out[i], x)))
         self.sync()
         return out
 
@@ -219,7 +209,7 @@ class MegakernelEmitter:
                 self.smem_i = B.decl_buffer((self.shared_floats,), "int32", data=self.smem.data, scope=scope)
                 self.smem_b = B.decl_buffer((self.shared_floats * 4,), "int8", data=self.smem.data, scope=scope)
                 self.int_views: dict[int, tirx.Buffer] = {}  # int8 planes as int32 words, by buffer identity
-                self.red = B.alloc_buffer((max(2, self.nb) * self.warps,), F32, scope="shared")  # cta_sums
+                self.red = B.alloc_buffer((max(2, self.nb) * self.warps,), F32, scope="shared")  # cta_many
                 self.redi = B.alloc_buffer((2 * self.warps,), "int32", scope="shared")
                 self.part = B.alloc_buffer((self.warps * self.accumulators,), F32, scope="shared")  # K-slice sums
                 self.trow = self.local("int32", p.tasks.shape[2])
@@ -403,7 +393,7 @@ class MegakernelEmitter:
             return v
 
         def rstd_all(parts: tirx.Buffer) -> None:  # every sequence's 1/rms from its thread sums (one reduction)
-            sums = self.cta_sums(parts, nb)
+            sums = self.cta_many([parts[b] for b in range(nb)], "sum")
             for b in range(nb):
                 rstd_of(b, sums[b])
             self.sync()

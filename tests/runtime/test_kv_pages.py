@@ -75,7 +75,7 @@ def test_a_fork_shares_its_parents_full_pages(tiny, engine_of, rng):
 class _WritesKeysAndValues:
     """A stand-in for the CUDA megakernel on a CPU engine: each step writes the oracle's keys and values of the new
     token into the slot the engine gave it (pages[row][position // page size]), as the kernel does, and records
-    how many forwards TVM's cache began."""
+    the positions it was given."""
 
     def __init__(self, engine, env: dict, attention: list):
         self.engine, self.env, self.attention = engine, env, attention
