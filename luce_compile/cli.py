@@ -197,7 +197,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     facts = info.facts
     opts = MegakernelOptions()  # the plan the kernel would run (its key-splitting defaults)
     tg = build_task_graph(graph, batch=args.batch, n_sms=facts["sm_count"], max_context=args.ctx,
-                          kv_chunk=opts.kv_chunk, kv_splits=opts.kv_splits)
+                          kv_chunk=opts.kv_chunk, kv_splits=opts.kv_splits, merge_in_last=opts.merge_in_last)
     plan = plan_queues(tg, CostModel(bandwidth=facts["mem_bandwidth_gb_s"] * 1e9, n_sms=facts["sm_count"]))
     weights = sum(t.weight_bytes for t in tg.tasks if t.kind == "matvec")
     d = {"model": path.stem, "target": info.name, "batch": args.batch, "stages": len(tg.stages),

@@ -45,6 +45,7 @@ LINE = 128  # bytes per L2 prefetch
 SPIN_LIMIT = 1 << 21  # polls (~1 µs each with the back-off) before a wait gives up: seconds
 F32 = "float32"
 Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
+FLOAT_WORDS = ("F32", "F16", "BF16")  # weight types whose matvec granules are read as 16-byte words
 
 
 def dp4a(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
@@ -208,7 +209,7 @@ class MegakernelEmitter:
                 # the same words as int32: the quantized activations (q8_activations)
                 self.smem_i = B.decl_buffer((self.shared_floats,), "int32", data=self.smem.data, scope=scope)
                 self.smem_b = B.decl_buffer((self.shared_floats * 4,), "int8", data=self.smem.data, scope=scope)
-                self.int_views: dict[int, tirx.Buffer] = {}  # int8 planes as int32 words, by buffer identity
+                self.int_views: dict[tuple, tirx.Buffer] = {}  # weight planes as 32-bit words, by (buffer, word type)
                 self.red = B.alloc_buffer((max(2, self.nb) * self.warps,), F32, scope="shared")  # cta_many
                 self.redi = B.alloc_buffer((2 * self.warps,), "int32", scope="shared")
                 self.part = B.alloc_buffer((self.warps * self.accumulators,), F32, scope="shared")  # K-slice sums
@@ -596,15 +597,51 @@ class MegakernelEmitter:
             for j in range(8):
                 x = self.smem[(b * 8 + j) * granules + g] if staged else xval(b, g * 8 + j)
                 self.store(xv, b * 8 + j, x)
+        types = self._weight_types(unit)
         for m_i, m in enumerate(unit.matmuls):
             for r in range(rows):
                 row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
-                for j in range(8):  # the granule dequantized once, into registers, for every sequence
-                    self.store(wv, j, self.dequant(op, m.weights["weight"], row, g * 8 + j))
+                if types[m_i] in FLOAT_WORDS:
+                    self._float_words(self.weight(op, m.weights["weight"])["w"], types[m_i], row, g, wv)
+                else:
+                    for j in range(8):  # the granule dequantized once, into registers, for every sequence
+                        self.store(wv, j, self.dequant(op, m.weights["weight"], row, g * 8 + j))
                 for j in range(8):
                     for b in range(nb):
                         a = (m_i * rows + r) * nb + b
                         self.store(acc, a, acc[a] + wv[j] * xv[b * 8 + j])
+
+    def _float_words(self, plane: tirx.Buffer, ggml_type: str, row, g, wv) -> None:
+        """Granule g of a float weight row into wv as float32, read as 16-byte words (one for F16/BF16, two for
+        F32): the element-wise dequant read each value alone (eight 2-byte loads a granule for BF16: the 1B body's
+        BF16 step spent 977 of its 1,433 µs in matvec bodies at 1.4 TB/s on the H200). The values are the ones
+        dequant_expr gives, so the sums are the same to the bit."""
+        words = self._word_view(plane)
+        layer = self.col(P.LAYER)
+        per_granule = 8 * DataType(plane.dtype).bits // 32  # words of 8 values
+        wq = self.local("uint32", per_granule)
+        for i in range(0, per_granule, 4):
+            B.buffer_store(wq, words.vload([layer, row, g * per_granule + i], "uint32x4"),
+                           [tirx.Ramp(i32(i), i32(1), 4)])
+        sixteen, low, high = tirx.const(16, "uint32"), tirx.const(0xFFFF, "uint32"), tirx.const(0xFFFF0000, "uint32")
+        for j in range(8):
+            if ggml_type == "F32":
+                v = tirx.reinterpret(F32, wq[j])
+            elif ggml_type == "BF16":  # the top half of a float32: the low value shifted up, the high one masked
+                v = tirx.reinterpret(F32, wq[j // 2] << sixteen if j % 2 == 0 else wq[j // 2] & high)
+            else:  # F16: little-endian halves of the word
+                half = wq[j // 2] & low if j % 2 == 0 else wq[j // 2] >> sixteen
+                v = tirx.reinterpret("float16", half.astype("uint16")).astype(F32)
+            self.store(wv, j, v)
+
+    def _word_view(self, buf: tirx.Buffer) -> tirx.Buffer:
+        """A weight plane (layers, n_out, n_in) of 8-, 16- or 32-bit values as uint32 words (layers, n_out, words)."""
+        key = (id(buf), "uint32")
+        if key not in self.int_views:
+            g, n_out, n_in = (int(d) for d in buf.shape)
+            words = n_in * DataType(buf.dtype).bits // 32
+            self.int_views[key] = B.decl_buffer((g, n_out, words), "uint32", data=buf.data)
+        return self.int_views[key]
 
     # ---- 8-bit activations (q8_activations): llama.cpp's vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 -------------
     @staticmethod
@@ -683,7 +720,7 @@ class MegakernelEmitter:
 
     def _int_view(self, buf: tirx.Buffer) -> tirx.Buffer:
         """An int8 plane (layers, n_out, n_in) as int32 words (layers, n_out, n_in / 4)."""
-        key = id(buf)
+        key = (id(buf), "int32")
         if key not in self.int_views:
             g, n_out, n_in = (int(d) for d in buf.shape)
             self.int_views[key] = B.decl_buffer((g, n_out, n_in // 4), "int32", data=buf.data)
@@ -987,7 +1024,9 @@ class MegakernelEmitter:
         with self.when(split >= 0):
             self._attn_partial(op, att, q_name, b, g, split, group, d, per_lane, chunk, window, n_splits,
                                q_at, p_at, o_at, ml_at, partials)
-        if partials is not None:
+            if st.merged_by_last:
+                self._merge_if_last(op, att, b, g, group, d, n_splits, partials)
+        if partials is not None and not st.merged_by_last:
             with self.when(split < 0):
                 self._attn_merge(op, att, b, g, group, d, n_splits, partials)
 
@@ -1171,6 +1210,24 @@ class MegakernelEmitter:
             self.store(den, 0, den[0] + sc[0] * self.arena[partials.ml + at * 2 + 1])
             self.store(num, 0, num[0] + sc[0] * self.arena[partials.o + at * d + c])
         return num[0] / den[0]
+
+    def _merge_if_last(self, op, att, b, g, group, d, n_splits, partials) -> None:
+        """Merged by the last chunk (Stage.merged_by_last): thread 0 releases the block's partials, adds 1 to the
+        (sequence, KV head)'s arrival counter, and the chunk that brings it to n_splits x epoch acquires the
+        others' partials and merges them, where a merge task would have waited for them (a handoff: poll, barrier,
+        its loads after). The task publishes after this, so its consumers see the merged output."""
+        self.sync()  # every thread's partial writes issued
+        with self.when(self.tx == 0):
+            B.evaluate(T.ptx.fence.acq_rel.gpu())
+            before = self.local("int32")
+            self.store(before, 0, T.cuda.atomic_add(T.address_of(self.counters[self.col(P.ARRIVAL)]), i32(1)))
+            last = before[0] == i32(n_splits) * self.epoch - 1
+            with self.when(last):
+                B.evaluate(T.ptx.fence.acq_rel.gpu())  # acquire: the other chunks' partials, for every thread
+            self.store(self.redi, 0, tirx.if_then_else(last, i32(1), i32(0)))
+        self.sync()
+        with self.when(self.redi[0] == 1):
+            self._attn_merge(op, att, b, g, group, d, n_splits, partials)
 
     def _attn_merge(self, op, att, b, g, group, d, n_splits, partials) -> None:
         h = att.attrs["n_head"]

@@ -13,7 +13,9 @@ Memory, all plain tensors the runtime owns:
              page table (batch, pages per sequence) and each sequence's length (= the new token's position)
   counters   int32, one per stage, one per group and one per task; a task adds 1 to its own, its stage's and its
              group's (if any) when done. A consumer waits until a counter reaches count x epoch (epoch = the step's
-             1-based launch number: monotonic, never reset; MPK's events)
+             1-based launch number: monotonic, never reset; MPK's events). Attention merged by its last chunk
+             (Stage.merged_by_last) has one arrival counter per (sequence, KV head): each chunk adds 1 before it
+             publishes, and the one that brings it to n_splits x epoch merges
   argmax     each LM-head tile's best logit and index per sequence; the last task per sequence reduces them
 
 A task depends on a whole stage (its counter reaches the stage's task count), on a few tasks of it (their own
@@ -43,8 +45,8 @@ from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph
 
 # task table columns (then one arena offset per operand slot of the task's opcode: inputs, then outputs)
 (OPCODE, LAYER, KV_LAYER, LO, HI, ROW, SPLIT, UNIT, TILE, DEP_START, DEP_COUNT, COUNTER, STAGE_COUNTER,
- GROUP_COUNTER) = range(14)
-FIXED_COLUMNS = 14
+ GROUP_COUNTER, ARRIVAL) = range(15)
+FIXED_COLUMNS = 15
 FEW_DEPS = 8  # at most this many tasks of a stage: wait on each one's counter; more: on the stage's counter
 ALIGN = 4  # arena offsets in float32 elements (16 bytes: vector loads)
 PROFILE_CLOCKS = 6  # per task: wait begins, body begins, task ends, then the body's phases (emit_cuda `phase`)
@@ -122,13 +124,15 @@ class Program:
 
 
 def build_program(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_chunk: int = 256,
-                  kv_splits: int = 0, kv_min_keys: int = KV_MIN_KEYS, fold_merge: bool = False, page_size: int = 16,
+                  kv_splits: int = 0, kv_min_keys: int = KV_MIN_KEYS, fold_merge: bool = False,
+                  merge_in_last: bool = False, page_size: int = 16,
                   cost: CostModel | None = None, max_tile_bytes: int = 36 * 1024) -> Program:
     """Plan the decode step of `graph` for `batch` sequences on `n_sms` persistent blocks; `fold_merge`: the O
     projection's tiles merge split attention partials themselves when the batch's input fits half the kernel's
-    shared memory (where a matvec stages its input)."""
+    shared memory (where a matvec stages its input); `merge_in_last`: the other split attentions are merged by
+    their last chunk to finish, not by merge tasks."""
     tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=max_context, kv_chunk=kv_chunk,
-                          kv_splits=kv_splits, kv_min_keys=kv_min_keys,
+                          kv_splits=kv_splits, kv_min_keys=kv_min_keys, merge_in_last=merge_in_last,
                           fold_merge_floats=SHARED_FLOATS // 2 if fold_merge else 0,
                           max_tile_rows=max_tile_bytes // (4 * batch * 4))
     plan = plan_queues(tg, cost or CostModel(n_sms=n_sms))
@@ -194,7 +198,7 @@ def _signature(tg: TaskGraph, index: int, values) -> tuple:
     # a matvec that merges attention partials: the attention's geometry decides the merge (stages whose attentions
     # differ, gemma's sliding and global layers, need their own opcodes)
     merged = _signature(tg, st.merged, values) if st.merged >= 0 else None
-    return st.kind, sig_ops, units, kv, st.n_splits, tiles, st.prologue is not None, merged
+    return st.kind, sig_ops, units, kv, st.n_splits, tiles, st.prologue is not None, merged, st.merged_by_last
 
 
 def _weights(st: Stage) -> tuple[str, ...]:
@@ -295,7 +299,11 @@ def _tables(prog: Program, stage_values, lm_tile: dict[int, int]) -> None:
             for d in mine:
                 if group_of.setdefault(d, g) != g:
                     raise UnsupportedError("fuse: a task belongs to two dependency groups; plan with fewer splits")
-    first_task = n_stages + len(groups)
+    arrival: dict[tuple[int, int, int], int] = {}  # (stage, sequence, KV head) → its arrival counter
+    for t in tg.tasks:
+        if t.kind == TaskKind.ATTN_PARTIAL and tg.stages[t.stage].merged_by_last:
+            arrival.setdefault((t.stage, t.row, t.lo), n_stages + len(groups) + len(arrival))
+    first_task = n_stages + len(groups) + len(arrival)
     n_slots = max((len(o.inputs) + len(o.outputs) for o in prog.opcodes), default=0)
     width = FIXED_COLUMNS + n_slots
     q_max = max((len(q) for q in prog.plan.queues), default=0)
@@ -313,6 +321,7 @@ def _tables(prog: Program, stage_values, lm_tile: dict[int, int]) -> None:
             row[TILE] = lm_tile.get(tid, 0)
             row[COUNTER], row[STAGE_COUNTER] = first_task + tid, stage
             row[GROUP_COUNTER] = n_stages + group_of[tid] if tid in group_of else -1
+            row[ARRIVAL] = arrival.get((t.stage, t.row, t.lo), -1) if t.kind == TaskKind.ATTN_PARTIAL else -1
             if op.stages:
                 row[LAYER] = op.stages.index(stage)
                 st = tg.stages[stage]

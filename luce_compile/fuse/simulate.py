@@ -72,6 +72,7 @@ class TaskSimulator:
         self.buf: dict[str, np.ndarray] = {}
         self.written: dict[str, np.ndarray] = {}
         self.partials: dict[tuple, _Partial] = {}
+        self.arrivals: dict[tuple, int] = {}  # merged_by_last: chunks done per (output, sequence, KV head)
         self.lm_best: dict[tuple[int, int], tuple[float, int]] = {}
         for task in self._order(seed, adversarial):
             for r in task.reads:
@@ -242,6 +243,10 @@ class TaskSimulator:
             return
         self.partials[(op.outputs[0], b, g, task.split)] = part
         self.write(split_value(op.outputs[0], task.split), o_lo, o_hi, np.zeros((1, o_hi - o_lo)), b)
+        if st.merged_by_last:  # the kernel's arrival counter: the (sequence, KV head)'s last chunk merges
+            arrived = self.arrivals[(op.outputs[0], b, g)] = self.arrivals.get((op.outputs[0], b, g), 0) + 1
+            if arrived == st.n_splits:
+                self.write(op.outputs[0], o_lo, o_hi, self._merged(op.outputs[0], b, g, st.n_splits).reshape(1, -1), b)
 
     def _merged(self, out: str, b: int, g: int, n_splits: int) -> np.ndarray:
         """KV head g's attention output for sequence b from its split partials, (group * dv,)."""

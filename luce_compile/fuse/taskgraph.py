@@ -9,7 +9,8 @@ The graph's ops are grouped into stages (the fusions Hazy's megakernels, Mirage 
             the KV cache; the LM head's tiles also leave a partial argmax
   row       a whole-row op no projection absorbs (gemma's post-norms) with its row-local epilogue, per sequence
   attention split-KV partials per (sequence, KV head, key chunk) and a merge per (sequence, KV head); the number
-            of chunks is static (max context / chunk; sliding layers: window / chunk), empty chunks exit early
+            of chunks is static (max context / chunk; sliding layers: window / chunk), empty chunks exit early.
+            With merge_in_last, no merge tasks: the chunk that finishes last merges (Stage.merged_by_last)
   argmax    one per sequence: the token id from the LM head tiles' partial maxima (only ids leave the device)
 
 Every task lists the regions (value, feature range, batch row) it reads and writes; a task depends on exactly the
@@ -77,6 +78,9 @@ class Stage:
     # matvec: the attention stage whose split partials its tiles merge into their input (no merge tasks, one
     # handoff fewer per layer); -1: the input is a value in the arena
     merged: int = -1
+    # attention with splits: no merge tasks; each (sequence, KV head)'s chunk that arrives last (an arrival counter
+    # the kernel adds to) merges the partials, so its consumer waits on the partials alone (one handoff fewer)
+    merged_by_last: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,11 +157,13 @@ TOKEN_IDS = "token_ids"
 
 def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_chunk: int = 256,
                      kv_splits: int = 0, kv_min_keys: int = KV_MIN_KEYS, fold_merge_floats: int = 0,
-                     tiles_per_sm: int = 1, max_tile_rows: int | None = None) -> TaskGraph:
+                     merge_in_last: bool = False, tiles_per_sm: int = 1,
+                     max_tile_rows: int | None = None) -> TaskGraph:
     """The decode step of `graph` for `batch` sequences as tasks for `n_sms` persistent blocks; `max_tile_rows`
     caps a matvec tile (the kernel keeps a tile's outputs in shared memory). `fold_merge_floats` > 0: a matvec
     whose input is a split attention's output (the O projection) merges the partials itself, when the batch's
-    inputs take at most that many floats (the kernel stages them in shared memory)."""
+    inputs take at most that many floats (the kernel stages them in shared memory). `merge_in_last`: split
+    attentions that no matvec merges are merged by their last chunk to finish (Stage.merged_by_last)."""
     if graph.outputs != (LOGITS,):
         raise UnsupportedError(f"fuse: the megakernel needs a graph whose one output is {LOGITS!r}.")
     values = graph.values()
@@ -170,6 +176,11 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
     stages = _stages(graph, values, max_context, kv_chunk, kv_splits)
     if fold_merge_floats:
         stages = _fold_merges(stages, values, batch, fold_merge_floats)
+    if merge_in_last:
+        folded = {st.merged for st in stages}
+        stages = [dataclasses.replace(st, merged_by_last=True)
+                  if st.kind == TaskKind.ATTN_PARTIAL and st.n_splits > 1 and i not in folded else st
+                  for i, st in enumerate(stages)]
     tg = TaskGraph(graph, batch, max_context, kv_chunk, kv_splits=kv_splits, kv_min_keys=kv_min_keys,
                    stages=stages)
     for op in graph.attention_ops():
@@ -391,9 +402,14 @@ class _Tiler:
                     self.add(TaskKind.ATTN_PARTIAL, i, reads, [Region(out, o_lo, o_hi, b)], weight_bytes=kv_bytes,
                              lo=g, hi=g + 1, row=b)
                     continue
-                parts = [self.add(TaskKind.ATTN_PARTIAL, i, reads, [Region(split_value(out, j), o_lo, o_hi, b)],
+                # merged by the last: every chunk may be the one that writes the output
+                merged = [Region(out, o_lo, o_hi, b)] if st.merged_by_last else []
+                parts = [self.add(TaskKind.ATTN_PARTIAL, i, reads,
+                                  [Region(split_value(out, j), o_lo, o_hi, b), *merged],
                                   weight_bytes=kv_bytes, lo=g, hi=g + 1, row=b, split=j)
                          for j in range(st.n_splits)]
+                if st.merged_by_last:
+                    continue
                 if any(s.merged == i for s in self.tg.stages):
                     continue  # the consumer's tiles merge the partials
                 self.add(TaskKind.ATTN_MERGE, i, [w for t in parts for w in t.writes], [Region(out, o_lo, o_hi, b)],

@@ -134,3 +134,29 @@ def test_profile_summary_reads_spans_waits_and_bodies_from_task_clocks():
                for v in out["opcodes"].values())
     assert sum(v["stages"] for v in out["stages"].values()) == len({int(s) for s in prog.tasks[..., P.STAGE_COUNTER][
         np.arange(prog.tasks.shape[1])[None, :] < prog.queue_len[:, None]]})
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_split_attention_merged_by_its_last_chunk_has_one_arrival_counter(name):
+    """merge_in_last: the chunks of one (sequence, KV head) share an arrival counter that no other task and no
+    dependency uses (the kernel's last arrival merges on it: any other add would make a chunk merge early or never);
+    the O projection then waits for the chunks themselves."""
+    graph, _ = open_graph(cached_synthetic(preset(name)))
+    prog = P.build_program(graph, batch=2, n_sms=5, max_context=40, kv_chunk=8, merge_in_last=True)
+    first_task = prog.n_counters - len(prog.tg.tasks)
+    rows = [row for sm in range(len(prog.queue_len)) for row in prog.tasks[sm, :prog.queue_len[sm]]]
+    by_counter: dict[int, set] = {}
+    for row in rows:
+        task = prog.tg.tasks[row[P.COUNTER] - first_task]
+        split = task.kind == "attn_partial" and prog.tg.stages[task.stage].n_splits > 1
+        assert (row[P.ARRIVAL] >= 0) == split and task.kind != "attn_merge"
+        if split:
+            by_counter.setdefault(int(row[P.ARRIVAL]), set()).add((task.stage, task.row, task.lo, task.split))
+    taken = {int(c) for c in prog.deps[:, 0]} | {int(r[c]) for r in rows
+                                                  for c in (P.COUNTER, P.STAGE_COUNTER, P.GROUP_COUNTER)}
+    assert by_counter and not set(by_counter) & taken
+    assert all(c < first_task for c in by_counter)
+    for chunks in by_counter.values():
+        (stage, row, head), = {c[:3] for c in chunks}
+        assert len(chunks) == prog.tg.stages[stage].n_splits
+    assert len(by_counter) == len({v for v in map(frozenset, by_counter.values())})

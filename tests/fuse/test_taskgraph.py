@@ -23,12 +23,16 @@ PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
 MAX_CONTEXT, CHUNK = 40, 8  # several key chunks per sequence, and gemma3's window of 8 slides within the steps
 
 
-def setup(name: str, batch: int, n_sms: int = 6, kv_splits: int = 0, fold: bool = False):
+def setup(name: str, batch: int, n_sms: int = 6, kv_splits: int = 0, fold: bool = False, last: bool = False):
     path = cached_synthetic(preset(name))
     graph, _ = open_graph(path)
     tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=MAX_CONTEXT, kv_chunk=CHUNK,
-                          kv_splits=kv_splits, kv_min_keys=4, fold_merge_floats=10**6 if fold else 0)
+                          kv_splits=kv_splits, kv_min_keys=4, fold_merge_floats=10**6 if fold else 0,
+                          merge_in_last=last)
     assert not fold or any(st.merged >= 0 for st in tg.stages)
+    if last:  # no merge tasks: every split attention is merged by its last chunk
+        assert any(st.merged_by_last for st in tg.stages) and not any(t.kind == TaskKind.ATTN_MERGE
+                                                                      for t in tg.tasks)
     plan = plan_queues(tg, CostModel(n_sms=n_sms))
     return path, graph, tg, plan
 
@@ -46,10 +50,11 @@ def prefill_kv(oracle: Oracle, graph, prompt: list[int]) -> tuple[dict[str, np.n
 
 @pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize(("kv_splits", "fold"), [(0, False), (3, False), (3, True)],
-                         ids=["chunks-of-8", "3-even-splits", "3-splits-merged-by-o-proj"])
-def test_task_graph_decodes_like_the_oracle(name, batch, kv_splits, fold, rng):
-    path, graph, tg, plan = setup(name, batch, kv_splits=kv_splits, fold=fold)
+@pytest.mark.parametrize(("kv_splits", "fold", "last"), [(0, False, False), (3, False, False), (3, True, False),
+                                                     (3, False, True)],
+                         ids=["chunks-of-8", "3-even-splits", "3-splits-merged-by-o-proj", "3-splits-merged-by-last"])
+def test_task_graph_decodes_like_the_oracle(name, batch, kv_splits, fold, last, rng):
+    path, graph, tg, plan = setup(name, batch, kv_splits=kv_splits, fold=fold, last=last)
     sim = TaskSimulator(tg, plan, Oracle(path))
     oracles, last = [], []
     for b in range(batch):  # sequences of different lengths: 3, 7, 11 prompt tokens
@@ -69,9 +74,10 @@ def test_task_graph_decodes_like_the_oracle(name, batch, kv_splits, fold, rng):
 
 
 @pytest.mark.parametrize("name", PRESETS)
-@pytest.mark.parametrize("fold", [False, True], ids=["merge-tasks", "merged-by-o-proj"])
-def test_dropping_any_dependency_is_caught(name, fold, rng):
-    path, graph, tg, _ = setup(name, batch=2, fold=fold)
+@pytest.mark.parametrize(("fold", "last"), [(False, False), (True, False), (False, True)],
+                         ids=["merge-tasks", "merged-by-o-proj", "merged-by-last"])
+def test_dropping_any_dependency_is_caught(name, fold, last, rng):
+    path, graph, tg, _ = setup(name, batch=2, fold=fold, last=last)
     # one task per SM and the highest ready id first: a task runs as soon as its declared deps allow
     plan = plan_queues(tg, CostModel(n_sms=len(tg.tasks)))
     for victim in rng.choice([t for t in tg.tasks if t.deps], size=4, replace=False):
