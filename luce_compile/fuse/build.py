@@ -72,6 +72,9 @@ class MegakernelOptions:
     # with q8_activations and K >= 1,024: a lane per 32-value block of a row (16-byte loads), not per 8 values
     # (measured on the H200: the 1B body 1,199 -> 921 us a step at b=1, 4,329 -> 3,107 at b=8)
     q8_by_block: bool = True
+    # with q8_activations: the matvecs' integer dot products on tensor cores (mma.m16n8k32 s8, 16 rows x a block x
+    # 8 sequences an instruction) instead of dp4a, at every batch size
+    q8_mma: bool = False
     # shared memory a block, KiB: 44 is static (under the 48 KiB that needs no opt-in); more is dynamic shared
     # memory, up to 99 KiB on sm_86/sm_120 and 227 on sm_90 (one block an SM: it costs no occupancy). 0: the
     # target's (for_target): 128 where it allows (then the 1B's K = 8,192 down projection takes 8-bit inputs at

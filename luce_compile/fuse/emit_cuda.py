@@ -45,6 +45,7 @@ LINE = 128  # bytes per L2 prefetch
 SPIN_LIMIT = 1 << 21  # polls (~1 µs each with the back-off) before a wait gives up: seconds
 F32 = "float32"
 Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
+MMA_MIN_BLOCKS = 8  # q8_mma: the fewest 32-value blocks a warp's slice of K takes
 FLOAT_WORDS = ("F32", "F16", "BF16")  # weight types whose matvec granules are read as 16-byte words
 
 
@@ -86,6 +87,7 @@ class MegakernelEmitter:
         self.unroll_passes = options.unroll_passes
         self.q8 = options.q8_activations
         self.q8_by_block = options.q8_by_block
+        self.q8_mma = options.q8_mma
         self.q8_batch = max(options.batches or (self.nb,))  # a stage's q8 choice is the same at every batch size
         # float32 words of shared memory: static up to 48 KiB, dynamic above (TVM's launch raises the limit)
         self.shared_floats = (options.shared_kib or STATIC_KIB) * 256  # 0: no target known here, the static
@@ -507,13 +509,40 @@ class MegakernelEmitter:
                     q8: str | None = None) -> None:
         nb, rows_max = self.nb, op.max_rows[u]
         self._cur_rows_max = rows_max
-        granules = k_in // 8
         lo, hi = self.col(P.LO), self.col(P.HI)
         slots = self._env_slots(st, u)
 
         def env(slot: int, b, r) -> tirx.Expr:
             return env_base + (slot * nb + b) * rows_max + r
 
+        if q8 is not None and self.q8_mma:
+            env_end = env_base + self._env_floats(st, u, rows_max)
+            self._mma_matmuls(op, unit, k_in, rows_max, lo, hi, env, slots, env_end)
+        else:
+            self._lane_matmuls(op, unit, k_in, rows_max, lo, hi, env, slots, staged, xval, q8)
+        self.sync()
+        self.phase(4)
+        self.epilogue(op, unit.epilogue, slots, env, lo, hi - lo, rows_max, nb, lambda i: i)  # ends on a barrier
+        self.phase(5)
+        # the values other stages read → the arena; keys and values → their pages; the LM head → argmax partials
+        n = hi - lo
+        for name, slot in slots.items():
+            if name in op.outputs:
+                w = self.p.width(name)
+                self._each(nb * rows_max, lambda idx, slot=slot, name=name, w=w: self._write_out(
+                    op, name, slot, env, idx, n, rows_max, lo, w))
+            if name in self.p.tg.kv_slots:
+                which = 0 if self.p.tg.kv_slots[name][1] == "k" else 1
+                self._each(nb * rows_max, lambda idx, slot=slot, which=which: self._append_kv(
+                    slot, env, idx, n, rows_max, lo, which))
+        if any(m.kind == OpKind.LM_HEAD for m in unit.matmuls):
+            last = unit.epilogue[-1].outputs[0] if unit.epilogue else unit.matmuls[0].outputs[0]
+            self.lm_partial(slots[last], env, n, rows_max, lo)
+
+    def _lane_matmuls(self, op, unit, k_in: int, rows_max: int, lo, hi, env, slots, staged: bool, xval,
+                      q8: str | None) -> None:
+        """The tile's matmuls into shared memory (env), a lane per granule or 32-value block of a row."""
+        nb, granules = self.nb, k_in // 8
         n_m = len(unit.matmuls)
         # The block's warps split K into `split` slices (enough granules per slice to keep 32 lanes busy) and the
         # rows into self.warps / split groups; a warp accumulates `rows` rows at once (`accumulators` sums a lane):
@@ -571,24 +600,123 @@ class MegakernelEmitter:
                             self.store(self.smem, env(slots[m.outputs[0]], b, r0 + r - lo), y)
             if split > 1:
                 self.sync()  # the next step's partials overwrite these
-        self.sync()
-        self.phase(4)
-        self.epilogue(op, unit.epilogue, slots, env, lo, hi - lo, rows_max, nb, lambda i: i)  # ends on a barrier
-        self.phase(5)
-        # the values other stages read → the arena; keys and values → their pages; the LM head → argmax partials
+
+    # ---- 8-bit activations on tensor cores (q8_mma) ---------------------------------------------------------------
+    def _mma_split(self, k_in: int) -> int:
+        """Warps that split a matvec's K into slices of at least MMA_MIN_BLOCKS 32-value blocks: a function of K
+        alone, so every batch size sums a row's blocks in one order (batched equal to alone)."""
+        blocks, split = k_in // Q8_BLOCK, 1
+        while split < self.warps and blocks // (2 * split) >= MMA_MIN_BLOCKS:
+            split *= 2
+        return split
+
+    def _mma_matmuls(self, op, unit, k_in: int, rows_max: int, lo, hi, env, slots, env_end: int) -> None:
+        """The tile's matmuls into shared memory (env) with integer tensor cores: one mma.m16n8k32 (s8 x s8 ->
+        s32) per 16 rows x one 32-value block x the batch's 8-bit inputs (its 8 columns; the columns past the batch
+        repeat its last sequence, their results unused), then each of the 16 x 8 sums scaled as the dp4a body does
+        (d_w·(d_x·Σ) [+ m_w·s_x], `_q8_accumulate`). The integer sums are llama.cpp's (Q4_0 as q − 8 per byte);
+        dp4a took a lane 8 instructions per (row, block, sequence), one mma does 128 of them.
+
+        Fragments (PTX ISA, mma.m16n8k32 .s8): lane = 4·quad + tig holds A rows quad and quad + 8, B column quad,
+        C rows quad, quad + 8 x columns 2·tig, 2·tig + 1. A block's k order is free as long as A and B share it:
+        lane tig takes granule tig of the block (the 4 quants of its word with h = 0, then h = 1), which is the
+        word the Q4 planes keep per granule (low nibbles h = 0, high h = 1) and two words of Q8_0, and the words
+        quantize_q8 writes per (sequence, h, granule)."""
+        nb, n_m = self.nb, len(unit.matmuls)
+        blocks, granules = k_in // Q8_BLOCK, k_in // 8
+        split = self._mma_split(k_in)
+        groups, per_slice = self.warps // split, -(-blocks // split)
+        slice_, group = self.warp % split, self.warp // split
+        tiles_m = -(-rows_max // 16)
+        per_warp = -(-tiles_m // groups)  # 16-row tiles of each matmul a warp takes
+        quad, tig = self.lane // 4, self.lane % 4
+        layer = self.col(P.LAYER)
+        types = self._weight_types(unit)
+        acc = self.local(F32, n_m * per_warp * 4)
+        for i in range(n_m * per_warp * 4):
+            self.store(acc, i, f32(0))
+        bq, a = self.local("uint32", 2), self.local("uint32", 4)
+        d, zero = self.local("uint32", 4), self.local("uint32", 4)
+        for i in range(4):
+            self.store(zero, i, tirx.const(0, "uint32"))
+        column = tirx.min(quad, nb - 1)  # the sequence whose 8-bit input this lane gives B
+        mask, four = tirx.const(0x0F0F0F0F, "uint32"), tirx.const(4, "uint32")
+        high, eights = tirx.const(0x80808080, "uint32"), tirx.const(0x08080808, "uint32")
+        loop = B.unroll if per_slice <= 16 else B.serial
+        with loop(0, per_slice) as j:
+            blk = slice_ * per_slice + j
+            with _nothing() if blocks % split == 0 else self.when(blk < blocks):  # warp-uniform
+                for h in range(2):
+                    self.store(bq, h, tirx.reinterpret("uint32", self.smem_i[(column * 2 + h) * granules
+                                                                             + blk * 4 + tig]))
+                for m_i, m in enumerate(unit.matmuls):
+                    planes = self.weight(op, m.weights["weight"])
+                    for t in range(per_warp):
+                        tile = group + t * groups
+                        with _nothing() if tiles_m % groups == 0 else self.when(tile < tiles_m):  # warp-uniform
+                            rows = [tirx.min(lo + tile * 16 + quad + 8 * i, hi - 1) for i in range(2)]
+                            for i, row in enumerate(rows):  # a0/a1: h = 0 of rows quad, quad + 8; a2/a3: h = 1
+                                if types[m_i] == "Q8_0":
+                                    words = self._word_view(planes["qs"])
+                                    for h in range(2):
+                                        self.store(a, 2 * h + i, words[layer, row, (blk * 4 + tig) * 2 + h])
+                                else:
+                                    qs = planes["qs"][layer, row, blk * 4 + tig]
+                                    for h, q in enumerate((qs & mask, (qs >> four) & mask)):
+                                        if types[m_i] == "Q4_0":  # q − 8 per byte: no borrow crosses a byte
+                                            q = ((q | high) - eights) ^ high
+                                        self.store(a, 2 * h + i, q)
+                            B.evaluate(T.ptx["mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"](
+                                *(d[i] for i in range(4)), *(a[i] for i in range(4)), bq[0], bq[1],
+                                *(zero[i] for i in range(4))))
+                            for r, row in enumerate(rows):
+                                dw = planes["d"][layer, row, blk].astype(F32)
+                                mw = planes["m"][layer, row, blk].astype(F32) if types[m_i] == "Q4_1" else None
+                                for c in range(2):
+                                    self._q8_accumulate(acc, ((m_i * per_warp + t) * 2 + r) * 2 + c,
+                                                        tirx.reinterpret("int32", d[2 * r + c]), dw, mw,
+                                                        tirx.min(2 * tig + c, nb - 1), blk, k_in, lanes_per_block=1)
         n = hi - lo
-        for name, slot in slots.items():
-            if name in op.outputs:
-                w = self.p.width(name)
-                self._each(nb * rows_max, lambda idx, slot=slot, name=name, w=w: self._write_out(
-                    op, name, slot, env, idx, n, rows_max, lo, w))
-            if name in self.p.tg.kv_slots:
-                which = 0 if self.p.tg.kv_slots[name][1] == "k" else 1
-                self._each(nb * rows_max, lambda idx, slot=slot, which=which: self._append_kv(
-                    slot, env, idx, n, rows_max, lo, which))
-        if any(m.kind == OpKind.LM_HEAD for m in unit.matmuls):
-            last = unit.epilogue[-1].outputs[0] if unit.epilogue else unit.matmuls[0].outputs[0]
-            self.lm_partial(slots[last], env, n, rows_max, lo)
+
+        def each_result(body) -> None:  # body(m_i, m, acc index, tile row, sequence) for the lane's valid results
+            for m_i, m in enumerate(unit.matmuls):
+                for t in range(per_warp):
+                    for r in range(2):
+                        for c in range(2):
+                            rr, b = (group + t * groups) * 16 + quad + 8 * r, 2 * tig + c
+                            with self.when((rr < n) & (b < nb)):
+                                body(m_i, m, ((m_i * per_warp + t) * 2 + r) * 2 + c, rr, b)
+
+        def bias(m, rr) -> tirx.Expr:
+            return self.vector(op, m.weights["bias"], lo + rr) if "bias" in m.weights else f32(0)
+
+        if split == 1:
+            each_result(lambda m_i, m, i, rr, b: self.store(self.smem, env(slots[m.outputs[0]], b, rr),
+                                                             acc[i] + bias(m, rr)))
+            return
+        # the slices' sums meet in shared memory, added in slice order: where the 8-bit input was if it fits
+        # there (every warp is past its loop after the barrier), else after the tile's values
+        need = split * n_m * nb * rows_max
+        part_at = 0 if need <= self.nb * self._q8_words(k_in) else env_end
+        if part_at + need > self.shared_floats - nb:
+            raise UnsupportedError(f"fuse: the tensor-core matvec's {split} K slices need {need} floats of shared "
+                                   "memory; build with a larger shared_kib or without q8_mma")
+
+        def part(s, m_i, b, rr):
+            return part_at + ((s * n_m + m_i) * nb + b) * rows_max + rr
+
+        self.sync()
+        each_result(lambda m_i, m, i, rr, b: self.store(self.smem, part(slice_, m_i, b, rr), acc[i]))
+        self.sync()
+        for m_i, m in enumerate(unit.matmuls):
+            def total(idx, m_i=m_i, m=m) -> None:
+                b, rr = idx // rows_max, idx % rows_max
+                with self.when(rr < n):
+                    y = self.smem[part(0, m_i, b, rr)]
+                    for s_ in range(1, split):
+                        y = y + self.smem[part(s_, m_i, b, rr)]
+                    self.store(self.smem, env(slots[m.outputs[0]], b, rr), y + bias(m, rr))
+            self._each(nb * rows_max, total)
 
     def _float_pass(self, op, unit, rows: int, r0, hi, g, granules: int, staged: bool, xval, acc, xv, wv) -> None:
         """One granule (8 features) of `rows` rows of each matmul, dequantized to float32, times every sequence."""

@@ -160,3 +160,23 @@ def test_float_weights_are_read_as_16_byte_words(quant, loads):
     assert prog.opcodes[0].kind.name == "EMBED"  # its rows are read a value at a time: only op 0's plane
     assert set(re.findall(r"(?<!&\()(w\d+)_\d+_w_ptr\[", source)) == {"w0"}  # (&(...[i]): an L2 prefetch
     assert divergent_collectives(source) == []
+
+
+@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
+def test_q8_mma_dots_on_tensor_cores_at_every_batch_size(quant):
+    """q8_mma: the 8-bit matvecs take integer mma.m16n8k32 instead of dp4a at batch 1 as at 3 (one summation order
+    for every batch size); Q4_0's quants enter as q − 8 per byte; every mma sits where its whole warp arrives."""
+    import dataclasses
+
+    from luce_compile.fuse.build import MegakernelOptions
+
+    graph, _ = open_graph(cached_synthetic(dataclasses.replace(preset("tiny-llama"), quant=quant)))
+    options = MegakernelOptions(q8_activations=True, q8_mma=True, batches=(1, 3))
+    for batch in (1, 3):
+        prog = build_program(graph, batch=batch, n_sms=8, max_context=64, kv_chunk=16, merge_in_last=True)
+        source = cuda_source(emit_megakernel(prog, options=options))
+        assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in source and "__dp4a" not in source
+        assert ("2155905152" in source) == (quant == "Q4_0")  # 0x80808080: the per-byte q − 8
+        body = source[source.index("megakernel_kernel("):]
+        calls = [line for line in body.split("\n") if "mma_int_sync" in line]
+        assert calls and divergent_collectives(source.replace("tvm_builtin_ptx_mma_int_sync", "__shfl_sync")) == []
