@@ -1,10 +1,10 @@
 """Emit the megakernel: one persistent TIRx PrimFunc that runs a Program's task table (fuse/program.py).
 
-One block per SM, 256 threads (8 warps). Each block walks its queue of the task table; per task, thread 0 waits on
-the task's counters (acquire), the block runs the task's opcode, and thread 0 publishes (fence, then the task's
-and its stage's counters). Opcode bodies are generated from the op kinds of their first stage, in TensorIR through
-TVMScript's IR builder; the dequantization of every weight type is `quant_matmul.dequant_expr`, the same
-expression the per-op kernels use.
+One block per SM, 512 threads (16 warps). Each block walks its queue of the task table; per task, a thread per
+counter waits on the task's counters (acquire), the block runs the task's opcode, and thread 0 publishes (fence,
+then the task's and its stage's counters). Opcode bodies are generated from the op kinds of their first stage, in
+TensorIR through TVMScript's IR builder; the dequantization of every weight type is `quant_matmul.dequant_expr`,
+the same expression the per-op kernels use.
 
 Task bodies:
   matvec        the prologue RMS norm's scale per sequence (a block reduction), the input staged in shared memory
@@ -216,7 +216,7 @@ class MegakernelEmitter:
                 self.redi = B.alloc_buffer((2 * self.warps,), "int32", scope="shared")
                 self.part = B.alloc_buffer((self.warps * self.accumulators,), F32, scope="shared")  # K-slice sums
                 self.trow = self.local("int32", p.tasks.shape[2])
-                spins = self.local("int32")  # thread 0's wait budget: SPIN_LIMIT, then 0 after one gives up
+                spins = self.local("int32")  # a thread's wait budget: SPIN_LIMIT, then 0 after one gives up
                 self.store(spins, 0, i32(SPIN_LIMIT))
                 with B.serial(0, self.queue_len[bx]) as i:
                     self.bx, self.position = bx, i  # for the phase clocks (`phase`)
@@ -228,9 +228,13 @@ class MegakernelEmitter:
                             if op.kind in (TaskKind.MATVEC, TaskKind.ATTN_PARTIAL):
                                 with self.when(self.col(P.OPCODE) == op.index):
                                     self.prefetch(op)
-                    with self.when(tx == 0):
-                        start = self.col(P.DEP_START)
-                        with B.serial(0, self.col(P.DEP_COUNT)) as d:
+                    # a thread per dependency: their polls are in flight together (thread 0 waiting on each in
+                    # turn paid an L2 round trip per counter: 2-3 µs before an attention task that reads five QKV
+                    # tiles); the barrier after passes every thread's acquire on to the block
+                    start, n_deps = self.col(P.DEP_START), self.col(P.DEP_COUNT)
+                    with B.serial(0, (n_deps + self.threads - 1) // self.threads) as it:
+                        d = it * self.threads + tx
+                        with self.when(d < n_deps):
                             self.wait(self.deps[start + d, 0], self.deps[start + d, 1] * self.epoch, bx, i, spins)
                     self.sync()
                     self.stamp(bx, i, 1)
@@ -262,11 +266,12 @@ class MegakernelEmitter:
             self.store(self.profile, [bx, position, which], T.cuda.mov_sreg(64, "globaltimer"))
 
     def wait(self, counter, target, bx, position, spins) -> None:
-        """Spin (thread 0) until counters[counter] >= target. Acquire loads (served by L2, coherent) order the
-        task's reads after the producers' writes; the block's barrier after the wait passes that on to every
-        thread (CUTLASS's generic barrier does the same). A wait that exceeds the block's budget records itself
-        in `status` and the step's epoch in token_out[nb], and gives up; the block's later waits give up at once: a
-        planning bug or a block that is not resident becomes an error the host reports, not a hung GPU."""
+        """Spin (one thread a dependency) until counters[counter] >= target. Acquire loads (served by L2,
+        coherent) order the task's reads after the producers' writes; the block's barrier after the wait passes
+        that on to every thread (CUTLASS's generic barrier does the same). A wait that exceeds the thread's budget
+        records itself in `status` and the step's epoch in token_out[nb], and gives up; that thread's later waits
+        give up at once: a planning bug or a block that is not resident becomes an error the host reports, not a
+        hung GPU."""
         seen, n = self.local("int32"), self.local("int32")
         addr = T.address_of(self.counters[counter])
         self.store(n, 0, i32(0))
