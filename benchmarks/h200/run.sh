@@ -33,8 +33,11 @@ WORKLOADS=${WORKLOADS:-"smollm2-135m llama-1b-body llama-1b-body-bf16 qwen3-0.6b
 mkdir -p "$WORK" "$RAW" "$OUT"
 # the luce-compile commit measured (the device's copy of the tree may carry no usable git metadata)
 echo "${LUCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" > "$RAW/commit.txt"
-pack() { tar czf "$OUT/h200-run.tgz" -C "$RAW" . ; }
-start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+# written aside, then renamed: the checks' background jobs stamp (and pack) while the foreground does
+pack() { tar czf "$OUT/.pack-$BASHPID" -C "$RAW" . && mv -f "$OUT/.pack-$BASHPID" "$OUT/h200-run.tgz"; }
+# every step's files are packed as it ends (a call that runs out of time keeps what finished: a Qwen3 run lost its
+# luce-compile and torch timings 2 s before llama.cpp's when packing waited for the workload's end)
+start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start ))s] $*"; [ -d "$RAW" ] && pack; }
 
 L=$WORK/llama.cpp/build/bin
 LLAMA_CPP=${LLAMA_CPP:-1}
