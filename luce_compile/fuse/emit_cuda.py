@@ -14,11 +14,14 @@ Task bodies:
                 RoPE); then the values other stages read go to the arena, keys/values to their pages, and the LM
                 head's tile leaves its best logit per sequence. With q8_activations, the tiles of Q4_0/Q4_1/Q8_0
                 weights quantize the input into 8-bit blocks instead (a warp per block) and dot 8-bit words (dp4a),
-                a lane per 32-value block of a row where K >= 1,024 (q8_by_block), else per 8 values
+                a lane per 32-value block of a row where K >= 1,024 (q8_by_block), else per 8 values; with q8_mma
+                on integer tensor cores (mma.m16n8k32, a warp per 16 rows). F32/F16/BF16 rows are read as 16-byte
+                words
   row           a whole-row op (gemma's post-norms) and its epilogue, for one sequence, in shared memory
   attn_partial  one (sequence, KV head, key chunk): lanes own keys for the scores (online softmax per warp), own
                 dimensions for p·v; the warps' partials merge in shared memory; one chunk writes the output,
-                several write (o, max, sum) partials that the merge task (split = -1) combines
+                several write (o, max, sum) partials that the last of them to finish combines (merge_in_last: an
+                arrival counter), or else a merge task (split = -1)
   embed         rows of the embedding table, dequantized, times the scale
   argmax        per sequence, the best of the LM-head tiles (lowest index on ties, as numpy's argmax)
 """
