@@ -31,7 +31,13 @@ from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
 from luce_compile.lower.cpu_int8 import resolve_precision
 from luce_compile.lower.quant_layout import weight_planes
-from luce_compile.lower.relax_model import PLANE_SEP, LowerOptions, exported_functions, lower_graph
+from luce_compile.lower.relax_model import (
+    PLANE_SEP,
+    LowerOptions,
+    cpu_prefill_applies_window,
+    exported_functions,
+    lower_graph,
+)
 from luce_compile.models import cache_dir
 from luce_compile.targets import TargetInfo, get_target
 from luce_compile.tune.records import Tuning, default_logs_dir
@@ -168,6 +174,8 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
         megakernel_fields["megakernel"] = {"skipped": "built with --no-megakernel"}
     say("writing the artifact (weights repacked into kernel planes)")
     contract = RuntimeContract(kv_dtype=options.dtype,
+                               sliding_prefill_chunks=cpu_prefill_applies_window(
+                                   target, graph.config.head_dim, graph.config.head_dim_v, options.dtype),
                                functions=tuple(str(f) for f in exported_functions(options.precision)))
     manifest = {
         "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},

@@ -294,6 +294,14 @@ def cpu_attention(target: tvm.target.Target) -> Iterator[None]:
         yield
 
 
+def cpu_prefill_applies_window(target: tvm.target.Target, head_dim: int, head_dim_v: int, dtype: str) -> bool:
+    """Whether the cache's prefill over cached keys is cpu_attention's kernel, which applies sliding windows there
+    (the runtime contract's sliding_prefill_chunks): on the CPU, for a head size and cache dtype it takes."""
+    from luce_schedules.cpu.attention_prefill import supports
+
+    return target.kind.name == "llvm" and supports(head_dim, head_dim_v, dtype)
+
+
 @contextlib.contextmanager
 def kv_pages_probe() -> Iterator[None]:
     """The cache's debug_get_kv becomes the runtime's KV_PAGES_PROBE (luce_runtime.contract says why): an extern

@@ -409,15 +409,19 @@ class Engine:
     def chunk_limit(self, seq_id: int) -> int:
         """Tokens of one sequence that one prefill call may append.
 
-        TVM 0.27's CPU prefill kernel for sliding-window layers is wrong once the cache already holds tokens of the
-        sequence (NaN or wrong rows, seen on a tiny gemma3 with window 8), and its in-chunk attention ignores the
-        window. Both are exact in the cases used here: a first chunk no longer than the window, then one token per
-        call (the decode kernel, which applies the window correctly). Long prompts on sliding models are slower.
+        The in-chunk attention of a prefill ignores a sliding window (TVM's ragged kernel and ours), so a chunk is at
+        most the window long: every key in it is then inside each of its queries' windows. TVM 0.27's CPU prefill
+        kernel for the keys already cached is wrong on sliding-window layers (NaN or wrong rows, seen on a tiny
+        gemma3 with window 8); artifacts whose kernel applies the window there (the contract's
+        sliding_prefill_chunks: the CPU build's own kernels) take such chunks at every call, the others one token
+        per call after the first chunk (the decode kernel, which applies the window correctly).
         """
         self._check(seq_id)
         if not self.sliding_window:
             return self.prefill_chunk
-        return min(self.prefill_chunk, self.sliding_window) if self._live[seq_id] == 0 else 1
+        if self.contract.sliding_prefill_chunks or self._live[seq_id] == 0:
+            return min(self.prefill_chunk, self.sliding_window)
+        return 1
 
     def _new_id(self) -> int:
         if len(self._live) >= self.max_sequences:

@@ -120,14 +120,31 @@ WINDOW = 8  # tiny-gemma3's sliding window
 
 @pytest.mark.parametrize("length", [WINDOW - 1, WINDOW, WINDOW + 1, 3 * WINDOW])
 @pytest.mark.parametrize("chunk", [64, 3])
-def test_sliding_window_prompt_lengths(length, chunk, tiny, oracle_of, engine_of, rng):
-    """Prompts around the window, prefilled through the engine's sliding policy (Engine.chunk_limit: a first chunk
-    of at most min(prefill_chunk, window) tokens, then one token per call), then decoded across the window."""
+@pytest.mark.parametrize("own_kernel", [True, False], ids=["window-chunks", "one-token-calls"])
+def test_sliding_window_prompt_lengths(length, chunk, own_kernel, tiny, oracle_of, engine_of, rng, monkeypatch):
+    """Prompts around the window, prefilled through the engine's sliding policy (Engine.chunk_limit), then decoded
+    across the window: the CPU build's prefill kernel applies the window to the keys already cached, so every call
+    takes up to min(prefill_chunk, window) tokens, a prompt of three windows three calls of a window each; an
+    artifact without that kernel (the contract's sliding_prefill_chunks false: built before it, or TVM's kernel)
+    takes its first chunk so, then one token per call."""
+    import dataclasses
+
     model = tiny("tiny-gemma3")
     engine = engine_of(model, prefill_chunk=chunk)
-    assert engine.config["sliding_window"] == WINDOW
-    check_against_oracle(f"gemma3 window {WINDOW} prompt {length} chunk {chunk}", engine, oracle_of(model),
-                         _random_prompt(rng, length), steps=WINDOW + 2)
+    assert engine.config["sliding_window"] == WINDOW and engine.contract.sliding_prefill_chunks
+    if not own_kernel:
+        monkeypatch.setattr(engine, "contract", dataclasses.replace(engine.contract, sliding_prefill_chunks=False))
+    calls = []
+    real_call = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda *a, **k: calls.append(a) or real_call(*a, **k))
+    check_against_oracle(f"gemma3 window {WINDOW} prompt {length} chunk {chunk}{'' if own_kernel else ' 1-token'}",
+                         engine, oracle_of(model), _random_prompt(rng, length), steps=WINDOW + 2)
+    sizes = [len(toks) for _, (toks,), fn in calls if fn == "prefill"]
+    step = min(chunk, WINDOW)
+    first = min(step, length)
+    want = ([step] * (length // step) + ([length % step] if length % step else []) if own_kernel
+            else [first] + [1] * (length - first))
+    assert sizes == want
 
 
 def test_chunked_prefill_equals_one_shot(tiny, oracle_of, engine_of, rng, monkeypatch):
