@@ -114,8 +114,8 @@ def check_same_vocabulary(target: Engine, draft: Engine) -> None:
 def refuse_sliding_window(engine: Engine, role: str) -> None:
     if engine.sliding_window:
         raise SpecError(f"speculative: the {role} {engine.artifact.root} has sliding-window layers; TVM's paged cache "
-                        "cannot roll back past its window nor verify several tokens there (Engine.chunk_limit). "
-                        "Run it without speculation.")
+                        "cannot roll back rejected tokens once the window's ring of pages has wrapped (and verifies "
+                        "several tokens only where Engine.chunk_limit allows). Run it without speculation.")
 
 
 class DraftModel:

@@ -126,7 +126,8 @@ class Scheduler:
         self.engine, self.max_batch = engine, max_batch
         self.speculation = speculation
         self.page_size = engine.page_size
-        # sliding-window models prefill one token per call after the first chunk (Engine.chunk_limit): no forks
+        # sliding-window models: no forks (TVM's cache keeps a window's keys in a ring of pages with sinks; a fork
+        # or a rollback inside it is not what the oracle computes: _KV.popn, refuse_sliding_window)
         self.prefix_slots = 0 if engine.sliding_window else max(0, min(prefix_cache, engine.max_sequences - max_batch))
         self.counters = Counters()
         self._waiting: deque[GenRequest] = deque()
