@@ -485,8 +485,8 @@ class Engine:
                 break
             batch.append((sid, take))
             budget -= len(take)
-            if self.sliding_window:  # see chunk_limit: a call mixing first chunks and 1-token rows takes the bad path
-                break
+            if self.sliding_window and not self.contract.sliding_prefill_chunks:
+                break  # see chunk_limit: on TVM's kernel a call mixing first chunks and 1-token rows goes wrong
         return batch
 
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
