@@ -214,7 +214,7 @@ class MegakernelEmitter:
                 # the same words as int32: the quantized activations (q8_activations)
                 self.smem_i = B.decl_buffer((self.shared_floats,), "int32", data=self.smem.data, scope=scope)
                 self.smem_b = B.decl_buffer((self.shared_floats * 4,), "int8", data=self.smem.data, scope=scope)
-                self.int_views: dict[tuple, tirx.Buffer] = {}  # weight planes as 32-bit words, by (buffer, word type)
+                self.word_views: dict[tuple, tirx.Buffer] = {}  # weight planes as 32-bit words, by (buffer, word type)
                 self.red = B.alloc_buffer((max(2, self.nb) * self.warps,), F32, scope="shared")  # cta_many
                 self.redi = B.alloc_buffer((2 * self.warps,), "int32", scope="shared")
                 self.part = B.alloc_buffer((self.warps * self.accumulators,), F32, scope="shared")  # K-slice sums
@@ -695,12 +695,12 @@ class MegakernelEmitter:
                             with self.when((rr < n) & (b < nb)):
                                 body(m_i, m, ((m_i * per_warp + t) * 2 + r) * 2 + c, rr, b)
 
-        def bias(m, rr) -> tirx.Expr:
-            return self.vector(op, m.weights["bias"], lo + rr) if "bias" in m.weights else f32(0)
+        def with_bias(m, rr, y) -> tirx.Expr:
+            return y + self.vector(op, m.weights["bias"], lo + rr) if "bias" in m.weights else y
 
         if split == 1:
             each_result(lambda m_i, m, i, rr, b: self.store(self.smem, env(slots[m.outputs[0]], b, rr),
-                                                             acc[i] + bias(m, rr)))
+                                                             with_bias(m, rr, acc[i])))
             return
         # the slices' sums meet in shared memory, added in slice order: where the 8-bit input was if it fits
         # there (every warp is past its loop after the barrier), else after the tile's values
@@ -723,7 +723,7 @@ class MegakernelEmitter:
                     y = self.smem[part(0, m_i, b, rr)]
                     for s_ in range(1, split):
                         y = y + self.smem[part(s_, m_i, b, rr)]
-                    self.store(self.smem, env(slots[m.outputs[0]], b, rr), y + bias(m, rr))
+                    self.store(self.smem, env(slots[m.outputs[0]], b, rr), with_bias(m, rr, y))
             self._each(nb * rows_max, total)
 
     def _float_pass(self, op, unit, rows: int, r0, hi, g, granules: int, staged: bool, xval, acc, xv, wv) -> None:
@@ -770,14 +770,15 @@ class MegakernelEmitter:
                 v = tirx.reinterpret("float16", half.astype("uint16")).astype(F32)
             self.store(wv, j, v)
 
-    def _word_view(self, buf: tirx.Buffer) -> tirx.Buffer:
-        """A weight plane (layers, n_out, n_in) of 8-, 16- or 32-bit values as uint32 words (layers, n_out, words)."""
-        key = (id(buf), "uint32")
-        if key not in self.int_views:
+    def _word_view(self, buf: tirx.Buffer, word: str = "uint32") -> tirx.Buffer:
+        """A weight plane (layers, n_out, n_in) of 8-, 16- or 32-bit values as 32-bit words (layers, n_out, words)
+        of dtype `word` (int32 for the signed Q8_0 quants that dp4a takes)."""
+        key = (id(buf), word)
+        if key not in self.word_views:
             g, n_out, n_in = (int(d) for d in buf.shape)
             words = n_in * DataType(buf.dtype).bits // 32
-            self.int_views[key] = B.decl_buffer((g, n_out, words), "uint32", data=buf.data)
-        return self.int_views[key]
+            self.word_views[key] = B.decl_buffer((g, n_out, words), word, data=buf.data)
+        return self.word_views[key]
 
     # ---- 8-bit activations (q8_activations): llama.cpp's vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 -------------
     @staticmethod
@@ -854,14 +855,6 @@ class MegakernelEmitter:
                         self.store(self.smem, s_at + b * blocks + blk,
                                    (d * qsum[0].astype(F32)).astype("float16").astype(F32) * f32(0.25))
 
-    def _int_view(self, buf: tirx.Buffer) -> tirx.Buffer:
-        """An int8 plane (layers, n_out, n_in) as int32 words (layers, n_out, n_in / 4)."""
-        key = (id(buf), "int32")
-        if key not in self.int_views:
-            g, n_out, n_in = (int(d) for d in buf.shape)
-            self.int_views[key] = B.decl_buffer((g, n_out, n_in // 4), "int32", data=buf.data)
-        return self.int_views[key]
-
     def _q8_pass(self, op, unit, rows: int, r0, hi, g, granules: int, k_in: int, acc) -> None:
         """One granule of `rows` rows of each matmul against every sequence's 8-bit activations: two dp4a a
         (row, sequence), then d_w·(d_x·Σ) [+ m_w·s_x/4]. Q4_0 dots the stored unsigned quants and starts the sum
@@ -882,7 +875,7 @@ class MegakernelEmitter:
             for r in range(rows):
                 row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
                 if types[m_i] == "Q8_0":
-                    words = self._int_view(planes["qs"])
+                    words = self._word_view(planes["qs"], "int32")
                     w = [words[layer, row, 2 * g], words[layer, row, 2 * g + 1]]
                 else:
                     qs = planes["qs"][layer, row, g]
@@ -923,7 +916,7 @@ class MegakernelEmitter:
             for r in range(rows):
                 row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
                 if types[m_i] == "Q8_0":  # words 2gg (features 8gg..8gg+3) and 2gg+1 of granule gg
-                    words = self._int_view(planes["qs"])
+                    words = self._word_view(planes["qs"], "int32")
                     for half in range(2):
                         B.buffer_store(wi, words.vload([layer, row, blk * 8 + half * 4], "int32x4"),
                                        [tirx.Ramp(i32(half * 4), i32(1), 4)])

@@ -321,7 +321,7 @@ def _tables(prog: Program, stage_values, lm_tile: dict[int, int]) -> None:
             row[TILE] = lm_tile.get(tid, 0)
             row[COUNTER], row[STAGE_COUNTER] = first_task + tid, stage
             row[GROUP_COUNTER] = n_stages + group_of[tid] if tid in group_of else -1
-            row[ARRIVAL] = arrival.get((t.stage, t.row, t.lo), -1) if t.kind == TaskKind.ATTN_PARTIAL else -1
+            row[ARRIVAL] = arrival.get((t.stage, t.row, t.lo), -1)  # keys only of merged-by-last attention stages
             if op.stages:
                 row[LAYER] = op.stages.index(stage)
                 st = tg.stages[stage]
