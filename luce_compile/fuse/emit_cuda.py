@@ -48,6 +48,7 @@ LINE = 128  # bytes per L2 prefetch
 SPIN_LIMIT = 1 << 21  # polls (~1 µs each with the back-off) before a wait gives up: seconds
 F32 = "float32"
 Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
+QUANT_AHEAD = 4  # quantize_q8: granules a thread loads before it quantizes any (8 floats each in registers)
 MMA_MIN_BLOCKS = 8  # q8_mma: the fewest 32-value blocks a warp's slice of K takes
 FLOAT_WORDS = ("F32", "F16", "BF16")  # weight types whose matvec granules are read as 16-byte words
 
@@ -213,7 +214,6 @@ class MegakernelEmitter:
                 self.smem = B.alloc_buffer((self.shared_floats,), F32, scope=scope)
                 # the same words as int32: the quantized activations (q8_activations)
                 self.smem_i = B.decl_buffer((self.shared_floats,), "int32", data=self.smem.data, scope=scope)
-                self.smem_b = B.decl_buffer((self.shared_floats * 4,), "int8", data=self.smem.data, scope=scope)
                 self.word_views: dict[tuple, tirx.Buffer] = {}  # weight planes as 32-bit words, by (buffer, word type)
                 self.red = B.alloc_buffer((max(2, self.nb) * self.warps,), F32, scope="shared")  # cta_many
                 self.redi = B.alloc_buffer((2 * self.warps,), "int32", scope="shared")
@@ -618,6 +618,23 @@ class MegakernelEmitter:
             split *= 2
         return split
 
+    def _quad_transpose(self, w: tirx.Buffer, at: list[int], tig) -> None:
+        """w[at[0..3]] of the 4 lanes of a quad (tig = lane % 4) transposed: lane tig ends with the words at[tig]
+        of lanes 0..3, in order. Two butterfly steps (lane xor 1, then xor 2), each swapping 2 words a lane with
+        one shuffle per word; every lane of the warp must arrive."""
+        for bit in (1, 2):
+            odd = (tig & bit) != 0
+            # pairs (j, j + bit), j & bit == 0: a lane with the bit clear keeps j and takes j + bit, one with it set
+            # the other way round
+            pairs = [(j, j + bit) for j in range(4) if j & bit == 0]
+            got = self.local("uint32", 2)
+            for n, (lo_, hi_) in enumerate(pairs):
+                send = tirx.Select(odd, w[at[lo_]], w[at[hi_]])
+                self.store(got, n, T.cuda._shfl_xor_sync(tirx.const(0xFFFFFFFF, "uint32"), send, bit, 32))
+            for n, (lo_, hi_) in enumerate(pairs):
+                self.store(w, at[lo_], tirx.Select(odd, got[n], w[at[lo_]]))
+                self.store(w, at[hi_], tirx.Select(odd, w[at[hi_]], got[n]))
+
     def _mma_matmuls(self, op, unit, k_in: int, rows_max: int, lo, hi, env, slots, env_end: int) -> None:
         """The tile's matmuls into shared memory (env) with integer tensor cores: one mma.m16n8k32 (s8 x s8 ->
         s32) per 16 rows x one 32-value block x the batch's 8-bit inputs (its 8 columns; the columns past the batch
@@ -629,11 +646,17 @@ class MegakernelEmitter:
         C rows quad, quad + 8 x columns 2·tig, 2·tig + 1. A block's k order is free as long as A and B share it:
         lane tig takes granule tig of the block (the 4 quants of its word with h = 0, then h = 1), which is the
         word the Q4 planes keep per granule (low nibbles h = 0, high h = 1) and two words of Q8_0, and the words
-        quantize_q8 writes per (sequence, h, granule)."""
+        quantize_q8 writes per (sequence, h, granule).
+
+        Loads: a warp takes 4 blocks of a row at a time, lane tig the whole block tig in 16-byte words (two for
+        Q8_0), and a 4 x 4 transpose of words across the quad's lanes (`_quad_transpose`, 4 shuffles) gives each
+        lane granule tig of the 4 blocks. Each lane loading its own granule word took 4-byte loads, half a sector
+        each: the 1B body's step went 621 -> 1,115 µs at b=1 (the lane-per-block dp4a body reads 16 bytes)."""
         nb, n_m = self.nb, len(unit.matmuls)
         blocks, granules = k_in // Q8_BLOCK, k_in // 8
         split = self._mma_split(k_in)
-        groups, per_slice = self.warps // split, -(-blocks // split)
+        groups = self.warps // split
+        per_slice = -(-blocks // (4 * split)) * 4  # whole 4-block loads a slice; the last ones may end early
         slice_, group = self.warp % split, self.warp // split
         tiles_m = -(-rows_max // 16)
         per_warp = -(-tiles_m // groups)  # 16-row tiles of each matmul a warp takes
@@ -643,47 +666,64 @@ class MegakernelEmitter:
         acc = self.local(F32, n_m * per_warp * 4)
         for i in range(n_m * per_warp * 4):
             self.store(acc, i, f32(0))
-        bq, a = self.local("uint32", 2), self.local("uint32", 4)
-        d, zero = self.local("uint32", 4), self.local("uint32", 4)
+        bq, a = self.local("uint32", 8), self.local("uint32", 16)  # per block of the 4: B's 2 words, A's 4
+        wq, d = self.local("uint32", 8), self.local("uint32", 4)
+        zero = self.local("uint32", 4)
         for i in range(4):
             self.store(zero, i, tirx.const(0, "uint32"))
         column = tirx.min(quad, nb - 1)  # the sequence whose 8-bit input this lane gives B
         mask, four = tirx.const(0x0F0F0F0F, "uint32"), tirx.const(4, "uint32")
         high, eights = tirx.const(0x80808080, "uint32"), tirx.const(0x08080808, "uint32")
+        ragged = blocks % (4 * split) != 0  # some 4-block load runs past K: its blocks past K take no mma
         loop = B.unroll if per_slice <= 16 else B.serial
-        with loop(0, per_slice) as j:
-            blk = slice_ * per_slice + j
-            with _nothing() if blocks % split == 0 else self.when(blk < blocks):  # warp-uniform
-                for h in range(2):
-                    self.store(bq, h, tirx.reinterpret("uint32", self.smem_i[(column * 2 + h) * granules
-                                                                             + blk * 4 + tig]))
+        with loop(0, per_slice // 4) as j:
+            blk0 = slice_ * per_slice + 4 * j
+            with _nothing() if not ragged else self.when(blk0 < blocks):  # warp-uniform
+                for bb in range(4):
+                    for h in range(2):
+                        blk = tirx.min(blk0 + bb, blocks - 1) if ragged else blk0 + bb
+                        self.store(bq, 2 * bb + h, tirx.reinterpret("uint32", self.smem_i[(column * 2 + h) * granules
+                                                                                       + blk * 4 + tig]))
+                own = tirx.min(blk0 + tig, blocks - 1) if ragged else blk0 + tig  # the block this lane loads
                 for m_i, m in enumerate(unit.matmuls):
                     planes = self.weight(op, m.weights["weight"])
+                    q8_0 = types[m_i] == "Q8_0"
+                    words = self._word_view(planes["qs"])
                     for t in range(per_warp):
                         tile = group + t * groups
                         with _nothing() if tiles_m % groups == 0 else self.when(tile < tiles_m):  # warp-uniform
                             rows = [tirx.min(lo + tile * 16 + quad + 8 * i, hi - 1) for i in range(2)]
-                            for i, row in enumerate(rows):  # a0/a1: h = 0 of rows quad, quad + 8; a2/a3: h = 1
-                                if types[m_i] == "Q8_0":
-                                    words = self._word_view(planes["qs"])
+                            for i, row in enumerate(rows):  # a[4bb + 0/1]: h = 0 of rows quad, quad + 8; 2/3: h = 1
+                                per_block = 8 if q8_0 else 4  # words of a block
+                                for half in range(per_block // 4):
+                                    B.buffer_store(wq, words.vload([layer, row, own * per_block + half * 4],
+                                                                   "uint32x4"), [tirx.Ramp(i32(half * 4), i32(1), 4)])
+                                if q8_0:  # words 2g + h: transpose each h's four words
                                     for h in range(2):
-                                        self.store(a, 2 * h + i, words[layer, row, (blk * 4 + tig) * 2 + h])
+                                        self._quad_transpose(wq, [h, 2 + h, 4 + h, 6 + h], tig)
+                                        for bb in range(4):
+                                            self.store(a, 4 * bb + 2 * h + i, wq[2 * bb + h])
                                 else:
-                                    qs = planes["qs"][layer, row, blk * 4 + tig]
-                                    for h, q in enumerate((qs & mask, (qs >> four) & mask)):
-                                        if types[m_i] == "Q4_0":  # q − 8 per byte: no borrow crosses a byte
-                                            q = ((q | high) - eights) ^ high
-                                        self.store(a, 2 * h + i, q)
-                            B.evaluate(T.ptx["mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"](
-                                *(d[i] for i in range(4)), *(a[i] for i in range(4)), bq[0], bq[1],
-                                *(zero[i] for i in range(4))))
-                            for r, row in enumerate(rows):
-                                dw = planes["d"][layer, row, blk].astype(F32)
-                                mw = planes["m"][layer, row, blk].astype(F32) if types[m_i] == "Q4_1" else None
-                                for c in range(2):
-                                    self._q8_accumulate(acc, ((m_i * per_warp + t) * 2 + r) * 2 + c,
-                                                        tirx.reinterpret("int32", d[2 * r + c]), dw, mw,
-                                                        tirx.min(2 * tig + c, nb - 1), blk, k_in, lanes_per_block=1)
+                                    self._quad_transpose(wq, [0, 1, 2, 3], tig)
+                                    for bb in range(4):
+                                        for h, q in enumerate((wq[bb] & mask, (wq[bb] >> four) & mask)):
+                                            if types[m_i] == "Q4_0":  # q − 8 per byte: no borrow crosses a byte
+                                                q = ((q | high) - eights) ^ high
+                                            self.store(a, 4 * bb + 2 * h + i, q)
+                            for bb in range(4):
+                                blk = blk0 + bb
+                                with self.when(blk < blocks) if ragged else _nothing():  # warp-uniform
+                                    B.evaluate(T.ptx["mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"](
+                                        *(d[i] for i in range(4)), *(a[4 * bb + i] for i in range(4)),
+                                        bq[2 * bb], bq[2 * bb + 1], *(zero[i] for i in range(4))))
+                                    for r, row in enumerate(rows):
+                                        dw = planes["d"][layer, row, blk].astype(F32)
+                                        mw = planes["m"][layer, row, blk].astype(F32) if types[m_i] == "Q4_1" else None
+                                        for c in range(2):
+                                            self._q8_accumulate(acc, ((m_i * per_warp + t) * 2 + r) * 2 + c,
+                                                                tirx.reinterpret("int32", d[2 * r + c]), dw, mw,
+                                                                tirx.min(2 * tig + c, nb - 1), blk, k_in,
+                                                                lanes_per_block=1)
         n = hi - lo
 
         def each_result(body) -> None:  # body(m_i, m, acc index, tile row, sequence) for the lane's valid results
@@ -820,36 +860,56 @@ class MegakernelEmitter:
     def quantize_q8(self, order: str, k_in: int, xval) -> None:
         """The input (with its norm) as 8-bit blocks of 32 in shared memory, each sequence's rows on their own, as
         ggml's x86 quantize_row_q8_0/q8_1 (lower/cpu_int8.py: the CPU build's, which the emulating oracle follows):
-        q = rint(x · 127/amax), d = fp16(amax/127), s = fp16(d · Σq) from the float32 d. A warp per block, a lane
-        per value (a thread per block, 32 dependent loads, took 4-5 µs a task on the H200).
+        q = rint(x · 127/amax), d = fp16(amax/127), s = fp16(d · Σq) from the float32 d.
+        A thread per (sequence, granule of 8 features): a block's 4 granules are a quad of lanes, whose amax and Σq
+        take two shuffles each, and a thread writes its granule's two words whole. Up to QUANT_AHEAD granules a
+        thread are loaded before any is quantized (their loads in flight together). A warp per block took two warp
+        reductions a block: at b=8 the 1B's down projection spent 18 of its 29 µs a task here (shuffles at one
+        warp instruction a clock an SM; a thread per block, with 32 dependent loads, took 4-5 µs a task).
         Layout (32-bit words): word (b·2 + h)·G + g holds 4 quants of granule g (8 features): for "nibbles" its
         features 2j + h (j = 0..3: the bytes of a Q4 word masked or shifted), for "natural" 4h + j; then d per
         (b, block), then s/4 per (b, block) (each of a block's 4 granule lanes adds m·s/4)."""
         nb, granules, blocks = self.nb, k_in // 8, k_in // Q8_BLOCK
         d_at, s_at = self._q8_scales_at(k_in)
-        v, amax = self.local(), self.local()
-        q, qsum = self.local("int32"), self.local("int32")
-        n_pairs = nb * blocks
-        n_it = -(-n_pairs // self.warps)
-        ahead = min(n_it, 8)  # (sequence, block) pairs a warp loads at once: 8 round trips became one
-        vals = self.local(F32, ahead)
+        total = nb * granules  # a multiple of 4 (K is of whole blocks): a quad is all in range or all past it
+        n_it = -(-total // self.threads)
+        ahead = min(n_it, QUANT_AHEAD)
+        vals = self.local(F32, ahead * 8)
+        amax, inv = self.local(), self.local()
+        q, qsum, word = self.local("int32", 8), self.local("int32"), self.local("int32", 2)
+        full = tirx.const(0xFFFFFFFF, "uint32")
         with B.serial(0, -(-n_it // ahead)) as it:
             for u in range(ahead):
-                pc = tirx.min((it * ahead + u) * self.warps + self.warp, n_pairs - 1)  # past the end: unused
-                self.store(vals, u, xval(pc // blocks, pc % blocks * Q8_BLOCK + self.lane))
-            for u in range(ahead):
-                pair = (it * ahead + u) * self.warps + self.warp
-                with self.when(pair < n_pairs):  # warp-uniform: every lane reaches the shuffles
-                    b, blk = pair // blocks, pair % blocks
-                    self.store(v, 0, vals[u])
-                    self.store(amax, 0, T.cuda.warp_reduce(tirx.abs(v[0]), "max", 32))
-                    inv = tirx.Select(amax[0] > f32(0), f32(127) / amax[0], f32(0))
-                    self.store(q, 0, tirx.nearbyint(v[0] * inv).astype("int32"))
-                    self.store(qsum, 0, T.cuda.warp_reduce(q[0], "sum", 32))
-                    gg, r = self.lane // 8, self.lane % 8
-                    h, j = (r % 2, r // 2) if order == "nibbles" else (r // 4, r % 4)
-                    self.store(self.smem_b, ((b * 2 + h) * granules + blk * 4 + gg) * 4 + j, q[0].astype("int8"))
-                    with self.when(self.lane == 0):
+                at = tirx.min((it * ahead + u) * self.threads + self.tx, total - 1)  # past the end: unused
+                for j in range(8):
+                    self.store(vals, u * 8 + j, xval(at // granules, at % granules * 8 + j))
+            for u in range(ahead):  # every lane runs the shuffles; only the stores are guarded
+                at = (it * ahead + u) * self.threads + self.tx
+                m = tirx.abs(vals[u * 8])
+                for j in range(1, 8):
+                    m = tirx.max(m, tirx.abs(vals[u * 8 + j]))
+                self.store(amax, 0, m)
+                for lane_mask in (1, 2):
+                    self.store(amax, 0, tirx.max(amax[0], T.cuda._shfl_xor_sync(full, amax[0], lane_mask, 32)))
+                self.store(inv, 0, tirx.Select(amax[0] > f32(0), f32(127) / amax[0], f32(0)))
+                for j in range(8):
+                    self.store(q, j, tirx.nearbyint(vals[u * 8 + j] * inv[0]).astype("int32"))
+                self.store(qsum, 0, q[0] + q[1] + q[2] + q[3] + q[4] + q[5] + q[6] + q[7])
+                for lane_mask in (1, 2):
+                    self.store(qsum, 0, qsum[0] + T.cuda._shfl_xor_sync(full, qsum[0], lane_mask, 32))
+                for h in range(2):
+                    feats = [2 * j + h for j in range(4)] if order == "nibbles" else [4 * h + j for j in range(4)]
+                    byte = [tirx.reinterpret("uint32", q[f]) & tirx.const(0xFF, "uint32") for f in feats]
+                    w = byte[0]
+                    for j in range(1, 4):  # unsigned: a quant's byte shifted to the top is no signed overflow
+                        w = w | (byte[j] << tirx.const(8 * j, "uint32"))
+                    self.store(word, h, tirx.reinterpret("int32", w))
+                with self.when(at < total):
+                    b, g = at // granules, at % granules
+                    for h in range(2):
+                        self.store(self.smem_i, (b * 2 + h) * granules + g, word[h])
+                    with self.when(g % 4 == 0):
+                        blk = g // 4
                         d = amax[0] / f32(127)
                         self.store(self.smem, d_at + b * blocks + blk, d.astype("float16").astype(F32))
                         self.store(self.smem, s_at + b * blocks + blk,
