@@ -52,6 +52,9 @@ class MegakernelOptions:
     # task that waits on them: one handoff fewer per layer (measured on the H200, context 512: SmolLM2 780 -> 737 µs
     # a step at b=1, 1,813 -> 1,553 at b=8; the 1B body 678 -> 627, 1,971 -> 1,789; Qwen3 890 -> 834, 2,090 -> 1,840)
     merge_in_last: bool = True
+    # a unit capped to more tiles than the SMs (the LM head at b=8) takes whole waves of even tiles (build_program):
+    # measured on the H200, the LM head's stage at b=8 93 -> 71 µs on SmolLM2, 103 -> 82 on the 1B, 59 -> 47 on Qwen3
+    balance_waves: bool = True
     kv_dtype: str = "float16"
     # bytes of each weight plane's tile (and of each attention chunk's keys/values) asked into L2 before a task's
     # wait, so the fetch overlaps the wait instead of following it; 0 turns it off
@@ -108,7 +111,7 @@ def plan_programs(graph: Graph, facts: dict, options: MegakernelOptions) -> dict
     return {b: build_program(graph, batch=b, n_sms=n_sms, max_context=options.max_context,
                              kv_chunk=options.kv_chunk, kv_splits=options.kv_splits, kv_min_keys=options.kv_min_keys,
                              fold_merge=options.fold_merge, merge_in_last=options.merge_in_last,
-                             page_size=options.page_size, cost=cost)
+                             page_size=options.page_size, cost=cost, balance_waves=options.balance_waves)
             for b in options.batches}
 
 

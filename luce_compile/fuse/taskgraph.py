@@ -158,7 +158,7 @@ TOKEN_IDS = "token_ids"
 def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_chunk: int = 256,
                      kv_splits: int = 0, kv_min_keys: int = KV_MIN_KEYS, fold_merge_floats: int = 0,
                      merge_in_last: bool = False, tiles_per_sm: int = 1,
-                     max_tile_rows: int | None = None) -> TaskGraph:
+                     max_tile_rows: int | None = None, balance_waves: bool = False) -> TaskGraph:
     """The decode step of `graph` for `batch` sequences as tasks for `n_sms` persistent blocks; `max_tile_rows`
     caps a matvec tile (the kernel keeps a tile's outputs in shared memory). `fold_merge_floats` > 0: a matvec
     whose input is a split attention's output (the O projection) merges the partials itself, when the batch's
@@ -186,7 +186,8 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
     for op in graph.attention_ops():
         tg.kv_slots[op.inputs[1]] = (op.attrs["layer"], "k")
         tg.kv_slots[op.inputs[2]] = (op.attrs["layer"], "v")
-    _Tiler(tg, values, target_tiles=max(1, n_sms * tiles_per_sm), max_rows=max_tile_rows).run()
+    _Tiler(tg, values, target_tiles=max(1, n_sms * tiles_per_sm), max_rows=max_tile_rows,
+           balance_waves=balance_waves).run()
     return tg
 
 
@@ -319,8 +320,10 @@ def _round_up(n: int, align: int) -> int:
 
 # ---- tasks ------------------------------------------------------------------------------------------------------
 class _Tiler:
-    def __init__(self, tg: TaskGraph, values: dict[str, Value], target_tiles: int, max_rows: int | None = None):
+    def __init__(self, tg: TaskGraph, values: dict[str, Value], target_tiles: int, max_rows: int | None = None,
+                 balance_waves: bool = False):
         self.tg, self.values, self.target, self.max_rows = tg, values, target_tiles, max_rows
+        self.balance_waves = balance_waves
         self.writers: dict[str, list[tuple[int, Region]]] = {}
 
     def width(self, name: str) -> int:
@@ -345,6 +348,12 @@ class _Tiler:
         step = _round_up(max(-(-rows // n), MIN_TILE_ROWS), align)
         if self.max_rows is not None and step > self.max_rows:
             step = max(align, self.max_rows // align * align)
+            if self.balance_waves:  # more tiles than a wave: whole waves of even tiles, not a full one and a few
+                # (SmolLM2's LM head at b=8: 171 tiles of 288 rows on 132 SMs ran 2 tiles' time, 263 of 187 run
+                # 2 shorter ones)
+                capped = -(-rows // step)
+                waves = -(-capped // n)
+                step = _round_up(-(-rows // (waves * n)), align)
         return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
 
     def embed(self, i: int, st: Stage) -> None:

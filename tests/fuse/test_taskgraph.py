@@ -108,3 +108,40 @@ def test_fusions_and_plan_shape():
     plan.check(tg)
     assert plan.critical_path <= plan.makespan
     assert sum(t.kind == TaskKind.ARGMAX for t in tg.tasks) == 2
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_capped_tiles_fill_whole_waves(balance, rng):
+    """A unit capped (max_tile_rows) to more tiles than the SMs: with balance_waves its tiles come in whole waves of
+    even tiles under the cap (not one full wave and a few stragglers that double the stage's time), and the step
+    still decodes as the oracle does."""
+    path = cached_synthetic(preset("tiny-llama"))
+    graph, _ = open_graph(path)
+    n_sms, cap = 7, 4096  # 12 capped tiles of the 49,152-row LM head on 7 SMs: one wave and 5 more
+    tg = build_task_graph(graph, batch=2, n_sms=n_sms, max_context=MAX_CONTEXT, kv_chunk=CHUNK, kv_min_keys=4,
+                          max_tile_rows=cap, balance_waves=balance)
+    head = [t for t in tg.tasks if t.kind == TaskKind.MATVEC and t.stage == len(tg.stages) - 1]
+    vocab = graph.config.n_vocab
+    assert sorted((t.lo, t.hi) for t in head)[-1][1] == vocab and all(t.hi - t.lo <= cap for t in head)
+    unbalanced = -(-vocab // cap)
+    assert unbalanced % n_sms, "the test needs a cap that leaves a partial wave"
+    if balance:
+        waves = -(-unbalanced // n_sms)
+        assert max(t.hi - t.lo for t in head) == -(-vocab // (waves * n_sms))
+        assert len(head) > unbalanced and len(head) <= waves * n_sms
+    else:
+        assert len(head) == unbalanced
+    plan = plan_queues(tg, CostModel(n_sms=n_sms))
+    sim = TaskSimulator(tg, plan, Oracle(path))
+    oracles, last = [], []
+    for b in range(2):
+        oracle = Oracle(path)
+        kv, logits = prefill_kv(oracle, graph, [int(t) for t in rng.integers(0, vocab, 3 + 4 * b)])
+        sim.load_prefix(b, kv)
+        oracles.append(oracle)
+        last.append(logits)
+    tokens = [int(np.argmax(x)) for x in last]
+    got, ids = sim.step(tokens, seed=0, adversarial=True)
+    for b, o in enumerate(oracles):
+        want = o.decode(tokens[b])
+        assert np.max(np.abs(got[b] - want)) / np.max(np.abs(want)) < 1e-10 and ids[b] == int(np.argmax(want))
