@@ -13,10 +13,10 @@ Task bodies:
                 tile's outputs go to shared memory, where the epilogue ops run (elementwise, per-head norms,
                 RoPE); then the values other stages read go to the arena, keys/values to their pages, and the LM
                 head's tile leaves its best logit per sequence. With q8_activations, the tiles of Q4_0/Q4_1/Q8_0
-                weights quantize the input into 8-bit blocks instead (a warp per block) and dot 8-bit words (dp4a),
-                a lane per 32-value block of a row where K >= 1,024 (q8_by_block), else per 8 values; with q8_mma
-                on integer tensor cores (mma.m16n8k32, a warp per 16 rows). F32/F16/BF16 rows are read as 16-byte
-                words
+                weights quantize the input into 8-bit blocks instead (a thread per 8 features, 16-byte loads) and
+                dot 8-bit words (dp4a), a lane per 32-value block of a row where K >= 1,024 (q8_by_block), else per
+                8 values; with q8_mma on integer tensor cores (mma.m16n8k32, a warp per 16 rows). F32/F16/BF16 rows
+                are read as 16-byte words
   row           a whole-row op (gemma's post-norms) and its epilogue, for one sequence, in shared memory
   attn_partial  one (sequence, KV head, key chunk): lanes own keys for the scores (online softmax per warp), own
                 dimensions for p·v; the warps' partials merge in shared memory; one chunk writes the output,
