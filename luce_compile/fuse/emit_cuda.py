@@ -424,15 +424,12 @@ class MegakernelEmitter:
                                        "q8_activations")
             if st.prologue is not None:  # the norm's 1/rms per sequence, in the float path's order
                 rstd_from_arena()
-            gamma = self.weight(op, norm_w) if st.prologue is not None else None
-            if gamma is not None and gamma.dtype != F32:
-                self.quantize_q8(order, k_in, xval)  # a norm weight in 16 bits: read as xval reads it
-            else:
-                self.quantize_q8(order, k_in, xval, words=(
-                    # the slot's offset is a multiple of P.ALIGN (4 floats); said so, TVM emits one 16-byte load, not
-                    # a gather of four
-                    lambda b: self.col(op.slot(x_name)) // P.ALIGN * P.ALIGN + b * k_in,
-                    None if gamma is None else (lambda b: self.smem[rstd_at + b], gamma)))
+            self.quantize_q8(order, k_in,
+                             # the slot's offset is a multiple of P.ALIGN (4 floats); said so, TVM emits one 16-byte
+                             # load, not a gather of four
+                             lambda b: self.col(op.slot(x_name)) // P.ALIGN * P.ALIGN + b * k_in,
+                             None if st.prologue is None else (lambda b: self.smem[rstd_at + b],
+                                                               self.weight(op, norm_w)))
             self.sync()
             self.phase(3)
             for u, unit in enumerate(st.units):
@@ -865,7 +862,7 @@ class MegakernelEmitter:
         orders = {Q8_ORDER.get(t) for t in types}
         return orders.pop() if len(orders) == 1 and None not in orders else None
 
-    def quantize_q8(self, order: str, k_in: int, xval, words=None) -> None:
+    def quantize_q8(self, order: str, k_in: int, base, norm) -> None:
         """The input (with its norm) as 8-bit blocks of 32 in shared memory, each sequence's rows on their own, as
         ggml's x86 quantize_row_q8_0/q8_1 (lower/cpu_int8.py: the CPU build's, which the emulating oracle follows):
         q = rint(x · 127/amax), d = fp16(amax/127), s = fp16(d · Σq) from the float32 d.
@@ -874,9 +871,9 @@ class MegakernelEmitter:
         thread are loaded before any is quantized (their loads in flight together). A warp per block took two warp
         reductions a block: at b=8 the 1B's down projection spent 18 of its 29 µs a task here (shuffles at one
         warp instruction a clock an SM; a thread per block, with 32 dependent loads, took 4-5 µs a task).
-        `words` = (the arena index of sequence b's input, None or the norm's (1/rms of b, γ plane)): the granule is
-        read as two 16-byte words (γ too) where xval read 8 floats a thread, lanes 32 bytes apart: 8 loads of
-        32 sectors each a warp instead of 2.
+        base(b): the arena index of sequence b's input; norm: None or the prologue norm's (1/rms of b, γ plane, a
+        float32 vector), applied as xval does, (x · 1/rms) · γ. A granule is read as two 16-byte words (γ too):
+        8 floats a thread, lanes 32 bytes apart, were 8 loads of 32 sectors each a warp instead of 2.
         Layout (32-bit words): word (b·2 + h)·G + g holds 4 quants of granule g (8 features): for "nibbles" its
         features 2j + h (j = 0..3: the bytes of a Q4 word masked or shifted), for "natural" 4h + j; then d per
         (b, block), then s/4 per (b, block) (each of a block's 4 granule lanes adds m·s/4)."""
@@ -889,21 +886,16 @@ class MegakernelEmitter:
         amax, inv = self.local(), self.local()
         q, qsum, word = self.local("int32", 8), self.local("int32"), self.local("int32", 2)
         full = tirx.const(0xFFFFFFFF, "uint32")
+        gam = self.local(F32, 8) if norm is not None else None
         with B.serial(0, -(-n_it // ahead)) as it:
             for u in range(ahead):
                 at = tirx.min((it * ahead + u) * self.threads + self.tx, total - 1)  # past the end: unused
-                if words is None:
-                    for j in range(8):
-                        self.store(vals, u * 8 + j, xval(at // granules, at % granules * 8 + j))
-                    continue
-                base, norm = words
                 b, k0 = at // granules, at % granules * 8
                 for half in range(2):
                     B.buffer_store(vals, self.arena.vload([base(b) + k0 + half * 4], "float32x4"),
                                    [tirx.Ramp(i32(u * 8 + half * 4), i32(1), 4)])
-                if norm is not None:  # xval's product, (x · 1/rms) · γ, on the loaded words
+                if norm is not None:
                     rstd, gamma = norm
-                    gam = self.local(F32, 8)
                     for half in range(2):
                         B.buffer_store(gam, gamma.vload([self.col(P.LAYER), k0 + half * 4], "float32x4"),
                                        [tirx.Ramp(i32(half * 4), i32(1), 4)])
