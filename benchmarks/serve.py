@@ -410,13 +410,28 @@ def setup_text(args: argparse.Namespace, peer_version: str) -> str:
 
 def gpu_setup_text(args: argparse.Namespace, peer_version: str) -> str:
     """setup_text on a GPU machine: both servers on the one GPU, one at a time, thread counts their own defaults."""
-    ours = f"prebuilt artifact `{args.artifact}`" if args.artifact else "the GGUF compiled for the default target"
+    ours = (f"prebuilt artifact `{args.artifact}`: {artifact_summary(args.artifact)}" if args.artifact else
+            "the GGUF compiled for the default target")
     return (f"Each level restarts each server sized for N sequences of {args.ctx} tokens, alone on the GPU: "
             f"luce-compile serve ({ours}) `--max-batch N --ctx {args.ctx}`; llama-server "
             f"{peer_version} `-np N -c N×{args.ctx} --cont-batching -ngl 99` (CUDA build) with `ignore_eos`. "
             "Tokens are each server's streamed usage.completion_tokens; ITL: the gaps between streamed text chunks "
             "(one a token), pooled over the level's requests; ratio = luce-compile aggregate tok/s over "
             "llama-server's at the same N.")
+
+
+def artifact_summary(artifact: Path) -> str:
+    """What an artifact was compiled as, from its manifest: target and decode megakernels (the flags that change
+    the served numbers)."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    mk = manifest.get("megakernel") or {}
+    if "kernels" not in mk:
+        kernels = f"no decode megakernels ({mk.get('skipped', 'not built')})"
+    else:
+        q8 = (mk.get("options") or {}).get("q8_activations")
+        kernels = (f"decode megakernels for {min(mk['batches'])}-{max(mk['batches'])} sequences"
+                   + (", 8-bit activations (--megakernel-q8)" if q8 else ", float activations"))
+    return f"{manifest['target']['name']}, {kernels}"
 
 
 def gpu_name() -> str:

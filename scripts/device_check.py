@@ -277,15 +277,34 @@ def check_batched(engine, sizes: tuple[int, ...] = (2, 5, 8), steps: int = 16, s
     return {"sequences": list(sizes), "steps": steps, "max_rel_diff": worst, "ok": worst <= BATCH_TOL}
 
 
+def random_masks(rng: np.random.Generator, logits: np.ndarray) -> list[np.ndarray]:
+    """A grammar-like token mask per row, packed as decode_greedy takes them: a random share of the vocabulary
+    (from a few tokens to most), the row's own argmax taken out half the time (the masked argmax must then find
+    another), and a last row of several that allows nothing (its id must be -1)."""
+    n, vocab = logits.shape
+    out = []
+    for r in range(n):
+        allowed = rng.random(vocab) < rng.choice([1e-3, 0.05, 0.5, 0.95])
+        if rng.random() < 0.5:
+            allowed[int(np.argmax(logits[r]))] = False
+        if n > 1 and r == n - 1:
+            allowed[:] = False
+        out.append(np.packbits(np.pad(allowed, (0, -vocab % 32)), bitorder="little").view(np.int32))
+    return out
+
+
 def check_paths(engine, per_op, steps: int = 64, seed: int = 2, tol: float = BATCH_TOL) -> dict:
     """The megakernel's decode against the per-op kernels' on the same artifact: one prefill each (the same
     kernels), then greedy steps teacher-forced with the per-op ids, at batch 1 and at 3 sequences (the batch-4
     kernel with a repeated padding row). Both decode in float32 over the same float32 pages; they differ only in
     summation order, so the logits must agree to 1e-4 of the row's largest (BATCH_TOL) and the ids until a near tie.
-    The megakernel's argmax on the device (decode_greedy) must be the argmax of its own logits, every id. A
+    The megakernel's argmax on the device (decode_greedy) must be the argmax of its own logits, every id, and on
+    every other step the argmax over a random token mask's allowed tokens (grammar-constrained decoding). A
     megakernel with 8-bit activations (--megakernel-q8) differs by their rounding: `tol` = REL_TOL_Q8."""
+    from luce_runtime.sampler import masked_argmax
+
     rng = np.random.default_rng(seed)
-    worst, mismatched, checked, device_ids, device_mismatched = 0.0, 0, 0, 0, 0
+    worst, mismatched, checked, device_ids, device_mismatched, masked_ids = 0.0, 0, 0, 0, 0, 0
     for n_seq in (1, 3):
         prompts = [[int(t) for t in rng.integers(1, 49152, int(n))] for n in rng.integers(8, 40, n_seq)]
         rows = {}
@@ -305,10 +324,14 @@ def check_paths(engine, per_op, steps: int = 64, seed: int = 2, tol: float = BAT
         for s, p in zip(seqs, prompts, strict=True):
             engine.prefill([s], [p])
         for step in range(steps):
-            ids = engine.decode_greedy(seqs, [int(t) for t in np.argmax(rows["op"][step], axis=-1)])
+            # odd steps masked as a grammar would (decode_greedy's `allowed`): the argmax over the allowed tokens
+            masks = random_masks(rng, rows["mk"][step + 1]) if step % 2 else None
+            ids = engine.decode_greedy(seqs, [int(t) for t in np.argmax(rows["op"][step], axis=-1)], masks)
+            want = (np.argmax(rows["mk"][step + 1], axis=-1) if masks is None else
+                    masked_argmax(rows["mk"][step + 1], np.stack(masks)))
             device_ids += len(ids)
-            device_mismatched += sum(int(i) != int(np.argmax(r)) for i, r in zip(ids, rows["mk"][step + 1],
-                                                                                 strict=True))
+            masked_ids += len(ids) if masks is not None else 0
+            device_mismatched += sum(int(i) != int(w) for i, w in zip(ids, want, strict=True))
         for s in seqs:
             engine.remove_sequence(s)
         for got, want in zip(rows["mk"][1:], rows["op"][1:], strict=True):
@@ -319,6 +342,7 @@ def check_paths(engine, per_op, steps: int = 64, seed: int = 2, tol: float = BAT
                     mismatched += int(np.argmax(g)) != int(np.argmax(w))
     return {"steps": steps, "sequences": [1, 3], "max_rel_diff": worst, "ids_checked": checked,
             "ids_mismatched": mismatched, "device_ids": device_ids, "device_ids_mismatched": device_mismatched,
+            "device_ids_masked": masked_ids,
             "tolerance": tol, "ok": worst <= tol and mismatched == 0 and device_mismatched == 0}
 
 

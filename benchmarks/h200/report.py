@@ -208,7 +208,8 @@ def markdown(doc: dict[str, Any]) -> str:
               "steps teacher-forced against the float64 oracle's logits; "
               f"{', '.join(map(str, sizes)) or 'n/a'} sequences decoded together vs each alone):", "",
               "| workload | max rel. err vs oracle | greedy ids checked / mismatched | batched vs alone | "
-              + ("megakernel vs per-op decode (max rel. diff; ids differing; device argmax ids differing) | "
+              + ("megakernel vs per-op decode (max rel. diff; ids differing; device argmax ids differing, of them "
+                 "under a random token mask) | "
                  if with_paths else "") + "ok |",
               "|---|---|---|---|---|" + ("---|" if with_paths else "")]
     for name, w in res["workloads"].items():
@@ -217,7 +218,8 @@ def markdown(doc: dict[str, Any]) -> str:
         ok = bool(o.get("ok") and b.get("ok") and (m is None or m.get("ok")))
         paths = "not run" if m is None else (
             f"{_fmt(m.get('max_rel_diff'), '.1e')}; {m.get('ids_mismatched')} of {m.get('ids_checked')}; "
-            f"{m.get('device_ids_mismatched', 'n/a')} of {m.get('device_ids', 'n/a')}")
+            f"{m.get('device_ids_mismatched', 'n/a')} of {m.get('device_ids', 'n/a')}"
+            + (f" ({m['device_ids_masked']} masked)" if m.get("device_ids_masked") else ""))
         lines.append(f"| {name} | {_fmt(o.get('max_rel_err'), '.1e')} | {o.get('ids_checked', 'n/a')} / "
                      f"{len(o.get('ids_mismatched', [])) if o else 'n/a'} | {_fmt(b.get('max_rel_diff'), '.1e')} | "
                      + (f"{paths} | " if with_paths else "") + f"{'yes' if ok else 'NO'} |")

@@ -11,8 +11,8 @@
 #                .venv/bin/python benchmarks/plot.py; serve-logs.tgz holds the build, server and serve.py logs
 #
 # ~7-8 minutes: llama-server's CUDA build takes ~5 (niced, in the background) while the runtime is unpacked, the
-# GGUF generated from its spec, weights.bin rebuilt from it and luce-compile's server checked end to end (2 requests,
-# not timed); then 6 levels (3 client counts × 2 servers, each server restarted per level) of REQUESTS requests of
+# GGUF generated from its spec, weights.bin rebuilt from it, luce-compile's server checked end to end (2 requests,
+# not timed) and the artifact by scripts/device_check.py (check.json, beside the record); then 6 levels (3 client counts × 2 servers, each server restarted per level) of REQUESTS requests of
 # MAX_TOKENS tokens, ~2-3 minutes. serve.py writes its record after every level and gets only what is left of 580 s,
 # so a slow build costs levels, not the record. CLIENTS, REQUESTS, MAX_TOKENS override the defaults; a warm machine
 # reuses the build, the site dir and the GGUF under $W.
@@ -61,6 +61,12 @@ python3 -m pip list 2>/dev/null | grep -iE "^(fastapi|pydantic|uvicorn|llguidanc
 python3 benchmarks/serve.py --servers luce-compile --model "$G" --artifact "$A" --gpu --clients 1 --requests 2 \
   --max-tokens 8 --quiet-wait-s 0 --retries 0 --out "$RAW/smoke" --logdir "$RAW/smoke" > "$RAW/smoke.log" 2>&1
 stamp "luce-compile serve smoke test rc=$? ($(grep -m1 -o 'luce-compile N=1: .* tok/s' "$RAW/smoke.log"))"
+# the served artifact checked in the same call, still while llama.cpp builds (nothing is timed yet): logits against
+# the oracle's, batched against alone, the megakernel against the per-op path, its device argmax plain and masked
+python3 scripts/device_check.py run $H/smollm2-135m --gguf "$G" --no-timing --out "$OUT/check.json" \
+  > "$RAW/check.log" 2>&1
+stamp "served artifact's device check rc=$? ($(python3 -c "import json, sys
+print({k: c['ok'] for k, c in json.load(open(sys.argv[1]))['checks'].items()})" "$OUT/check.json" 2>&1 | tail -1))"
 pack
 PEER=(--servers luce-compile llama-server --llama-server "$L")
 if [ -n "$BUILD" ]; then wait $BUILD; tail -2 "$RAW/build.log"; fi

@@ -23,7 +23,10 @@ Task bodies:
                 several write (o, max, sum) partials that the last of them to finish combines (merge_in_last: an
                 arrival counter), or else a merge task (split = -1)
   embed         rows of the embedding table, dequantized, times the scale
-  argmax        per sequence, the best of the LM-head tiles (lowest index on ties, as numpy's argmax)
+  argmax        per sequence, the best of the LM-head tiles (lowest index on ties, as numpy's argmax); with
+                `masked` set, only over the tokens whose bit is set in the step's `allowed` words (a grammar's
+                mask, llguidance's packing: token t is bit t % 32 of word t // 32), so a constrained greedy step
+                still returns only ids
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from luce_compile.errors import UnsupportedError
 from luce_compile.fuse import program as P
 from luce_compile.fuse.build import Q8_ORDER, STATIC_KIB, MegakernelOptions
 from luce_compile.fuse.taskgraph import TaskKind
-from luce_compile.graph.ir import Op, OpKind
+from luce_compile.graph.ir import LOGITS, Op, OpKind
 from luce_compile.lower.quant_layout import as_ggml_type, plane_specs
 from luce_compile.lower.quant_matmul import dequant_expr, exact_int_to_float
 
@@ -179,6 +182,11 @@ class MegakernelEmitter:
                                                  "int64"))
         self.profiling = B.arg("profiling", tirx.Var("profiling", "int32"))
         self.epoch = B.arg("epoch", tirx.Var("epoch", "int32"))
+        # a grammar's token mask per sequence, read by the LM head's argmax only when `masked` is nonzero: a row
+        # whose mask allows none of a tile's tokens leaves (lowest float, INT32_MAX) there, and the step's id is
+        # INT32_MAX when it allows none at all (the runtime reports that row)
+        self.allowed = B.arg("allowed", B.buffer((nb, -(-p.width(LOGITS) // 32)), "int32"))
+        self.masked = B.arg("masked", tirx.Var("masked", "int32"))
         self.weights: dict[tuple[int, int], dict[str, tirx.Buffer] | tirx.Buffer] = {}
         for name, o, s in p.weight_args():
             op = p.opcodes[o]
@@ -1045,16 +1053,16 @@ class MegakernelEmitter:
     def kv_at(self, layer, page, which, head, slot, c) -> tirx.Expr:
         return self.pages[self.kv_index(layer, page, which, head, slot, c)]
 
-    def block_argmax(self, extent: int, n, value, index) -> tuple[tirx.Buffer, tirx.Buffer]:
-        """The largest value(i) over i < n (extent bounds n) and the lowest index(i) that has it, in every thread:
-        each thread scans its items (ties keep the lower index), then a block max and a block min of the indices
-        holding it."""
+    def block_argmax(self, extent: int, n, value, index, ok=None) -> tuple[tirx.Buffer, tirx.Buffer]:
+        """The largest value(i) over i < n (extent bounds n) where ok(i) holds, and the lowest index(i) that has
+        it, in every thread: each thread scans its items (ties keep the lower index), then a block max and a block
+        min of the indices holding it. None qualifying: (lowest float, INT32_MAX)."""
         best, arg = self.local(), self.local("int32")
         self.store(best, 0, tirx.min_value(F32))
         self.store(arg, 0, i32(2**31 - 1))
         with B.serial(0, -(-extent // self.threads)) as it:
             i = it * self.threads + self.tx
-            with self.when(i < n):
+            with self.when((i < n) if ok is None else ((i < n) & ok(i))):
                 v, k = value(i), index(i)
                 with self.when((v > best[0]) | ((v == best[0]) & (k < arg[0]))):
                     self.store(best, 0, v)
@@ -1067,9 +1075,15 @@ class MegakernelEmitter:
         return top, idx
 
     def lm_partial(self, slot: int, env, n, rows_max: int, lo) -> None:
-        """Per sequence: the tile's best logit and its index (the lowest on ties)."""
+        """Per sequence: the tile's best logit and its index (the lowest on ties), among the allowed tokens when
+        the step is masked."""
         with B.serial(0, self.nb) as b:
-            top, idx = self.block_argmax(rows_max, n, lambda r: self.smem[env(slot, b, r)], lambda r: lo + r)
+            def allowed(r):  # `||` in CUDA: an unmasked step reads no mask word
+                t = lo + r
+                return (self.masked == 0) | (((self.allowed[b, t // 32] >> (t % 32)) & 1) != 0)
+
+            top, idx = self.block_argmax(rows_max, n, lambda r: self.smem[env(slot, b, r)], lambda r: lo + r,
+                                         allowed)
             with self.when(self.tx == 0):
                 self.store(self.amax_val, [b, self.col(P.TILE)], top[0])
                 self.store(self.amax_idx, [b, self.col(P.TILE)], idx[0])

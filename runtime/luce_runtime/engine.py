@@ -36,7 +36,7 @@ from luce_runtime.contract import OPTIONAL_FUNCTIONS, REQUIRED_FUNCTIONS, Fn, KV
 from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
 from luce_runtime.kv_pages import KVPages  # noqa: E402
 from luce_runtime.megakernel import Megakernel  # noqa: E402
-from luce_runtime.sampler import Sampler, SamplingParams, find_stop  # noqa: E402
+from luce_runtime.sampler import Sampler, SamplingParams, find_stop, masked_argmax  # noqa: E402
 from luce_runtime.timing import median_time  # noqa: E402
 from luce_runtime.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
 
@@ -499,16 +499,41 @@ class Engine:
     def _per_op_step(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
         return self._forward(seq_ids, [[t] for t in tokens], Fn.DECODE1 if len(seq_ids) == 1 else Fn.DECODE)
 
-    def decode_greedy(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    def decode_greedy(self, seq_ids: Sequence[int], tokens: Sequence[int],
+                      allowed: Sequence[np.ndarray | None] | None = None) -> list[int]:
         """decode() followed by each row's argmax (the lowest index of the largest logit), where only the token ids
         cross to the host when the megakernel runs the step (its LM head takes the argmax on the device); the
-        per-op path copies the logits and takes it here. For greedy sampling with nothing that needs the logits."""
-        if len(seq_ids) not in self._mk_sizes:
-            return np.argmax(self.decode(seq_ids, tokens), axis=-1).tolist()
-        self._check_step(seq_ids, [[t] for t in tokens])
-        return self._megakernel_step(list(seq_ids), [int(t) for t in tokens], logits=False).tolist()
+        per-op path copies the logits and takes it here. For greedy sampling with nothing that needs the logits.
 
-    def _megakernel_step(self, seq_ids: list[int], tokens: list[int], logits: bool = True) -> np.ndarray:
+        allowed: per row None or a grammar's token mask, packed as llguidance writes it (int32 words, token t is
+        bit t % 32 of word t // 32; tokens past the words are not allowed); the argmax then runs over the allowed
+        tokens only: on the device for a megakernel step (its kernel takes masks), here otherwise. A row whose
+        mask allows no token gets -1."""
+        masks = self._mask_words(allowed, len(seq_ids))
+        mk = len(seq_ids) in self._mk_sizes and (masks is None or self.megakernel.can_mask)
+        if not mk:
+            logits = self.decode(seq_ids, tokens)
+            return (np.argmax(logits, axis=-1) if masks is None else masked_argmax(logits, masks)).tolist()
+        self._check_step(seq_ids, [[t] for t in tokens])
+        return self._megakernel_step(list(seq_ids), [int(t) for t in tokens], logits=False, allowed=masks).tolist()
+
+    def _mask_words(self, allowed: Sequence[np.ndarray | None] | None, n: int) -> np.ndarray | None:
+        """Rows' masks as one (n, ceil(vocab / 32)) int32 array (None rows allow every token); None if no row has
+        one."""
+        if allowed is None or all(a is None for a in allowed):
+            return None
+        if len(allowed) != n:
+            raise EngineError(f"engine: {len(allowed)} token masks for {n} sequences")
+        words = np.full((n, -(-self.vocab_size // 32)), -1, dtype=np.int32)
+        for row, a in zip(words, allowed, strict=True):
+            if a is not None:
+                a = np.asarray(a, dtype=np.int32).reshape(-1)
+                row[:] = 0
+                row[:min(len(a), len(row))] = a[:len(row)]
+        return words
+
+    def _megakernel_step(self, seq_ids: list[int], tokens: list[int], logits: bool = True,
+                         allowed: np.ndarray | None = None) -> np.ndarray:
         """decode() through the megakernel: the kernel writes each new token's keys and values into its slot and
         attends over the sequence's pages. A token whose position lies in a page TVM already holds for the
         sequence (read before, not moved since) is only counted (_KV.defer: skipping TVM's begin + end forward took
@@ -522,7 +547,8 @@ class Engine:
             self._kv.begin(reserve, [1] * len(reserve))
         try:
             pages = [self._page_ids(s, n + 1) for s, n in zip(seq_ids, lengths, strict=True)]
-            out = self.megakernel.step(tokens, lengths, pages, *self._pages.kernel_args(self.device), logits=logits)
+            out = self.megakernel.step(tokens, lengths, pages, *self._pages.kernel_args(self.device), logits=logits,
+                                       allowed=allowed)
         except BaseException:
             if reserve:
                 self._kv.end()

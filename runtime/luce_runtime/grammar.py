@@ -23,6 +23,7 @@ import llguidance
 import numpy as np
 
 from luce_runtime.errors import LuceError
+from luce_runtime.sampler import unpack_mask
 from luce_runtime.tokenizer.vocab import CONTROL, USER_DEFINED
 
 if TYPE_CHECKING:
@@ -110,18 +111,21 @@ class Constraint:
         self.vocab_size = vocab_size
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
 
-    def allowed(self) -> np.ndarray:
-        """(vocab_size,) bool: the tokens the grammar allows next (an end token once it can end)."""
+    def bits(self) -> np.ndarray:
+        """The tokens the grammar allows next, packed: (vocab_size + 31) // 32 int32 words, token t is bit t % 32 of
+        word t // 32 (a copy). A greedy step takes them to the device (Engine.decode_greedy: the megakernel's argmax
+        skips the others), so no logits row has to come back to the host."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         self._check()
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.vocab_size).view(bool)
+        return self._bits.copy()
+
+    def allowed(self) -> np.ndarray:
+        """(vocab_size,) bool: the tokens the grammar allows next (an end token once it can end)."""
+        return unpack_mask(self.bits(), self.vocab_size)
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
-        """A copy of (vocab,) logits with disallowed tokens at -inf, rows past the tokenizer's vocabulary too.
-
-        This runs on the host, where the CPU sampler runs. The device path (GPU sampling) will copy the packed
-        (vocab + 31) // 32 int32 words of `_bits` to the device and apply them to the logits there, before its
-        sampling kernel, so that no full logits row has to come back to the host."""
+        """A copy of (vocab,) logits with disallowed tokens at -inf, rows past the tokenizer's vocabulary too: for
+        the host's sampler (sampled requests, logprobs)."""
         x = np.asarray(logits, dtype=np.float32).reshape(-1)
         allowed = self.allowed()
         out = np.full_like(x, -np.inf)
@@ -130,6 +134,8 @@ class Constraint:
         return out
 
     def consume(self, token: int) -> None:
+        if token < 0:  # Engine.decode_greedy's answer when the mask allowed no token
+            raise GrammarError("grammar: the mask allowed no token of the model's vocabulary")
         if not self.matcher.consume_token(token):
             self._check()
             raise GrammarError(f"grammar: token {token} is not allowed here (the mask was not applied?)")

@@ -22,6 +22,8 @@ import tvm
 
 from luce_runtime.errors import ArtifactError, LuceError
 
+NO_TOKEN = 2**31 - 1  # a masked row's id when its mask allowed no token
+
 
 class MegakernelError(LuceError, RuntimeError):
     """A megakernel step failed on the device (a block gave up waiting: the step's results are not usable)."""
@@ -68,6 +70,12 @@ class _Kernel:
         self.logits = self.arena._create_view((b, int(spec["vocab"])), "float32", 4 * int(spec["logits_at"]))
         self.weights = weights
         self.epoch = 0
+        # a step's token masks (grammar-constrained greedy decoding): kernels built since 2026-12-02 take packed
+        # bits per row and argmax over the allowed tokens on the device when `masked` is set; uploaded only then
+        self.can_mask = "allowed" in spec["params"]
+        self.mask_words = -(-int(spec["vocab"]) // 32)
+        self.allowed = zeros((b, self.mask_words), np.int32) if self.can_mask else None
+        self.masked = 0
         self._args: list[tuple | None] = [None, None]  # launch's argument lists, by which side is the input
 
     def launch(self, pages, kv_layer_offset, profiling: bool = False) -> None:
@@ -80,23 +88,36 @@ class _Kernel:
                      "kv_layer_offset": kv_layer_offset, "arena": self.arena, "amax_val": self.amax_val,
                      "amax_idx": self.amax_idx, "token_out": self.tok[o], "lengths_out": self.len[o],
                      "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps, "counters": self.counters,
-                     "status": self.status, "profile": self.profile, "profiling": 0, "epoch": 0}
+                     "status": self.status, "profile": self.profile, "profiling": 0, "epoch": 0,
+                     "allowed": self.allowed, "masked": 0}
             params = self.spec["params"]
             cached = self._args[c] = (pages, kv_layer_offset,
                                       [named[n] if n in named else self.weights[n] for n in params],
                                       [i for i, n in enumerate(params) if n == "profiling"],
-                                      [i for i, n in enumerate(params) if n == "epoch"])
+                                      [i for i, n in enumerate(params) if n == "epoch"],
+                                      [i for i, n in enumerate(params) if n == "masked"])
         args = cached[2]
         for i in cached[3]:
             args[i] = int(profiling)
         for i in cached[4]:
             args[i] = self.epoch
+        for i in cached[5]:
+            args[i] = self.masked
         self.fn(*args)
 
-    def stage(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]]) -> None:
-        """Put one step's inputs on the device; rows past len(tokens) repeat the last real row."""
+    def stage(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]],
+              allowed: np.ndarray | None = None) -> None:
+        """Put one step's inputs on the device; rows past len(tokens) repeat the last real row. allowed: (n, words)
+        int32 token masks for the argmax (a set bit allows the token), or None."""
         n, b = len(tokens), self.batch
         rows = [*range(n), *([n - 1] * (b - n))]
+        self.masked = int(allowed is not None)
+        if allowed is not None:
+            if self.allowed is None:
+                raise LuceError(f"megakernel_b{b}: this kernel takes no token masks (built before 2026-12-02); "
+                                "recompile the artifact to mask on the device")
+            self.allowed.copyfrom(np.ascontiguousarray(np.asarray(allowed, dtype=np.int32)[rows]))
+            self.uploads += 1
         toks, lens = [int(tokens[i]) for i in rows], [int(lengths[i]) for i in rows]
         self.cur = 1 - self.cur  # the last step's outputs are now in tok[cur], len[cur]
         if (toks, lens) != self.expected:
@@ -119,8 +140,9 @@ class _Kernel:
 
     def finish(self) -> np.ndarray:
         """The step's greedy token per row (the kernel's on-device argmax: the lowest index of the largest logit,
-        as numpy's argmax), after checking that no block gave up waiting: by the marker after the ids (one copy
-        back), or for kernels without it by the blocks' status (a second copy, ~16 µs on the H200)."""
+        as numpy's argmax, among the allowed tokens on a masked step; -1 where the mask allowed none), after
+        checking that no block gave up waiting: by the marker after the ids (one copy back), or for kernels without
+        it by the blocks' status (a second copy, ~16 µs on the H200)."""
         out = self.tok[1 - self.cur].numpy()
         ids = out[:self.batch]
         if not self.marker or out[self.batch] == self.epoch:
@@ -132,7 +154,7 @@ class _Kernel:
                                       f"{self.epoch} ((block, queue position + 1, counter, target, seen): {first}); "
                                       "serve with the per-op path (`--no-megakernel` when compiling) and report it.")
         self.expected = (ids.tolist(), [n + 1 for n in self._lens])
-        return ids
+        return np.where(ids == NO_TOKEN, -1, ids) if self.masked else ids
 
 
 class Megakernel:
@@ -170,18 +192,25 @@ class Megakernel:
             return f"they were planned for {need} SMs and this GPU has {sm_count}; recompile for this GPU"
         return None
 
+    @property
+    def can_mask(self) -> bool:
+        """Whether every kernel takes token masks (step's `allowed`)."""
+        return all(k.can_mask for k in self.kernels.values())
+
     def kernel_for(self, n: int) -> int | None:
         """The batch size of the kernel that steps n sequences (None: more than the largest)."""
         return next((b for b in self.batches if b >= n), None)
 
     def step(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]],
-             kv_pages, kv_layer_offset, *, logits: bool = True) -> np.ndarray:
+             kv_pages, kv_layer_offset, *, logits: bool = True, allowed: np.ndarray | None = None) -> np.ndarray:
         """One decode step: token i at position lengths[i] of the sequence whose page ids are pages[i] (covering
         that position); keys and values go into the cache's pages. The logits (n, vocab) float32, or with
-        logits=False only each row's greedy token (n,) int32: the one copy back is then 4 bytes a row."""
+        logits=False only each row's greedy token (n,) int32: the one copy back is then 4 bytes a row. allowed:
+        (n, ceil(vocab / 32)) int32 token masks (token t is bit t % 32 of word t // 32) for the greedy ids (the
+        logits stay the model's); a row that allows no token gets -1."""
         n = len(tokens)
         k = self.kernels[self.kernel_for(n)]
-        k.stage(tokens, lengths, pages)
+        k.stage(tokens, lengths, pages, allowed)
         k.launch(kv_pages, kv_layer_offset, self.profiling)
         self._last = k
         ids = k.finish()[:n]

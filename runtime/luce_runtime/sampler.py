@@ -245,6 +245,24 @@ def sample_batch(samplers: Sequence[Sampler], logits: np.ndarray,
     return np.array([s.sample(row, h) for s, row, h in zip(samplers, logits, hist, strict=True)], dtype=np.int64)
 
 
+def unpack_mask(words: np.ndarray, vocab: int) -> np.ndarray:
+    """(..., vocab) bool from token masks packed as llguidance writes them (int32 words, token t is bit t % 32 of
+    word t // 32); tokens past the words are not allowed."""
+    w = np.ascontiguousarray(words, dtype=np.int32)
+    bits = np.unpackbits(w.view(np.uint8), axis=-1, bitorder="little").view(bool)[..., :vocab]
+    if bits.shape[-1] < vocab:
+        bits = np.concatenate([bits, np.zeros((*bits.shape[:-1], vocab - bits.shape[-1]), bool)], axis=-1)
+    return bits
+
+
+def masked_argmax(logits: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """Each row's argmax over its allowed tokens (the lowest index on ties, as numpy's), -1 where none is allowed:
+    what the megakernel's masked argmax computes on the device. logits (n, vocab), words (n, ceil(vocab / 32))."""
+    allowed = unpack_mask(words, logits.shape[-1])
+    ids = np.argmax(np.where(allowed, logits, -np.inf), axis=-1)
+    return np.where(allowed.any(axis=-1), ids, -1)
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """The chosen token's log-probability and the k most probable alternatives (OpenAI `logprobs`)."""

@@ -163,6 +163,29 @@ def test_decode_greedy_is_the_argmax_of_decode(engine, rng):
         engine.decode_greedy([12345], [1])
 
 
+def test_decode_greedy_under_masks_is_the_best_allowed_token(engine, rng):
+    """decode_greedy with grammar masks (llguidance's packing): a masked row's id is its logits' argmax over the
+    allowed tokens, an unmasked row's the plain argmax, -1 where a mask allows none; three sequences of one prompt
+    fed the same tokens, one stepped by decode for the logits."""
+    vocab = engine.vocab_size
+    p = prompt(rng, 20, vocab)
+    a, b, c = (engine.add_sequence() for _ in range(3))
+    t = int(np.argmax(engine.prefill([a, b, c], [p, p, p])[0]))
+    for step in range(4):
+        logits = engine.decode([a], [t])[0]
+        allowed = rng.random(vocab) < 0.5
+        allowed[int(np.argmax(logits))] = False  # the mask must move the answer
+        if step == 3:
+            allowed[:] = False
+        words = np.packbits(np.pad(allowed, (0, -vocab % 32)), bitorder="little").view(np.int32)
+        got_b, got_c = engine.decode_greedy([b, c], [t, t], [words, None])
+        want = int(np.argmax(np.where(allowed, logits, -np.inf))) if allowed.any() else -1
+        assert (got_b, got_c) == (want, int(np.argmax(logits)))
+        t = got_c
+    with pytest.raises(Exception, match="2 token masks for 1 sequences"):
+        engine.decode_greedy([a], [t], [None, words])
+
+
 def test_the_engine_keeps_the_megakernel_only_where_it_measured_faster(engine, monkeypatch):
     """_choose_decode_paths times both paths per number of sequences and routes decode by the result. The CUDA
     megakernel is stood in for by a step that takes no time for one sequence and 30 ms for more."""
@@ -172,7 +195,7 @@ def test_the_engine_keeps_the_megakernel_only_where_it_measured_faster(engine, m
 
     calls = []
 
-    def fake_step(seq_ids, tokens, logits=True):
+    def fake_step(seq_ids, tokens, logits=True, allowed=None):
         calls.append(len(seq_ids))
         time.sleep(0 if len(seq_ids) == 1 else 0.03)
         engine._live.update({s: engine._live[s] + 1 for s in seq_ids})

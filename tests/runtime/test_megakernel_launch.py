@@ -15,27 +15,37 @@ pytestmark = pytest.mark.unit
 VOCAB, MAX_PAGES, QUEUES = 7, 3, 2
 
 
-def spec(batch: int, marker: bool = False) -> dict:
+def spec(batch: int, marker: bool = False, masks: bool = False) -> dict:
     return {"batch": batch, "n_queues": QUEUES, "arena_size": 16 + 17 * VOCAB, "lm_tiles": 1, "n_counters": 4,
             "profile_clocks": 6, "vocab": VOCAB, "logits_at": 16, "gave_up_marker": marker,
             "params": ["tokens", "lengths", "page_table", "pages", "arena", "token_out", "lengths_out", "status",
-                       "epoch"]}
+                       "epoch", *(["allowed", "masked"] if masks else [])]}
 
 
 class NumpyKernel:
     """Stands in for the compiled kernel: logits row r = token + page sum (one-hot at (token + pages) % VOCAB),
     token_out = its argmax, lengths_out = lengths + 1; `stall` sets a block's status as a bounded wait does, and
-    with `marker` (kernels built since 2026-12-02) the step's epoch after the ids."""
+    with `marker` (kernels built since 2026-12-02) the step's epoch after the ids. With `masks` (since the same
+    day) it takes token masks: logits fall from the hot token on (hot, hot + 1, ... mod VOCAB), and a masked step's
+    id is the best allowed token, INT32_MAX where none is."""
 
-    def __init__(self, batch: int, marker: bool = False):
-        self.batch, self.seen, self.stall, self.marker = batch, [], False, marker
+    def __init__(self, batch: int, marker: bool = False, masks: bool = False):
+        self.batch, self.seen, self.stall, self.marker, self.masks = batch, [], False, marker, masks
+        self.seen_masks: list[np.ndarray | None] = []
 
-    def __call__(self, tokens, lengths, page_table, pages, arena, token_out, lengths_out, status, epoch):
+    def __call__(self, tokens, lengths, page_table, pages, arena, token_out, lengths_out, status, epoch,
+                 allowed=None, masked=0):
         t, n, pt = tokens.numpy()[:self.batch], lengths.numpy(), page_table.numpy()
         self.seen.append((t.copy(), n.copy(), pt.copy()))
+        self.seen_masks.append(allowed.numpy().copy() if masked else None)
         hot = (t + pt.sum(axis=1)) % VOCAB
         logits = np.zeros((self.batch, VOCAB), np.float32)
         logits[np.arange(self.batch), hot] = 1.0
+        if self.masks:
+            logits = -((np.arange(VOCAB)[None, :] - hot[:, None]) % VOCAB).astype(np.float32)
+        if masked:
+            bits = np.unpackbits(allowed.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :VOCAB].astype(bool)
+            hot = np.where(bits.any(axis=-1), np.argmax(np.where(bits, logits, -np.inf), axis=-1), 2**31 - 1)
         a = arena.numpy()
         a[16:16 + logits.size] = logits.reshape(-1)
         arena.copyfrom(a)
@@ -48,13 +58,13 @@ class NumpyKernel:
         status.copyfrom(st)
 
 
-def megakernel(batches=(1, 4), marker: bool = False) -> tuple[Megakernel, dict[int, NumpyKernel]]:
+def megakernel(batches=(1, 4), marker: bool = False, masks: bool = False) -> tuple[Megakernel, dict[int, NumpyKernel]]:
     mk = Megakernel.__new__(Megakernel)
     mk.batches, mk.profiling, mk._last = sorted(batches), False, None
-    fns = {b: NumpyKernel(b, marker) for b in batches}
+    fns = {b: NumpyKernel(b, marker, masks) for b in batches}
     tables = {f"b{b}_{f}": np.zeros((QUEUES, 2, 14) if f == "tasks" else (QUEUES,), np.int32)
               for b in batches for f in ("tasks", "queue_len", "deps")}
-    mk.kernels = {b: _Kernel(fns[b], spec(b, marker), tables, {}, tvm.cpu(0), MAX_PAGES) for b in batches}
+    mk.kernels = {b: _Kernel(fns[b], spec(b, marker, masks), tables, {}, tvm.cpu(0), MAX_PAGES) for b in batches}
     return mk, fns
 
 
@@ -129,3 +139,37 @@ def test_a_greedy_loop_copies_nothing_up_once_running():
     # a token the caller chose itself (a sampled one) is sent; a new page is sent
     mk.step([tokens[0], 6], lengths, [[1, 2], [4, 7]], pages, None, logits=False)
     assert k.uploads - before == 3 and fns[4].seen[-1][0].tolist() == [tokens[0], 6, 6, 6]
+
+
+def _packed(allowed: list[int]) -> np.ndarray:
+    bits = np.zeros(32, bool)
+    bits[allowed] = True
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+def test_a_masked_step_hands_each_row_its_mask_and_returns_the_best_allowed_ids():
+    """Grammar-constrained greedy steps: each row's packed mask goes up (padding rows repeat the last real row's),
+    the kernel is told to apply them, the ids are the argmax over the allowed tokens as the host's masked_argmax
+    computes it (-1 for a row that allows none); the next unmasked step is not masked."""
+    from luce_runtime.sampler import masked_argmax
+
+    mk, fns = megakernel(marker=True, masks=True)
+    assert mk.can_mask
+    pages = tvm.runtime.tensor(np.zeros(4, np.float32), tvm.cpu(0))
+    tokens, lengths, table = [3, 5, 6], [10, 20, 30], [[1], [2, 4], [5, 6, 0]]
+    masks = np.stack([_packed([0, 2]), _packed([]), _packed([1, 4, 5, 6])])
+    ids = mk.step(tokens, lengths, table, pages, None, logits=False, allowed=masks)
+    seen = fns[4].seen_masks[-1]
+    assert seen.tolist() == [*masks.tolist(), masks[-1].tolist()]
+    logits = mk.step(tokens, [n + 1 for n in lengths], table, pages, None)  # the same rows, unmasked
+    assert fns[4].seen_masks[-1] is None
+    assert ids.tolist() == masked_argmax(logits, masks).tolist() and ids[1] == -1
+    assert ids.tolist() != np.argmax(logits, axis=-1).tolist()  # the masks changed the answer
+
+
+def test_masks_refused_by_a_kernel_built_without_them():
+    mk, _ = megakernel(marker=True)
+    assert not mk.can_mask
+    pages = tvm.runtime.tensor(np.zeros(4, np.float32), tvm.cpu(0))
+    with pytest.raises(Exception, match="takes no token masks"):
+        mk.step([3], [10], [[1]], pages, None, logits=False, allowed=_packed([1])[None])

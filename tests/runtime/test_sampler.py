@@ -13,7 +13,9 @@ from luce_runtime.sampler import (
     SamplingParamsError,
     find_stop,
     logprobs,
+    masked_argmax,
     sample_batch,
+    unpack_mask,
 )
 
 pytestmark = pytest.mark.unit
@@ -188,3 +190,24 @@ def test_find_stop():
     assert find_stop("Hello ##", ["###"]) == (None, 6)  # "##" may become "###": hold it back
     assert find_stop("Hello", ["###", "lo!"]) == (None, 3)
     assert find_stop("plain", []) == (None, 5)
+
+
+def test_masked_argmax_takes_the_best_allowed_token_by_bit():
+    """Packed masks as llguidance writes them (token t = bit t % 32 of int32 word t // 32, bit 31 the sign bit):
+    each row's argmax over its set bits, the lowest index on ties, -1 where no bit is set; tokens past the words
+    are not allowed. Checked against a loop over the tokens on fresh random rows."""
+    rng = np.random.default_rng(7)
+    vocab = 70  # three words, the last one partial
+    logits = rng.standard_normal((6, vocab)).astype(np.float32)
+    logits[0, [3, 40]] = 9.0  # a tie: the lower index
+    words = rng.integers(-2**31, 2**31, (6, 3), dtype=np.int64).astype(np.int32)
+    words[0], words[1], words[2] = -1, 0, [0, 0, 1 << 5]  # all; none; only token 2 * 32 + 5 = 69
+    words[3] = [-2**31, 0, 0]  # bit 31 alone: token 31
+    for w in (words, words[:, :2]):  # without the third word, tokens 64-69 are not allowed
+        bit = np.array([[t // 32 < w.shape[1] and bool((int(w[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)]
+                        for r in range(6)])
+        assert (unpack_mask(w, vocab) == bit).all()
+        want = [max(np.flatnonzero(b), key=lambda t, r=r: (logits[r, t], -t)) if b.any() else -1
+                for r, b in enumerate(bit)]
+        assert masked_argmax(logits, w).tolist() == want
+    assert masked_argmax(logits, words)[:4].tolist() == [3, -1, 69, 31]

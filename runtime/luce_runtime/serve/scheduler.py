@@ -341,10 +341,13 @@ class Scheduler:
             c.steps += 1
             c.batched_steps += len(plain) >= 2
             c.max_batch_seen = max(c.max_batch_seen, len(plain))
-            if all(r.constraint is None and r.top_logprobs is None and r.sampler.argmax_only for r in plain):
-                # every token is its logits' argmax: taken on the device where it can, only ids come back
-                for r, token in self._isolated(plain, lambda b: self.engine.decode_greedy([r.seq for r in b],
-                                                                                          [r.pending for r in b])):
+            if all(r.top_logprobs is None and r.sampler.argmax_only for r in plain):
+                # every token is its logits' argmax, over the tokens its grammar allows where it has one: taken on
+                # the device where it can (the masks go up, only ids come back)
+                masks = self._masks(plain)
+                plain = [r for r in plain if r in masks]
+                for r, token in self._isolated(plain, lambda b: self.engine.decode_greedy(
+                        [r.seq for r in b], [r.pending for r in b], [masks[r] for r in b])):
                     r.pending = None
                     self._deliver_token(r, int(token))
             else:
@@ -354,6 +357,17 @@ class Scheduler:
                     self._deliver(r, row)
         if drafts:
             self._verify_step(drafts)
+
+    def _masks(self, requests: list[GenRequest]) -> dict[GenRequest, np.ndarray | None]:
+        """Each request's grammar mask for its next token (None without a grammar); a request whose grammar fails
+        here is finished with the error and left out."""
+        out: dict[GenRequest, np.ndarray | None] = {}
+        for r in requests:
+            try:
+                out[r] = r.constraint.bits() if r.constraint is not None else None
+            except Exception as e:
+                self._fail(r, e)
+        return out
 
     def _verify_step(self, drafts: dict[GenRequest, Draft]) -> None:
         """One forward over every speculating request's pending token and drafts; each commits what it accepts."""
