@@ -517,10 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-cache", action="store_true", help="rebuild even if this exact build is cached")
     s.add_argument("--precision", choices=("auto", "int8", "f16", "f32"), default="auto",
                    help="the matmuls' arithmetic: int8 = every matmul (decode, prefill, verify) with 8-bit "
-                        "activations and integer dot products as llama.cpp does them (CPUs with AVX512-VNNI); f16 = "
-                        "matmuls of more than 8 rows (prefill, verify) and a prompt's attention on tensor cores with "
-                        "float16 operands (CUDA sm_70+); f32 = the exact float32 kernels, for checks against the "
-                        "oracle; auto = int8 on such CPUs, f16 on CUDA, else f32 (default)")
+                        "activations and integer dot products as llama.cpp does them (x86 with AVX2, VNNI where "
+                        "present); f16 = matmuls of more than 8 rows (prefill, verify) and a prompt's attention on "
+                        "tensor cores with float16 operands (CUDA sm_70+); f32 = the exact float32 kernels, for "
+                        "checks against the oracle; auto = int8 on such CPUs, f16 on CUDA, else f32 (default)")
     s.add_argument("--force", action="store_true",
                    help="replace an existing artifact at -o (anything else there is always refused)")
     s.add_argument("--no-megakernel", action="store_true",

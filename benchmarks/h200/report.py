@@ -204,12 +204,14 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{ratios} |")
     sizes = sorted({n for w in res["workloads"].values() for n in _batched_sizes(w.get("check"))})
     with_paths = any("megakernel_vs_per_op" in (w.get("check") or {}) for w in res["workloads"].values())
+    masked = any("device_ids_masked" in ((w.get("check") or {}).get("megakernel_vs_per_op") or {})
+                 for w in res["workloads"].values())  # records from before device masks keep their header
     lines += ["", "luce-compile's correctness in the run that timed it (scripts/device_check.py: prefill + decode "
               "steps teacher-forced against the float64 oracle's logits; "
               f"{', '.join(map(str, sizes)) or 'n/a'} sequences decoded together vs each alone):", "",
               "| workload | max rel. err vs oracle | greedy ids checked / mismatched | batched vs alone | "
-              + ("megakernel vs per-op decode (max rel. diff; ids differing; device argmax ids differing, of them "
-                 "under a random token mask) | "
+              + ("megakernel vs per-op decode (max rel. diff; ids differing; device argmax ids differing"
+                 + (", of them under a random token mask" if masked else "") + ") | "
                  if with_paths else "") + "ok |",
               "|---|---|---|---|---|" + ("---|" if with_paths else "")]
     for name, w in res["workloads"].items():

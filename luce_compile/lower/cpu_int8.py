@@ -26,8 +26,9 @@ order in which its terms are paired, so the results are those of the natural ord
 natural runs (what the sub-block scales and mins apply to), whatever the order of q.
 
 This module is target-independent: `quantize_q8` and `int8_matmul` are plain TE definitions (correct, and slow,
-unscheduled). On x86 with AVX512-VNNI the schedule rule schedules/cpu/int8_gemv.py replaces the matmul with its
-vpdpbusd kernel; `resolve_precision` only picks this path where that rule applies.
+unscheduled). On x86 the schedule rule schedules/cpu/int8_gemv.py replaces the matmul with its kernel, built for
+the target's byte dot (`int8_isa`: AVX512-VNNI or AVX-VNNI vpdpbusd, else AVX2's vpmaddubsw + vpmaddwd, as ggml's
+mul_sum_us8_pairs_float falls back); `resolve_precision` only picks this path where that rule applies.
 """
 
 from __future__ import annotations
@@ -126,11 +127,22 @@ def int8_format(ggml_type: GGMLQuantizationType | str) -> Q8Format | None:
     return INT8_FORMATS.get(as_ggml_type(ggml_type))
 
 
-def has_vnni(target: Target) -> bool:
-    """AVX512-VNNI with 256-bit vectors (vpdpbusd ymm needs avx512vl too), what schedules/cpu/int8_gemv.py emits."""
-    if target.kind.name != "llvm":
-        return False
-    return bool(codegen.target_has_features(["avx512vnni", "avx512vl", "avx512bw"], target))
+# the byte dot products schedules/cpu/int8_gemv.py can emit, best first, with the LLVM features each needs (every
+# one also needs AVX2's 256-bit integer ops, FMA and F16C for the fp16 scales)
+INT8_ISAS = {
+    "avx512vnni": ("avx512vnni", "avx512vl", "avx512bw"),  # vpdpbusd ymm (EVEX): Zen 4, Ice Lake and later Xeons
+    "avxvnni": ("avxvnni",),  # the same vpdpbusd, VEX-encoded: Alder Lake and later client cores, Zen 5
+    "avx2": (),  # vpmaddubsw + vpmaddwd: Haswell, Zen 1-3
+}
+BASE_FEATURES = ("avx2", "fma", "f16c")
+
+
+def int8_isa(target: Target) -> str | None:
+    """The best byte dot of INT8_ISAS the llvm target has, or None (no integer kernels there)."""
+    if target.kind.name != "llvm" or not codegen.target_has_features(list(BASE_FEATURES), target):
+        return None
+    return next(isa for isa, features in INT8_ISAS.items()
+                if not features or codegen.target_has_features(list(features), target))
 
 
 def has_tensor_cores(target: Target) -> bool:
@@ -144,10 +156,10 @@ def resolve_precision(precision: str, target: Target) -> str:
     float32 sums: prefill, verify, big batches), else 'f32' (exact float32 everywhere, the mode checks use)."""
     if precision not in PRECISIONS:
         raise UnsupportedError(f"lower: precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "int8" and not has_vnni(target):
+    if precision == "int8" and int8_isa(target) is None:
         raise UnsupportedError(
-            f"lower: precision int8 needs a CPU target with AVX512-VNNI (avx512vnni, avx512vl, "
-            f"avx512bw); {target.kind.name} {target.attrs.get('mcpu', '')} has none. Use "
+            f"lower: precision int8 needs an x86 CPU target with AVX2, FMA and F16C (AVX-VNNI or AVX512-VNNI "
+            f"are faster); {target.kind.name} {target.attrs.get('mcpu', '')} has none. Use "
             "--precision auto or f32."
         )
     if precision == "f16" and not has_tensor_cores(target):
@@ -156,9 +168,9 @@ def resolve_precision(precision: str, target: Target) -> str:
                                "or f32.")
     if precision != "auto":
         return precision
-    chosen = "int8" if has_vnni(target) else "f16" if has_tensor_cores(target) else "f32"
-    log.info("precision auto → %s for %s (int8: llvm targets with AVX512-VNNI; f16: CUDA sm_70+)", chosen,
-             target.kind.name)
+    chosen = "int8" if int8_isa(target) else "f16" if has_tensor_cores(target) else "f32"
+    log.info("precision auto → %s for %s (int8: x86 with AVX2 or VNNI, here %s; f16: CUDA sm_70+)", chosen,
+             target.kind.name, int8_isa(target))
     return chosen
 
 

@@ -587,7 +587,7 @@ class Engine:
         the drafts); the logits after every appended token, one (len(tokens[i]), V) float32 array per sequence.
         Row j of a sequence scores the token after its j-th fed token. Roll back the rejected tail with rollback().
 
-        An artifact whose decode takes 8-bit activations (--precision auto on AVX512-VNNI, int8) exports `verify`:
+        An artifact whose decode takes 8-bit activations (--precision auto on x86 with AVX2, or int8) exports `verify`:
         prefill's attention with decode's integer matmuls, each row quantized on its own as decode quantizes it, so
         the rows are decode's numbers (up to the two attention kernels' float rounding) at decode's per-row cost.
         Otherwise it runs the prefill function with every row selected (float32 GEMMs, as decode's there)."""

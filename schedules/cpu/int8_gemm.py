@@ -16,11 +16,15 @@ the centring (q − 8, q − 16, q − 32, w + 128 − 128) is subtracted as off
 or Q8_K's bsums for Q6_K's 16-value sub-blocks), the same integers as ggml's Σ (q − offset)·x. The K-quants weight
 each group's (Q6_K: each half-group's) integer dot by the 8 rows' sub-block scales and subtract the mins with the
 bsums, as the GEMV does. Only the order of the float32 sums differs from the GEMV (blocks here, lanes there).
+
+On AVX2 (vpmaddubsw + vpmaddwd, int8_gemv.dot4) Q8_0's w + 128 against x would saturate vpmaddubsw's int16 pair
+sums, so there Q8_0 stages the signed w and each quad takes the sign trick (|w| · x·sign(w), two more ops a quad:
+vpabsb and vpsignb) with no offset; the other types' quants are at most 6 bits and dot as they are.
 """
 
 from __future__ import annotations
 
-from luce_schedules.cpu.int8_gemv import GROUPS, LANES, Bufs, _vpdpbusd, _weights
+from luce_schedules.cpu.int8_gemv import GROUPS, LANES, Bufs, _weights, dot4, offset_safe
 from tvm import tirx
 from tvm.tirx.script.builder import ir as T
 
@@ -43,11 +47,17 @@ def strip_vectors(n_out: int) -> int:
     return 2 if n_out % (2 * LANES) == 0 else 1
 
 
-def _unsigned(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
-    """Weight row n's group g as the unsigned operand (int8x32 bits): the stored quants, Q8_0's w + 128."""
+def _offset(isa: str, kind: str) -> int:
+    """What `_unsigned` adds to the centred quants of `kind` (0: none), subtracted again as offset·Σx."""
+    return 0 if kind == "Q8_0" and not offset_safe(isa) else OFFSET.get(kind, 0)
+
+
+def _unsigned(isa: str, kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
+    """Weight row n's group g as the unsigned operand (int8x32 bits): the stored quants, Q8_0's w + 128 (signed w
+    where that is not `offset_safe`: `_dot` then moves its sign onto x)."""
     w = _weights(kind, bufs, n, g)
     if kind == "Q8_0":
-        return w ^ T.Broadcast(T.int8(-128), QK8)
+        return w ^ T.Broadcast(T.int8(-128), QK8) if _offset(isa, kind) else w
     if kind == "Q6_K":  # _weights centred it: back to the stored 6-bit q
         return w + T.Broadcast(T.int8(OFFSET[kind]), QK8)
     return w
@@ -56,9 +66,11 @@ def _unsigned(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
 class Staged:
     """One strip's weights and scales in local buffers, lanes = the strip's rows (`stage` fills them)."""
 
-    def __init__(self, kind: str, n_in: int, width: int):
+    def __init__(self, isa: str, kind: str, n_in: int, width: int):
         groups = n_in // QK8
-        self.kind, self.width = kind, width
+        self.isa, self.kind, self.width = isa, kind, width
+        self.offset = _offset(isa, kind)
+        self.signed = kind == "Q8_0" and not self.offset  # wq holds signed w: each quad takes the sign trick
         self.wq = T.decl_buffer((groups, QUADS, width * 4), "int8", scope="local")
         if kind.endswith("_K"):
             supers = n_in // QK_K
@@ -78,7 +90,7 @@ class Staged:
         groups = int(self.wq.shape[0])
         with T.serial(0, self.width) as i, T.serial(0, groups) as g:
             n = T.Bind(n0 + i)
-            w = T.Bind(_unsigned(self.kind, bufs, n, g))
+            w = T.Bind(_unsigned(self.isa, self.kind, bufs, n, g))
             for j in range(QUADS):
                 T.buffer_store(self.wq, T.Shuffle([w], list(range(4 * j, 4 * j + 4))), [g, j, T.Ramp(i * 4, 1, 4)])
             if self.kind.endswith("_K"):
@@ -114,11 +126,14 @@ def _x_quad(xw: tirx.Buffer, a: tirx.Expr, g: tirx.Expr, j: int) -> tirx.Expr:
 
 
 def _dot(st: Staged, xw: tirx.Buffer, a: tirx.Expr, g: tirx.Expr, v: int, quads: tuple[int, ...]) -> tirx.Expr:
-    """int32x8: lane i = Σ over `quads` of weight row i's unsigned bytes · activation row a's, in group g. Two
-    chains, added at the end (vpdpbusd's latency is ~5 cycles; the chains overlap)."""
+    """int32x8: lane i = Σ over `quads` of weight row i's unsigned bytes · activation row a's, in group g (signed
+    weights: |w| · x·sign(w)). Two chains, added at the end (vpdpbusd's latency is ~5 cycles; the chains overlap)."""
     chains: list[tirx.Expr | None] = [None, None]
     for c, j in enumerate(quads):
-        chains[c % 2] = _vpdpbusd(st.quad(g, j, v), _x_quad(xw, a, g, j), chains[c % 2])
+        w, x = st.quad(g, j, v), _x_quad(xw, a, g, j)
+        if st.signed:
+            w, x = T.abs(w), T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x, w)
+        chains[c % 2] = dot4(st.isa, w, x, chains[c % 2])
     return chains[0] + chains[1] if chains[1] is not None else chains[0]
 
 
@@ -128,10 +143,9 @@ def _i32x8(value: tirx.Expr) -> tirx.Expr:
 
 def block_terms(st: Staged, bufs: Bufs, xw: tirx.Buffer, a: tirx.Expr, b: tirx.Expr, v: int, acc: tirx.Expr):
     """acc (float32x8, lanes = the strip's rows in vector v) plus block b (32 values) against activation row a."""
-    kind = st.kind
     dot = _dot(st, xw, a, b, v, tuple(range(QUADS)))
-    if kind in OFFSET:  # Σ (q − offset)·x = Σ q·x − offset·Σx
-        dot = dot - _i32x8(bufs["xi"][a, b] * T.int32(OFFSET[kind]))
+    if st.offset:  # Σ (q − offset)·x = Σ q·x − offset·Σx
+        dot = dot - _i32x8(bufs["xi"][a, b] * T.int32(st.offset))
     acc = T.fma(st.lanes(st.d, b, v) * T.Broadcast(bufs["xd"][a, b], LANES), T.Cast("float32x8", dot), acc)
     if "xs" in bufs:
         acc = T.fma(st.lanes(st.m, b, v), T.Broadcast(bufs["xs"][a, b], LANES), acc)
@@ -144,7 +158,7 @@ def group_terms(st: Staged, bufs: Bufs, xw: tirx.Buffer, a: tirx.Expr, g: tirx.E
     if st.kind != "Q6_K":
         return isum + _dot(st, xw, a, g, v, tuple(range(QUADS))) * st.lanes(st.sc, g, v)
     for h, quads in enumerate(HALVES):
-        half = _dot(st, xw, a, g, v, quads) - _i32x8(bufs["xb"][a, 2 * g + h] * T.int32(OFFSET[st.kind]))
+        half = _dot(st, xw, a, g, v, quads) - _i32x8(bufs["xb"][a, 2 * g + h] * T.int32(st.offset))
         isum = isum + half * st.lanes(st.sc, 2 * g + h, v)
     return isum
 
@@ -163,7 +177,7 @@ def super_terms(st: Staged, bufs: Bufs, a: tirx.Expr, s: tirx.Expr, v: int, isum
     return T.fma(st.lanes(st.dmin, s, v) * (T.Broadcast(T.float32(0), LANES) - xd), T.Cast("float32x8", imin), acc)
 
 
-def gemm_body(kind: str, bufs: Bufs, y: tirx.Buffer, n_out: int, n_in: int, row_tile: int) -> None:
+def gemm_body(isa: str, kind: str, bufs: Bufs, y: tirx.Buffer, n_out: int, n_in: int, row_tile: int) -> None:
     """y (R, n_out) for R > TILE activation rows: parallel over strips of 8·V weight rows, `row_tile` activation
     rows at a time (independent accumulators), then the rows left one at a time."""
     vectors = strip_vectors(n_out)
@@ -173,7 +187,7 @@ def gemm_body(kind: str, bufs: Bufs, y: tirx.Buffer, n_out: int, n_in: int, row_
     xw = T.decl_buffer((xq.shape[0], n_in // 4), "int32", data=xq.data)  # the activations as 4-byte quads
     total = T.Cast("int32", y.shape[0])
     with T.parallel(0, n_out // width) as c:
-        st = Staged(kind, n_in, width)
+        st = Staged(isa, kind, n_in, width)
         st.stage(bufs, c * width)
         acc = T.decl_buffer((row_tile * vectors, LANES), "float32", scope="local")
         isum = T.decl_buffer((row_tile * vectors, LANES), "int32", scope="local")

@@ -61,7 +61,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.target import Target
 from tvm.tirx.script.builder import ir as T
 
-from luce_compile.lower.cpu_int8 import INT8_GEMV_ATTR, QK8, QK_K, QUANT_OFFSET, has_vnni, int8_matmul
+from luce_compile.lower.cpu_int8 import INT8_GEMV_ATTR, QK8, QK_K, QUANT_OFFSET, int8_isa, int8_matmul
 
 log = logging.getLogger(__name__)
 LANES = 8  # int32 / float32 lanes of one 256-bit vector
@@ -77,9 +77,36 @@ def _vector(values: list[int], dtype: str) -> tirx.Expr:
 
 
 def _vpdpbusd(unsigned: tirx.Expr, signed: tirx.Expr, acc: tirx.Expr | None = None) -> tirx.Expr:
-    """acc (zero if None) + 8 int32 sums of 4 byte products each: both operands int8x32 as LLVM 22 types them."""
+    """acc (zero if None) + 8 int32 sums of 4 byte products each: both operands int8x32 as LLVM 22 types them.
+    LLVM emits the EVEX form with avx512vnni + avx512vl, the VEX form with avxvnni alone (one intrinsic)."""
     acc = T.Broadcast(T.int32(0), LANES) if acc is None else acc
     return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", acc, unsigned, signed)
+
+
+def _maddubs(unsigned: tirx.Expr, signed: tirx.Expr) -> tirx.Expr:
+    """int16x16: adjacent byte products summed in pairs (vpmaddubsw), saturating: exact only where every pair sum
+    fits int16, which the callers keep (|pair| ≤ 2·128·127 with the sign trick, ≤ 2·63·128 for ≤ 6-bit quants)."""
+    return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", unsigned, signed)
+
+
+def _madd(pairs: tirx.Expr, weights: tirx.Expr) -> tirx.Expr:
+    """int32x8: adjacent int16 products summed in pairs (vpmaddwd), exact."""
+    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, weights)
+
+
+def dot4(isa: str, unsigned: tirx.Expr, signed: tirx.Expr, acc: tirx.Expr | None = None) -> tirx.Expr:
+    """acc + 8 int32 sums of 4 unsigned · signed byte products: vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd by
+    ones, ggml's AVX2 mul_sum_us8_pairs (the same integers where no int16 pair sum saturates: `_maddubs`)."""
+    if isa != "avx2":
+        return _vpdpbusd(unsigned, signed, acc)
+    total = _madd(_maddubs(unsigned, signed), T.Broadcast(T.int16(1), 2 * LANES))
+    return total if acc is None else acc + total
+
+
+def offset_safe(isa: str) -> bool:
+    """Whether a dot may take a full unsigned byte (x + 128, Q8_0's w + 128) against a signed one: vpdpbusd sums in
+    int32; AVX2's vpmaddubsw would saturate 2·255·127 in int16, so there signed weights take the sign trick."""
+    return isa != "avx2"
 
 
 def _nibbles(qs: tirx.Buffer, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
@@ -109,8 +136,11 @@ def _high_bits(qh: tirx.Buffer, n: tirx.Expr, g: tirx.Expr, bits: int) -> tirx.E
     return high
 
 
-def _signed_dot(w: tirx.Expr, x: tirx.Expr) -> tirx.Expr:
-    """Σ w·x per 4 bytes for signed w (int8x32) by the sign trick (one activation row)."""
+def _signed_dot(isa: str, w: tirx.Expr, x: tirx.Expr) -> tirx.Expr:
+    """Σ w·x per 4 bytes for signed w (int8x32) by the sign trick (one activation row; every row on AVX2). AVX2
+    moves the sign with vpsignb (x·sign(w), 0 where w is: |w| is 0 there too), as ggml's mul_sum_i8_pairs does."""
+    if isa == "avx2":
+        return dot4(isa, T.abs(w), T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x, w))
     negative = w < T.Broadcast(T.int8(0), 32)
     return _vpdpbusd(T.abs(w), T.Select(negative, T.Broadcast(T.int8(0), 32) - x, x))
 
@@ -142,16 +172,18 @@ def _weights(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
     return quants
 
 
-def _group_dot(kind: str, bufs: Bufs, a: tirx.Expr, g: tirx.Expr, w: tuple[tirx.Expr, tirx.Expr | None]) -> tirx.Expr:
+def _group_dot(
+    isa: str, kind: str, bufs: Bufs, a: tirx.Expr, g: tirx.Expr, w: tuple[tirx.Expr, tirx.Expr | None]
+) -> tirx.Expr:
     """int32x8 partial sums of the unpacked weights of group g (`_weights`, with their `_x_offset` for SIGNED
     types) against activation row a there: lane l holds positions 4l..4l+3 of the group."""
     x = bufs["xq"][a, T.Ramp(g * QK8, 1, QK8)]
     quants, offset = w
     if kind in SIGNED and offset is None:
-        return _signed_dot(quants, x)
+        return _signed_dot(isa, quants, x)
     if kind in SIGNED:  # x + 128 as unsigned bytes: int8 x with its sign bit flipped
         return _vpdpbusd(x ^ T.Broadcast(T.int8(-128), 32), quants, offset)
-    return _vpdpbusd(quants, x)
+    return dot4(isa, quants, x)
 
 
 def _splat(value: tirx.Expr, lanes: int) -> tirx.Expr:
@@ -187,7 +219,7 @@ Weights = Callable[[tirx.Expr], tuple[tirx.Expr, tirx.Expr | None]]
 
 
 def _unit_terms(
-    kind: str, bufs: Bufs, a: tirx.Expr, n: tirx.Expr, u: tirx.Expr, acc: tirx.Expr, weights: Weights
+    isa: str, kind: str, bufs: Bufs, a: tirx.Expr, n: tirx.Expr, u: tirx.Expr, acc: tirx.Expr, weights: Weights
 ) -> tirx.Expr:
     """acc plus unit u of weight row n against activation row a. 32-value types: a unit is G = acc's lanes blocks,
     whose integer dots are folded into one int32xG (exact), converted and scaled by G d_w·d_x at once, with the min
@@ -196,7 +228,7 @@ def _unit_terms(
         count = acc.ty.dtype.lanes  # 1 for a scalar
         blocks = T.Ramp(u * count, 1, count) if count > 1 else u  # a Ramp of one lane is refused
         f32 = f"float32x{count}" if count > 1 else "float32"
-        total = _fold([_group_dot(kind, bufs, a, g, weights(g)) for g in (u * count + j for j in range(count))])
+        total = _fold([_group_dot(isa, kind, bufs, a, g, weights(g)) for g in (u * count + j for j in range(count))])
         if "xi" in bufs and kind in QUANT_OFFSET:  # Q4_0/Q5_0 (not Q8_0): Σ q·x − offset·Σx, ggml's Σ (q − offset)·x
             total = total - bufs["xi"][a, blocks] * _splat(T.int32(QUANT_OFFSET[kind]), count)
         scale = T.Cast(f32, bufs["d"][n, blocks]) * bufs["xd"][a, blocks]
@@ -213,7 +245,7 @@ def _unit_terms(
             scale = T.Shuffle([pair] * 4, [0, 0, 1, 1, 0, 0, 1, 1])
         else:
             scale = T.Broadcast(T.Cast("int32", bufs["sc"][n, g]), LANES)
-        isum = isum + _group_dot(kind, bufs, a, g, weights(g)) * scale
+        isum = isum + _group_dot(isa, kind, bufs, a, g, weights(g)) * scale
     acc = T.fma(_f32x8(d * xd), T.Cast("float32x8", isum), acc)
     if "mn" not in bufs:
         return acc
@@ -240,10 +272,11 @@ TILE = 16  # activation rows that share one unpacking of a weight group (rows 1.
 ROW_TILE = 4  # activation rows in flight in int8_gemm's body (more than TILE rows: prefill)
 
 
-def vnni_gemv(
-    kind: str, n_out: int, n_in: int, rows: int, chunk: int, unroll: int, batch: int | str = 1
+def int8_gemv(
+    kind: str, n_out: int, n_in: int, rows: int, chunk: int, unroll: int, batch: int | str = 1, isa: str = "avx512vnni"
 ) -> tirx.PrimFunc:
-    """The kernel for one weight type and shape; same arguments as cpu_int8.int8_matmul(kind, n_out, n_in, batch).
+    """The kernel for one weight type and shape; same arguments as cpu_int8.int8_matmul(kind, n_out, n_in, batch);
+    `isa` one of cpu_int8.INT8_ISAS (the byte dot it is built on: `dot4`).
     `unroll` counts units: groups of `block_group(n_in)` blocks of 32 values, super-blocks for the K-quants.
     `rows` here are weight rows. A batch of activation rows is taken TILE at a time: each weight row's `unroll`
     units are unpacked once into a local buffer (L1) and dotted with every activation row of the tile, as ggml's
@@ -269,20 +302,26 @@ def vnni_gemv(
                 bufs[name] = _byte_view(bufs[name])
         geometry = (lanes, per_unit, units)
         if batch == 1 or not int8_gemm.supports(n_out):
-            _tiles_body(kind, bufs, y, geometry, (rows, chunk, unroll), batch)
+            _tiles_body(isa, kind, bufs, y, geometry, (rows, chunk, unroll), batch)
         else:  # more than TILE rows (prefill): the output-lane body, its own loops (int8_gemm.py)
             with T.If(T.Cast("int32", y.shape[0]) > TILE):
                 with T.Then():
-                    int8_gemm.gemm_body(kind, bufs, y, n_out, n_in, ROW_TILE)
+                    int8_gemm.gemm_body(isa, kind, bufs, y, n_out, n_in, ROW_TILE)
                 with T.Else():
-                    _tiles_body(kind, bufs, y, geometry, (rows, chunk, unroll), batch)
+                    _tiles_body(isa, kind, bufs, y, geometry, (rows, chunk, unroll), batch)
     return builder.get()
 
 
 def _tiles_body(
-    kind: str, bufs: Bufs, y: tirx.Buffer, geometry: tuple[int, int, int], knobs: tuple[int, int, int], batch: int | str
+    isa: str,
+    kind: str,
+    bufs: Bufs,
+    y: tirx.Buffer,
+    geometry: tuple[int, int, int],
+    knobs: tuple[int, int, int],
+    batch: int | str,
 ) -> None:
-    """The GEMV, or the batch TILE activation rows at a time (vnni_gemv's docstring). geometry: the accumulator's
+    """The GEMV, or the batch TILE activation rows at a time (int8_gemv's docstring). geometry: the accumulator's
     lanes, groups per unit, units per row; knobs: weight rows per step, chunk, unroll."""
     lanes, per_unit, units = geometry
     rows, chunk, unroll = knobs
@@ -307,23 +346,24 @@ def _tiles_body(
             with T.serial(0, units // unroll) as u0, T.unroll(0, rows) as r:
                 n = T.Bind((c * chunk + g) * rows + r)
                 base = u0 * unroll * per_unit  # the first group of these `unroll` units
-                weights = _stage_weights(kind, bufs, n, base, staged)
+                weights = _stage_weights(isa, kind, bufs, n, base, staged)
                 with T.serial(0, count) as a:
                     total = acc[r * TILE + a, every]
                     for j in range(unroll):
-                        total = _unit_terms(kind, bufs, t * TILE + a, n, u0 * unroll + j, total, weights)
+                        total = _unit_terms(isa, kind, bufs, t * TILE + a, n, u0 * unroll + j, total, weights)
                     T.buffer_store(acc, total, [r * TILE + a, every])
             with T.unroll(0, rows) as r, T.serial(0, count) as a:
                 T.buffer_store(y, _lane_sum(acc, r * TILE + a, lanes), [t * TILE + a, (c * chunk + g) * rows + r])
 
 
 def _stage_weights(
-    kind: str, bufs: Bufs, n: tirx.Expr, base: tirx.Expr, staged: tuple[tirx.Buffer, tirx.Buffer] | None
+    isa: str, kind: str, bufs: Bufs, n: tirx.Expr, base: tirx.Expr, staged: tuple[tirx.Buffer, tirx.Buffer] | None
 ) -> Weights:
     """The unpacked groups of weight row n from group `base` on: inline expressions when there is one activation
     row (staged None; SIGNED types then take the sign trick), else computed once here into the local buffers
-    (wq; wo: their `_x_offset` for SIGNED types), all of them, and read back by every activation row."""
-    signed = kind in SIGNED
+    (wq; wo: their `_x_offset` for SIGNED types where `offset_safe`, else they keep the sign trick), all of them,
+    and read back by every activation row."""
+    signed = kind in SIGNED and offset_safe(isa)
     if staged is None:
         return lambda g: (_weights(kind, bufs, n, g), None)
     wq, wo = staged
@@ -359,7 +399,8 @@ def _signature(func: tirx.PrimFunc) -> list[tuple[tuple[int, ...], str]]:
 
 
 class Int8GEMV(KnobbedRule):
-    """cpu_int8.int8_matmul functions → the vpdpbusd kernel, on llvm targets with AVX512-VNNI."""
+    """cpu_int8.int8_matmul functions → the integer kernel, on x86 llvm targets with a byte dot (cpu_int8.int8_isa).
+    The knobs' defaults and space are the same for every isa (measured with VNNI; AVX2 not yet tuned)."""
 
     name = "cpu.int8_gemv"
     DEFAULTS: ClassVar[dict[str, int]] = {"rows": 1, "chunk": 16, "unroll": 8}
@@ -368,7 +409,8 @@ class Int8GEMV(KnobbedRule):
     def apply(self, func: tirx.PrimFunc, target: Target, knobs: Knobs | bool | None = None) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not func.attrs or INT8_GEMV_ATTR not in func.attrs:
             return None
-        if not has_vnni(target):
+        isa = int8_isa(target)
+        if isa is None:
             return None
         kind = str(func.attrs[INT8_GEMV_ATTR])
         y, xq = func.params[-1], func.params[0]  # y (R, n_out), xq (R, n_in); R = 1 or a Var (batched decode)
@@ -379,7 +421,7 @@ class Int8GEMV(KnobbedRule):
         # `unroll` is in blocks of 32 values: whole units of the kernel (super-blocks, or groups of blocks)
         unit = QK_K if kind.endswith("_K") else QK8 * block_group(n_in)
         unroll = _unroll(n_in // unit, max(1, k["unroll"] * QK8 // unit))
-        kernel = vnni_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]), unroll, batch)
+        kernel = int8_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]), unroll, batch, isa)
         if _signature(kernel) != _signature(func):
             log.warning("%s declined %s: its arguments are not int8_matmul's", self.name, func.attrs["global_symbol"])
             return None

@@ -26,6 +26,7 @@ from luce_compile.lower.cpu_int8 import (
     INT8_FORMATS,
     INT8_GEMV_ATTR,
     int8_format,
+    int8_isa,
     int8_matmul,
     quantize_q8,
     resolve_precision,
@@ -36,6 +37,10 @@ from tests.lower.test_quant_matmul import random_raw, reference_dequant
 pytestmark = pytest.mark.unit
 TYPES = [t.name for t in INT8_FORMATS]
 HOST = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": 2})
+HASWELL = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # AVX2 + FMA + F16C, no VNNI
+# targets whose int8 kernels run on this CPU, one per byte dot: its own best, and AVX2's forced where it has VNNI
+INT8_TARGETS = [t for t in (HOST, HASWELL) if int8_isa(HOST)][: 1 if int8_isa(HOST) == "avx2" else 2]
+INT8_IDS = [str(int8_isa(t)) for t in INT8_TARGETS]
 
 
 def emulated_activations(x: np.ndarray, kind: str) -> dict[str, np.ndarray]:
@@ -192,11 +197,11 @@ def test_types_without_integer_kernel_are_refused():
 
 
 def test_resolve_precision():
-    generic = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})  # AVX2, no AVX512-VNNI
-    assert resolve_precision("auto", generic) == "f32"
+    no_avx2 = tvm.target.Target({"kind": "llvm", "mcpu": "sandybridge"})  # AVX without AVX2: no byte dot
+    assert resolve_precision("auto", no_avx2) == "f32"
     assert resolve_precision("f32", HOST) == "f32"
-    with pytest.raises(UnsupportedError, match="needs a CPU target with AVX512-VNNI"):
-        resolve_precision("int8", generic)  # asked for explicitly where it cannot run: refused before any work
+    with pytest.raises(UnsupportedError, match="needs an x86 CPU target with AVX2"):
+        resolve_precision("int8", no_avx2)  # asked for explicitly where it cannot run: refused before any work
     with pytest.raises(UnsupportedError, match="precision must be one of"):
         resolve_precision("fp8", HOST)
 
@@ -211,9 +216,14 @@ def test_resolve_precision_picks_f16_on_cuda_with_tensor_cores():
         resolve_precision("f16", HOST)
 
 
-def test_resolve_precision_picks_int8_with_vnni():
-    znver4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})  # AVX512-VNNI, like this machine
-    assert resolve_precision("auto", znver4) == "int8"
+@pytest.mark.parametrize("mcpu,isa", [("znver4", "avx512vnni"), ("sapphirerapids", "avx512vnni"),
+                                      ("alderlake", "avxvnni"), ("znver3", "avx2"), ("haswell", "avx2"),
+                                      ("sandybridge", None)])
+def test_int8_isa_is_the_best_byte_dot_the_cpu_has(mcpu, isa):
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    assert int8_isa(target) == isa
+    assert resolve_precision("auto", target) == ("int8" if isa else "f32")
+    assert int8_isa(tvm.target.Target({"kind": "cuda", "arch": "sm_90"})) is None
 
 
 @pytest.mark.parametrize("precision,int8_calls", [("int8", True), ("f32", False)])

@@ -81,7 +81,7 @@ class _WritesKeysAndValues:
         self.engine, self.env, self.attention = engine, env, attention
         self.positions: list[int] = []
 
-    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True):
+    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True, allowed=None):
         ps = self.engine.page_size
         layers = self.engine._pages.layers
         for row, n in enumerate(lengths):

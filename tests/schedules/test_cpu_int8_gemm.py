@@ -15,35 +15,35 @@ import tvm
 from luce_schedules.cpu.int8_gemm import strip_vectors, supports
 from luce_schedules.cpu.int8_gemv import ROW_TILE, TILE, Int8GEMV
 
-from luce_compile.lower.cpu_int8 import INT8_FORMATS, has_vnni, int8_format, int8_matmul, quantize_q8
+from luce_compile.lower.cpu_int8 import INT8_FORMATS, int8_format, int8_matmul, quantize_q8
 from luce_compile.lower.quant_layout import repack
-from tests.lower.test_cpu_int8 import HOST, activations, emulated_activations, reference_gemv
+from tests.lower.test_cpu_int8 import HOST, INT8_TARGETS, activations, emulated_activations, reference_gemv
 from tests.lower.test_quant_matmul import random_raw
-from tests.schedules.test_cpu_int8_gemv import call
+from tests.schedules.test_cpu_int8_gemv import call, each_int8_target
 
 pytestmark = pytest.mark.unit
 TYPES = [t.name for t in INT8_FORMATS]
-needs_vnni = pytest.mark.skipif(not has_vnni(HOST), reason="this CPU has no AVX512-VNNI")
+needs_int8 = pytest.mark.skipif(not INT8_TARGETS, reason="this CPU has no AVX2 byte dot")
 
 
-def compiled(kind: str, n_out: int, n_in: int) -> tvm.runtime.Executable:
-    sch = Int8GEMV().apply(int8_matmul(kind, n_out, n_in, batch="dynamic"), HOST)
+def compiled(kind: str, n_out: int, n_in: int, target=HOST) -> tvm.runtime.Executable:
+    sch = Int8GEMV().apply(int8_matmul(kind, n_out, n_in, batch="dynamic"), target)
     assert sch is not None
-    return tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=HOST)
+    return tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target)
 
 
-@needs_vnni
+@each_int8_target
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("n_out", [48, 40])  # strips of 16 rows (two vectors), and of 8 (one)
-def test_many_rows_match_reference(kind, n_out, rng):
+def test_many_rows_match_reference(kind, n_out, target, rng):
     """17 rows (the first past TILE), 2·ROW_TILE + 3 more (whole row tiles and a remainder taken one at a time),
     and 64: every row within the reference's bound."""
     fmt = int8_format(kind)
     n_in = 768 if fmt.with_bsums else 320  # 3 super-blocks; 10 blocks of 32
     raw = random_raw(kind, n_out, n_in, rng)
     planes = list(repack(raw, kind).values())
-    kernel = compiled(kind, n_out, n_in)
-    quantize = tvm.compile(tvm.IRModule({"main": quantize_q8(n_in, fmt, batch="dynamic")}), target=HOST)
+    kernel = compiled(kind, n_out, n_in, target)
+    quantize = tvm.compile(tvm.IRModule({"main": quantize_q8(n_in, fmt, batch="dynamic")}), target=target)
     for rows in (TILE + 1, TILE + 2 * ROW_TILE + 3, 64):
         x = np.concatenate([activations(rng, n_in) for _ in range(rows)])
         quantized = call(quantize, x, outs=list(fmt.specs(n_in, rows).values()))
@@ -53,7 +53,7 @@ def test_many_rows_match_reference(kind, n_out, rng):
             assert np.all(np.abs(y[r : r + 1] - want) <= bound), (rows, r, np.abs(y[r : r + 1] - want).max())
 
 
-@needs_vnni
+@needs_int8
 def test_rows_past_the_strip_width_keep_the_tile_kernel(rng):
     """n_out not a multiple of 8: no output-lane body; many rows still go through the 16-row tiles, correctly."""
     assert not supports(36) and supports(40) and strip_vectors(40) == 1 and strip_vectors(48) == 2
@@ -69,7 +69,7 @@ def test_rows_past_the_strip_width_keep_the_tile_kernel(rng):
         assert np.all(np.abs(y[r : r + 1] - want) <= bound)
 
 
-@needs_vnni
+@needs_int8
 def test_kernel_branches_on_the_row_count_and_broadcasts_activation_quads():
     """The golden facts: a batch kernel holds both bodies behind `rows > 16`; the output-lane body's vpdpbusd takes
     the activation's 4 bytes broadcast to 8 lanes (an int32 broadcast reinterpreted as bytes) and runs in a

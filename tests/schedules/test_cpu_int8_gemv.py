@@ -1,4 +1,5 @@
-"""The AVX512-VNNI int8 GEMV rule: numbers against llama.cpp's arithmetic, the code it emits, and when it declines.
+"""The int8 GEMV rule: numbers against llama.cpp's arithmetic, the code it emits, and when it declines. Run on every
+byte dot this CPU has (its own best, and AVX2's forced where it has VNNI); the others are built and inspected.
 
 Reference and tolerance: tests/lower/test_cpu_int8.py (rounded activations, exact float64 dot, per-output bound
 for float32 summation of the block terms).
@@ -9,14 +10,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from luce_schedules.cpu.int8_gemv import Int8GEMV, vnni_gemv
+from luce_schedules.cpu.int8_gemv import Int8GEMV, int8_gemv
 from luce_schedules.cpu.quant_matmul import QuantGEMV
 
-from luce_compile.lower.cpu_int8 import INT8_FORMATS, has_vnni, int8_format, int8_matmul, quantize_q8
+from luce_compile.lower.cpu_int8 import INT8_FORMATS, int8_format, int8_isa, int8_matmul, quantize_q8
 from luce_compile.lower.quant_layout import repack
 from luce_compile.lower.quant_matmul import quant_matmul
 from tests.lower.test_cpu_int8 import (
     HOST,
+    INT8_IDS,
+    INT8_TARGETS,
     activations,
     emulated_activations,
     quantized_inputs,
@@ -27,16 +30,18 @@ from tests.lower.test_quant_matmul import random_raw
 
 pytestmark = pytest.mark.unit
 TYPES = [t.name for t in INT8_FORMATS]
-needs_vnni = pytest.mark.skipif(not has_vnni(HOST), reason="this CPU has no AVX512-VNNI")
+each_int8_target = pytest.mark.parametrize("target", INT8_TARGETS, ids=INT8_IDS)
+# a CPU of each byte dot (cpu_int8.INT8_ISAS): what the kernel is built for, run or not
+ISA_TARGETS = {"avx512vnni": "znver4", "avxvnni": "alderlake", "avx2": "haswell"}
 
 
-def scheduled(kind: str, n_out: int, n_in: int, knobs: dict | None = None) -> tvm.tirx.PrimFunc:
-    sch = Int8GEMV().apply(int8_matmul(kind, n_out, n_in), HOST, knobs)
+def scheduled(kind: str, n_out: int, n_in: int, knobs: dict | None = None, target=HOST) -> tvm.tirx.PrimFunc:
+    sch = Int8GEMV().apply(int8_matmul(kind, n_out, n_in), target, knobs)
     assert sch is not None
     return sch.mod["main"]
 
 
-@needs_vnni
+@each_int8_target
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize(
     "n_out,n_in,knobs",
@@ -48,7 +53,7 @@ def scheduled(kind: str, n_out: int, n_in: int, knobs: dict | None = None) -> tv
         (16, 64, None),
     ],
 )
-def test_vnni_gemv_matches_reference(kind, n_out, n_in, knobs, rng):
+def test_int8_gemv_matches_reference(kind, n_out, n_in, knobs, target, rng):
     """Several shapes and knobs: rows that do not divide by the defaults, one row per task, and every width of
     the 32-value types' block groups (16, 3, 4, 28 and 2 blocks: groups of 8, 1, 4 (7 of them, one chain), 2).
     The K-quants take n_in in super-blocks (4864 = 19·256 is Qwen2.5-0.5B's ffn_down, a prime count)."""
@@ -57,7 +62,7 @@ def test_vnni_gemv_matches_reference(kind, n_out, n_in, knobs, rng):
     raw = random_raw(kind, n_out, n_in, rng)
     x = activations(rng, n_in)
     (y,) = run(
-        scheduled(kind, n_out, n_in, knobs),
+        scheduled(kind, n_out, n_in, knobs, target),
         *quantized_inputs(x, kind),
         *repack(raw, kind).values(),
         outs=[((1, n_out), "float32")],
@@ -73,9 +78,9 @@ def call(ex: tvm.runtime.Executable, *arrays: np.ndarray, outs: list[tuple[tuple
     return [r.numpy() for r in results]
 
 
-@needs_vnni
+@each_int8_target
 @pytest.mark.parametrize("kind", TYPES)
-def test_batched_kernel_rows_equal_the_gemv_bit_for_bit(kind, rng):
+def test_batched_kernel_rows_equal_the_gemv_bit_for_bit(kind, target, rng):
     """The batched decode's and verify's kernel at 1 to 16 rows (one tile of 16 rows shares each unpacked weight
     group), on fresh random activations per row count: every row is the GEMV's result for that row alone, to the
     bit (a lone and a batched sequence get the same numbers), and within the reference's bound (llama.cpp's
@@ -85,11 +90,11 @@ def test_batched_kernel_rows_equal_the_gemv_bit_for_bit(kind, rng):
     fmt = int8_format(kind)
     raw = random_raw(kind, n_out, n_in, rng)
     planes = list(repack(raw, kind).values())
-    sch = Int8GEMV().apply(int8_matmul(kind, n_out, n_in, batch="dynamic"), HOST)
-    assert sch is not None and "vpdpbusd" in sch.mod["main"].script()
-    batched = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=HOST)
-    gemv = tvm.compile(tvm.IRModule({"main": scheduled(kind, n_out, n_in)}), target=HOST)
-    quantize = tvm.compile(tvm.IRModule({"main": quantize_q8(n_in, fmt, batch="dynamic")}), target=HOST)
+    sch = Int8GEMV().apply(int8_matmul(kind, n_out, n_in, batch="dynamic"), target)
+    assert sch is not None and "llvm.x86." in sch.mod["main"].script()
+    batched = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target)
+    gemv = tvm.compile(tvm.IRModule({"main": scheduled(kind, n_out, n_in, target=target)}), target=target)
+    quantize = tvm.compile(tvm.IRModule({"main": quantize_q8(n_in, fmt, batch="dynamic")}), target=target)
     for rows in range(1, 17):
         x = np.concatenate([activations(rng, n_in) for _ in range(rows)])
         quantized = call(quantize, x, outs=list(fmt.specs(n_in, rows).values()))
@@ -101,36 +106,47 @@ def test_batched_kernel_rows_equal_the_gemv_bit_for_bit(kind, rng):
             assert np.all(np.abs(alone - want) <= bound), (rows, r, np.abs(alone - want).max())
 
 
-@needs_vnni
-def test_vnni_gemv_emits_vpdpbusd_in_a_parallel_loop():
-    """The golden facts of the kernel: 256-bit vpdpbusd with i8 operands (LLVM 22's types), a parallel row loop."""
-    func = scheduled("Q4_1", 64, 128)
-    script = func.script()
-    assert 'T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256"' in script
-    assert "T.parallel(" in script
-    asm = tvm.compile(tvm.IRModule({"main": func}), target=HOST).mod.inspect_source("asm")
-    assert "vpdpbusd" in asm and "ymm" in asm
+@pytest.mark.parametrize("isa", list(ISA_TARGETS))
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_each_isa_emits_its_byte_dot_in_a_parallel_loop(isa, kind):
+    """The golden facts of the kernel, built (not run) for a CPU of each byte dot: 256-bit vpdpbusd with i8 operands
+    (LLVM 22's types) with VNNI, EVEX or VEX encoded; vpmaddubsw + vpmaddwd on AVX2, with vpsignb for the signed
+    weights' sign trick; a parallel row loop. The batch kernel of Q8_0 keeps vpdpbusd's offset trick, AVX2's none."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": ISA_TARGETS[isa], "num-cores": 2})
+    assert int8_isa(target) == isa
+    for batch in (1, "dynamic"):
+        func = Int8GEMV().apply(int8_matmul(kind, 64, 128, batch=batch), target).mod["main"]
+        script = func.script()
+        assert "T.parallel(" in script
+        asm = tvm.compile(tvm.IRModule({"main": func}), target=target).mod.inspect_source("asm")
+        if isa == "avx2":
+            assert "vpdpbusd" not in asm and "vpmaddubsw" in asm and "vpmaddwd" in asm, batch
+            assert ("vpsignb" in asm) == (kind == "Q8_0"), batch
+        else:
+            assert 'T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256"' in script
+            assert "vpdpbusd" in asm and "ymm" in asm and "vpmaddubsw" not in asm, batch
+            assert ("{vex}\tvpdpbusd" in asm) == (isa == "avxvnni"), batch
 
 
 def test_declines_functions_it_does_not_own():
     assert Int8GEMV().apply(quant_matmul("Q4_1", 64, 128, batch=1), HOST) is None
 
 
-def test_declines_without_vnni():
-    haswell = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})  # AVX2 only: the TE definition stays
-    assert Int8GEMV().apply(int8_matmul("Q4_1", 64, 128), haswell) is None
+def test_declines_without_avx2():
+    sandybridge = tvm.target.Target({"kind": "llvm", "mcpu": "sandybridge"})  # AVX only: the TE definition stays
+    assert Int8GEMV().apply(int8_matmul("Q4_1", 64, 128), sandybridge) is None
     assert Int8GEMV().apply(int8_matmul("Q4_1", 64, 128), tvm.target.Target({"kind": "cuda", "arch": "sm_90"})) is None
 
 
-@needs_vnni
-def test_cpu_rules_take_the_int8_gemv():
+@each_int8_target
+def test_cpu_rules_take_the_int8_gemv(target):
     """Until Int8GEMV is in luce_schedules.cpu.RULES, QuantGEMV (first in the list) hands these functions to it."""
-    sch = QuantGEMV().apply(int8_matmul("Q8_0", 64, 128), HOST)
-    assert sch is not None and "vpdpbusd" in sch.mod["main"].script()
+    sch = QuantGEMV().apply(int8_matmul("Q8_0", 64, 128), target)
+    assert sch is not None and "llvm.x86." in sch.mod["main"].script()
 
 
 def test_kernel_signature_is_the_definitions():
     for kind in TYPES:
-        a, b = vnni_gemv(kind, 32, 512, 2, 2, 2), int8_matmul(kind, 32, 512)
+        a, b = int8_gemv(kind, 32, 512, 2, 2, 2), int8_matmul(kind, 32, 512)
         shapes = [[(tuple(int(s) for s in p.shape), str(p.dtype)) for p in f.params] for f in (a, b)]
         assert shapes[0] == shapes[1], kind
