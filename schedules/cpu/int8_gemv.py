@@ -94,12 +94,20 @@ def _madd(pairs: tirx.Expr, weights: tirx.Expr) -> tirx.Expr:
     return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, weights)
 
 
-def dot4(isa: str, unsigned: tirx.Expr, signed: tirx.Expr, acc: tirx.Expr | None = None) -> tirx.Expr:
+def dot4(
+    isa: str, unsigned: tirx.Expr, signed: tirx.Expr, acc: tirx.Expr | None = None, scale: tirx.Expr | None = None
+) -> tirx.Expr:
     """acc + 8 int32 sums of 4 unsigned · signed byte products: vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd by
-    ones, ggml's AVX2 mul_sum_us8_pairs (the same integers where no int16 pair sum saturates: `_maddubs`)."""
+    ones, ggml's AVX2 mul_sum_us8_pairs (the same integers where no int16 pair sum saturates: `_maddubs`). AVX2
+    only: `scale` (int32x8, each lane's value within int16) multiplies the sums inside vpmaddwd instead of the
+    ones, as ggml's AVX2 K-quant dots apply their sub-block scales (a vpmulld less per group of 32 values)."""
     if isa != "avx2":
+        assert scale is None, "a scale rides in vpmaddwd only"
         return _vpdpbusd(unsigned, signed, acc)
-    total = _madd(_maddubs(unsigned, signed), T.Broadcast(T.int16(1), 2 * LANES))
+    pairs = T.Broadcast(T.int16(1), 2 * LANES)
+    if scale is not None:  # int32 lane l → int16 lanes 2l, 2l + 1
+        pairs = T.Shuffle([T.Cast("int16x8", scale)] * 2, [lane // 2 for lane in range(2 * LANES)])
+    total = _madd(_maddubs(unsigned, signed), pairs)
     return total if acc is None else acc + total
 
 
@@ -136,11 +144,11 @@ def _high_bits(qh: tirx.Buffer, n: tirx.Expr, g: tirx.Expr, bits: int) -> tirx.E
     return high
 
 
-def _signed_dot(isa: str, w: tirx.Expr, x: tirx.Expr) -> tirx.Expr:
+def _signed_dot(isa: str, w: tirx.Expr, x: tirx.Expr, scale: tirx.Expr | None = None) -> tirx.Expr:
     """Σ w·x per 4 bytes for signed w (int8x32) by the sign trick (one activation row; every row on AVX2). AVX2
     moves the sign with vpsignb (x·sign(w), 0 where w is: |w| is 0 there too), as ggml's mul_sum_i8_pairs does."""
     if isa == "avx2":
-        return dot4(isa, T.abs(w), T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x, w))
+        return dot4(isa, T.abs(w), T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x, w), scale=scale)
     negative = w < T.Broadcast(T.int8(0), 32)
     return _vpdpbusd(T.abs(w), T.Select(negative, T.Broadcast(T.int8(0), 32) - x, x))
 
@@ -173,17 +181,24 @@ def _weights(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
 
 
 def _group_dot(
-    isa: str, kind: str, bufs: Bufs, a: tirx.Expr, g: tirx.Expr, w: tuple[tirx.Expr, tirx.Expr | None]
+    isa: str,
+    kind: str,
+    bufs: Bufs,
+    a: tirx.Expr,
+    g: tirx.Expr,
+    w: tuple[tirx.Expr, tirx.Expr | None],
+    scale: tirx.Expr | None = None,
 ) -> tirx.Expr:
     """int32x8 partial sums of the unpacked weights of group g (`_weights`, with their `_x_offset` for SIGNED
-    types) against activation row a there: lane l holds positions 4l..4l+3 of the group."""
+    types) against activation row a there: lane l holds positions 4l..4l+3 of the group (times `scale`'s lane l:
+    AVX2 only, `dot4`)."""
     x = bufs["xq"][a, T.Ramp(g * QK8, 1, QK8)]
     quants, offset = w
     if kind in SIGNED and offset is None:
-        return _signed_dot(isa, quants, x)
+        return _signed_dot(isa, quants, x, scale)
     if kind in SIGNED:  # x + 128 as unsigned bytes: int8 x with its sign bit flipped
         return _vpdpbusd(x ^ T.Broadcast(T.int8(-128), 32), quants, offset)
-    return dot4(isa, quants, x)
+    return dot4(isa, quants, x, scale=scale)
 
 
 def _splat(value: tirx.Expr, lanes: int) -> tirx.Expr:
@@ -245,7 +260,10 @@ def _unit_terms(
             scale = T.Shuffle([pair] * 4, [0, 0, 1, 1, 0, 0, 1, 1])
         else:
             scale = T.Broadcast(T.Cast("int32", bufs["sc"][n, g]), LANES)
-        isum = isum + _group_dot(isa, kind, bufs, a, g, weights(g)) * scale
+        if isa == "avx2":  # |dot · scale| < 2^21 per lane: exact in vpmaddwd's int32 sums
+            isum = isum + _group_dot(isa, kind, bufs, a, g, weights(g), scale)
+        else:
+            isum = isum + _group_dot(isa, kind, bufs, a, g, weights(g)) * scale
     acc = T.fma(_f32x8(d * xd), T.Cast("float32x8", isum), acc)
     if "mn" not in bufs:
         return acc
