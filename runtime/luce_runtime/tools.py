@@ -11,6 +11,8 @@ Formats (what each supported model was trained to write; the server reads the fo
            template does. SmolLM2-Instruct's card documents a similar `<tool_call>[...]</tool_call>` list for the
            1.7B model; the 135M and Gemma 3 270M were not trained on tool use, so the grammar is what makes their
            calls well-formed.
+In auto mode a reply that is a call's JSON alone, or that JSON in a ```json fence (what Qwen2.5-Coder-1.5B writes
+at temperature 0 when offered tools), is that call too, held to the schemas by the same grammar.
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ def call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
 
 # any text whose first non-blank character is not "{" (blank text included)
 _NO_BRACE = r"(\s*[^{\s](.|\n)*)?\s*"
+# a reply that opens with a Markdown fence around a JSON object: a call (ToolCallParser's bare mode), never text
+FENCE_OPEN, FENCE_CLOSE = "```json\n", "\n```"
+_FENCED_TEXT = r"\s*```(json)?\s*\{(?s:.*)"
 
 
 def tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], *, required: bool, parallel: bool,
@@ -159,18 +164,21 @@ def tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], *, required: bool, para
         return lark_grammar("\n".join([f"start: answer | call{more}", f"answer: {lark_json(dict(answer_schema))}",
                                         *rules]))
     # Small models offered tools often answer with the call's JSON alone, without the opener (Qwen2.5-Coder-0.5B
-    # does): a reply that starts with "{" must be one valid call (llguidance's Llama 3.1 recipe), and text
-    # otherwise may not start with "{".
+    # does), or in a ```json fence (Qwen2.5-Coder-1.5B at temperature 0 does, llama.cpp's Hermes parser takes it):
+    # a reply that starts with "{" or with a fenced "{" must be one valid call (llguidance's Llama 3.1 recipe),
+    # and text otherwise may start with neither.
+    rules += [f"fenced: {json.dumps(FENCE_OPEN)} body {json.dumps(FENCE_CLOSE)}"]
     if is_special(fmt.open):  # byte-level text never contains the special token: text, then the token
-        return lark_grammar("\n".join([f"start: TEXT | TEXT call{more} | body", f"TEXT: /{_NO_BRACE}/",
-                                        *rules]))
+        return lark_grammar("\n".join([f"start: TEXT | TEXT call{more} | body | fenced",
+                                        f"TEXT: /{_NO_BRACE}/ & ~/{_FENCED_TEXT}/", *rules]))
     # The opener is text: the reply is text without it, or text up to it (a lazy lexeme: it ends at the first
     # opener, where the text alternative dies) and then the calls. A greedy text lexeme would have to be ended
     # before the opener's first byte, which the lexer cannot know then.
     opener_re = re.escape(fmt.open).replace("/", "\\/")
-    return lark_grammar("\n".join([f"start: TEXT | head rest{more} | body",
-                                    f"head[lazy]: /{_NO_BRACE}{opener_re}/",
-                                    f"TEXT: /{_NO_BRACE}/ & ~/(?s:.*){opener_re}(?s:.*)/", *rules]))
+    return lark_grammar("\n".join([f"start: TEXT | head rest{more} | body | fenced",
+                                    f"head[lazy]: /{_NO_BRACE}{opener_re}/ & ~/{_FENCED_TEXT}/",
+                                    f"TEXT: /{_NO_BRACE}/ & ~/(?s:.*){opener_re}(?s:.*)|{_FENCED_TEXT}/",
+                                    *rules]))
 
 
 # --- parsing ------------------------------------------------------------------------------------------------------
@@ -194,6 +202,9 @@ class ParseEvent:
     call: ToolCall | None = None
 
 
+# a Markdown fence opening a JSON object, and what may still grow into one (held back until it is decided)
+_FENCE = re.compile(r"```(?:json)?[ \t]*\n?\s*(?=\{)")
+_FENCE_SO_FAR = re.compile(r"`{1,3}|```(?:j|js|jso|json)?[ \t]*\n?\s*")
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
@@ -205,8 +216,8 @@ class ToolCallParser:
     value's text. The call is checked as JSON when its closing tag arrives."""
 
     def __init__(self, fmt: ToolFormat, names: Sequence[str] = (), *, bare: bool = False):
-        """bare: a reply whose first non-blank character is "{" is one call without the opener (tool_grammar's
-        auto mode allows exactly that)."""
+        """bare: a reply whose first non-blank character is "{", or that opens with a ```json fence around "{", is
+        one call without the opener (tool_grammar's auto mode allows exactly that)."""
         self.fmt, self.names, self._bare = fmt, set(names), bare
         self.calls: list[ToolCall] = []
         self._buf = ""  # text not yet classified
@@ -216,6 +227,7 @@ class ToolCallParser:
         self._n = 0  # calls begun (valid or not): the index of the next
         self._after_call = False  # whitespace between calls (and after the last) is not content
         self._implicit = False  # in a bare call: it ends with the text
+        self._fenced = False  # in a fenced bare call: it ends at the closing fence
 
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
@@ -223,12 +235,13 @@ class ToolCallParser:
         while True:
             if self._bare and not self._in_call:  # undecided until the first non-blank character
                 lead = self._buf.lstrip()
-                if not lead:
+                if not lead or _FENCE_SO_FAR.fullmatch(lead):
                     return out
                 self._bare = False
-                if lead[0] == "{":
-                    self._buf, self._in_call, self._implicit = lead, True, True
-                    self._started, self._sent = False, 0
+                fence = _FENCE.match(lead)
+                if lead[0] == "{" or fence:
+                    self._buf, self._in_call, self._implicit = lead[fence.end() if fence else 0:], True, True
+                    self._fenced, self._started, self._sent = bool(fence), False, 0
             if not self._in_call:
                 at = self._buf.find(self.fmt.open)
                 if self._after_call:
@@ -246,13 +259,15 @@ class ToolCallParser:
                 self._buf, self._in_call = self._buf[at + len(self.fmt.open):], True
                 self._started, self._sent = False, 0
                 continue
-            end = -1 if self._implicit else self._buf.find(self.fmt.close)
+            close = "```" if self._fenced else self.fmt.close
+            end = -1 if self._implicit and not self._fenced else self._buf.find(close)
             body = self._buf if end < 0 else self._buf[:end]
             out += self._stream_args(body)
             if end < 0:
                 return out
-            out.append(self._end_call(body, self.fmt.open + body + self.fmt.close))
-            self._buf, self._in_call = self._buf[end + len(self.fmt.close):], False
+            opener = FENCE_OPEN if self._fenced else self.fmt.open
+            out.append(self._end_call(body, opener + body + close))
+            self._buf, self._in_call, self._fenced = self._buf[end + len(close):], False, False
             self._after_call = True
 
     def finish(self) -> list[ParseEvent]:
@@ -262,7 +277,8 @@ class ToolCallParser:
         if self._in_call:
             body = self._buf
             out += self._stream_args(body)
-            out.append(self._end_call(body, body if self._implicit else self.fmt.open + body))
+            opener = FENCE_OPEN if self._fenced else "" if self._implicit else self.fmt.open
+            out.append(self._end_call(body, opener + body))
         elif self._buf:
             out.append(ParseEvent("text", self._buf))
         self._buf, self._in_call = "", False
