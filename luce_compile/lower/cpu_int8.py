@@ -168,9 +168,10 @@ def resolve_precision(precision: str, target: Target) -> str:
                                "or f32.")
     if precision != "auto":
         return precision
-    chosen = "int8" if int8_isa(target) else "f16" if has_tensor_cores(target) else "f32"
+    isa = int8_isa(target)
+    chosen = "int8" if isa else "f16" if has_tensor_cores(target) else "f32"
     log.info("precision auto → %s for %s (int8: x86 with AVX2 or VNNI, here %s; f16: CUDA sm_70+)", chosen,
-             target.kind.name, int8_isa(target))
+             target.kind.name, isa)
     return chosen
 
 

@@ -24,7 +24,7 @@ vpabsb and vpsignb) with no offset; the other types' quants are at most 6 bits a
 
 from __future__ import annotations
 
-from luce_schedules.cpu.int8_gemv import GROUPS, LANES, Bufs, _weights, dot4, offset_safe
+from luce_schedules.cpu.int8_gemv import GROUPS, LANES, Bufs, _weights, dot4, offset_safe, sign_moved
 from tvm import tirx
 from tvm.tirx.script.builder import ir as T
 
@@ -132,7 +132,7 @@ def _dot(st: Staged, xw: tirx.Buffer, a: tirx.Expr, g: tirx.Expr, v: int, quads:
     for c, j in enumerate(quads):
         w, x = st.quad(g, j, v), _x_quad(xw, a, g, j)
         if st.signed:
-            w, x = T.abs(w), T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x, w)
+            w, x = T.abs(w), sign_moved(w, x)
         chains[c % 2] = dot4(st.isa, w, x, chains[c % 2])
     return chains[0] + chains[1] if chains[1] is not None else chains[0]
 

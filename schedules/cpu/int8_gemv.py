@@ -144,11 +144,16 @@ def _high_bits(qh: tirx.Buffer, n: tirx.Expr, g: tirx.Expr, bits: int) -> tirx.E
     return high
 
 
+def sign_moved(w: tirx.Expr, x: tirx.Expr) -> tirx.Expr:
+    """x·sign(w) per byte (vpsignb; 0 where w is 0, and |w| is 0 there too): the sign trick's signed operand, as
+    ggml's AVX2 mul_sum_i8_pairs moves it, so that |w| · x·sign(w) = w·x with |w| as the unsigned operand."""
+    return T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x, w)
+
+
 def _signed_dot(isa: str, w: tirx.Expr, x: tirx.Expr, scale: tirx.Expr | None = None) -> tirx.Expr:
-    """Σ w·x per 4 bytes for signed w (int8x32) by the sign trick (one activation row; every row on AVX2). AVX2
-    moves the sign with vpsignb (x·sign(w), 0 where w is: |w| is 0 there too), as ggml's mul_sum_i8_pairs does."""
+    """Σ w·x per 4 bytes for signed w (int8x32) by the sign trick (one activation row; every row on AVX2)."""
     if isa == "avx2":
-        return dot4(isa, T.abs(w), T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x, w), scale=scale)
+        return dot4(isa, T.abs(w), sign_moved(w, x), scale=scale)
     negative = w < T.Broadcast(T.int8(0), 32)
     return _vpdpbusd(T.abs(w), T.Select(negative, T.Broadcast(T.int8(0), 32) - x, x))
 

@@ -39,7 +39,7 @@ TYPES = [t.name for t in INT8_FORMATS]
 HOST = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": 2})
 HASWELL = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # AVX2 + FMA + F16C, no VNNI
 # targets whose int8 kernels run on this CPU, one per byte dot: its own best, and AVX2's forced where it has VNNI
-INT8_TARGETS = [t for t in (HOST, HASWELL) if int8_isa(HOST)][: 1 if int8_isa(HOST) == "avx2" else 2]
+INT8_TARGETS = [] if int8_isa(HOST) is None else [HOST] if int8_isa(HOST) == "avx2" else [HOST, HASWELL]
 INT8_IDS = [str(int8_isa(t)) for t in INT8_TARGETS]
 
 
