@@ -482,6 +482,11 @@ def add_spec_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-max", type=int, default=8, help="most tokens drafted per step (default 8)")
 
 
+def add_threads_arg(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads for the kernels (default: TVM_NUM_THREADS, else one per physical core)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from luce_runtime.bench import add_bench_arguments  # numpy only: TVM is not loaded by parsing
 
@@ -571,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help='print {"prompt_ids", "ids", "text"} (and "spec")')
     add_sampling_args(s)
     add_spec_args(s)
+    add_threads_arg(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("bench", help="prefill/decode tok/s and roofline fraction of an artifact (or a GGUF)")
@@ -578,6 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default="cpu")
     add_bench_arguments(s)
     add_spec_args(s)
+    add_threads_arg(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_bench)
 
@@ -598,6 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests queued for a batch slot before the server answers 429 (default: 4 x max-batch)")
     s.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (default 4): 413 above")
     add_spec_args(s)
+    add_threads_arg(s)
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("plan", help="the megakernel's decode-step task graph and per-SM plan, with the cost "
@@ -622,6 +630,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "threads", None) is not None:  # before any kernel starts TVM's thread pool
+        from luce_runtime.threads import claim_cores
+
+        try:
+            claim_cores(args.threads)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return args.func(args)
