@@ -51,6 +51,8 @@ def scheduled(kind: str, n_out: int, n_in: int, knobs: dict | None = None, targe
         (64, 128, {"rows": 1, "chunk": 1, "unroll": 1}),
         (32, 896, {"rows": 2, "chunk": 2}),
         (16, 64, None),
+        (24, 128, {"ahead": 0}),
+        (12, 64, {"ahead": 16, "rows": 2, "chunk": 2}),  # prefetches past the last row stay on it
     ],
 )
 def test_int8_gemv_matches_reference(kind, n_out, n_in, knobs, target, rng):
@@ -119,6 +121,7 @@ def test_each_isa_emits_its_byte_dot_in_a_parallel_loop(isa, kind):
         script = func.script()
         assert "T.parallel(" in script
         asm = tvm.compile(tvm.IRModule({"main": func}), target=target).mod.inspect_source("asm")
+        assert "prefetcht0" in asm, batch  # the weights `ahead` rows on (knob default 8)
         if isa == "avx2":
             assert "vpdpbusd" not in asm and "vpmaddubsw" in asm and "vpmaddwd" in asm, batch
             assert ("vpsignb" in asm) == (kind == "Q8_0"), batch
