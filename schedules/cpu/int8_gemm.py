@@ -58,9 +58,7 @@ def _unsigned(isa: str, kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> ti
     w = _weights(kind, bufs, n, g)
     if kind == "Q8_0":
         return w ^ T.Broadcast(T.int8(-128), QK8) if _offset(isa, kind) else w
-    if kind == "Q6_K":  # _weights centred it: back to the stored 6-bit q
-        return w + T.Broadcast(T.int8(OFFSET[kind]), QK8)
-    return w
+    return w  # Q6_K: the stored 6-bit q, as _weights gives it
 
 
 class Staged:

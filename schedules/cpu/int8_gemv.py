@@ -17,15 +17,18 @@ the same sums:
   The accumulator's lanes are summed once per row, at the end.
 - Quants: Q4 nibbles are unsigned as they are (Q4_1, Q4_K); the fifth bit (Q5_*: one bit per element in `qh`) and
   Q6_K's two high bits are spread over the 32 lanes with one byte shuffle and a per-lane bit test.
-- Q6_K (q − 32) and Q8_0 are signed: one activation row takes the sign trick of llama.cpp's mul_sum_i8_pairs, |w|
+- Q8_0 is signed: one activation row takes the sign trick of llama.cpp's mul_sum_i8_pairs, |w|
   as the unsigned operand and x with w's sign moved onto it (|w|·sign(w)x = w·x; w = −128 gives |w| = 128 as an
   unsigned byte, still exact); a batch moves x to unsigned bytes instead (x + 128: one xor per row) and starts each
   lane from −128·Σw, computed once per weight group (`_x_offset`): the same integers, 3 fewer vector ops per row.
   Q4_0 (q − 8) and Q5_0 (q − 16) instead dot the stored unsigned quants and subtract offset·Σx per block (Σx: the
   quantizer's `xi`), the same integer as ggml's Σ (q − offset)·x with 3 fewer vector ops per block: Q5_0 4864x896
-  124 → 109 µs, 2048x640 38.4 → 34.0 µs, 896x896 22.4 → 20.2 µs (A/B in one process, min of 6 x 5 runs).
+  124 → 109 µs, 2048x640 38.4 → 34.0 µs, 896x896 22.4 → 20.2 µs (A/B in one process, min of 6 x 5 runs). Q6_K
+  (q − 32) likewise dots its stored 6-bit q and subtracts 32·Σ_j sc_j·bsum_j per super-block (Q8_K's bsums, as
+  int8_gemm and ggml's AVX2 q6_K dot do): the sign trick cost AVX2 4 ops a group (Zen 3: Q6_K 896x4864 -13% at
+  one row, -18% at eight).
 - Several activation rows (the batched decode's B, verify's k + 1): each weight row's `unroll` units are unpacked
-  once into local buffers (quants; the signed types' −128·Σw) and dotted with up to TILE = 16 activation rows in
+  once into local buffers (quants; Q8_0's −128·Σw) and dotted with up to TILE = 16 activation rows in
   turn, as ggml's vec_dot with nrc and its repacked GEMMs amortise the weights over rows. Each row keeps the GEMV's
   sums in the GEMV's order (the integers are the same), so a row of a batch equals that row alone, to the bit, and
   equals what the kernel gave before the weights were shared. Qwen2.5-Coder-1.5B's Q4_K 8960x1536 on 2 threads:
@@ -123,10 +126,14 @@ def offset_safe(isa: str) -> bool:
 
 
 def _nibbles(qs: tirx.Buffer, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
-    """Group g's 16 bytes → 32 unsigned quants: the 16 low nibbles (even elements), then the 16 high ones."""
+    """Group g's 16 bytes → 32 unsigned quants: the 16 low nibbles (even elements), then the 16 high ones. The bytes
+    are loaded into both 128-bit halves (vbroadcasti128, a load) and the high half shifted (LLVM: one vpsrlvd),
+    where two halves joined by vinserti128 took a shuffle-port op a group: with the in-lane fold, Q4_0 4864x896
+    127 → 95 µs on the 2-core Zen 3 (benchmarks/README.md, issue 13)."""
     raw = qs[n, T.Ramp(g * 16, 1, 16)]
-    mask = T.Broadcast(T.uint8(15), 16)
-    return T.Shuffle([raw & mask, (raw >> T.Broadcast(T.uint8(4), 16)) & mask], list(range(32)))
+    both = T.Shuffle([raw, raw], [i % 16 for i in range(32)])
+    blended = T.Shuffle([both, both >> T.Broadcast(T.uint8(4), 32)], list(range(16)) + list(range(48, 64)))
+    return blended & T.Broadcast(T.uint8(15), 32)
 
 
 def _spread(qh: tirx.Buffer, n: tirx.Expr, g: tirx.Expr, bits: int) -> tirx.Expr:
@@ -171,7 +178,7 @@ def _x_offset(w: tirx.Expr) -> tirx.Expr:
     return T.Broadcast(T.int32(0), LANES) - _vpdpbusd(T.Broadcast(T.int8(-128), 32), w)
 
 
-SIGNED = ("Q8_0", "Q6_K")  # weight types whose dot operand is signed (`_group_dot`; the others are unsigned)
+SIGNED = ("Q8_0",)  # weight types whose dot operand is signed (`_group_dot`; the others are unsigned)
 
 
 def _weights(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
@@ -184,10 +191,7 @@ def _weights(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
         quants = quants | _high_bits(bufs["qh"], n, g, 1)
     elif kind == "Q6_K":
         quants = quants | _high_bits(bufs["qh"], n, g, 2)
-    quants = T.reinterpret("int8x32", quants)
-    if kind == "Q6_K":  # q − 32 (Q4_0/Q5_0 instead subtract offset·Σx per block: _unit_terms)
-        return quants - T.Broadcast(T.int8(QUANT_OFFSET[kind]), 32)
-    return quants
+    return T.reinterpret("int8x32", quants)  # Q4_0/Q5_0/Q6_K: q − offset comes in as offset·Σx (_unit_terms)
 
 
 def _group_dot(
@@ -219,24 +223,32 @@ def _f32x8(value: tirx.Expr) -> tirx.Expr:
     return T.Broadcast(value, LANES)
 
 
-def _pair_sum(a: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
-    """Adjacent lanes of a and b added: [a0+a1, a2+a3, ..., b0+b1, ...] (vphaddd's pattern, across 256 bits)."""
-    lanes = a.ty.dtype.lanes
-    return T.Shuffle([a, b], list(range(0, 2 * lanes, 2))) + T.Shuffle([a, b], list(range(1, 2 * lanes, 2)))
+def _hadd(a: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
+    """vphaddd: [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7], pairs within each 128-bit half."""
+    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.phadd.d", a, b)
 
 
 def _fold(dots: list[tirx.Expr]) -> tirx.Expr:
-    """G int32x8 partial-sum vectors (G a power of two ≤ 8) → int32xG, lane j the total of dots[j]: a tree of pair
-    sums keeps the blocks in order (after each level a vector holds its blocks one after the other), then the
-    partials left inside one vector are added pairwise until one lane per block remains."""
-    count = len(dots)
-    while len(dots) > 1:
-        dots = [_pair_sum(dots[i], dots[i + 1]) for i in range(0, len(dots), 2)]
-    (v,) = dots
-    while v.ty.dtype.lanes > count:
-        half = v.ty.dtype.lanes // 2
-        v = T.Shuffle([v], list(range(0, 2 * half, 2))) + T.Shuffle([v], list(range(1, 2 * half, 2)))
-    return v
+    """G int32x8 partial-sum vectors (G a power of two ≤ 8) → int32xG, lane j the total of dots[j]. Pair sums within
+    128-bit halves (vphaddd, no lane crossing): two levels leave [A, B, C, D] of four blocks' low halves in the low
+    128 bits and of their high halves in the high 128 bits, so one add of the halves gives the block totals in block
+    order (eight blocks: two such vectors, their halves regrouped by two 128-bit permutes). A tree of pair sums
+    across the halves (vphaddd + vpermq a level, then vpshufd/vshufps) cost ~2.3 shuffle-port ops a block where
+    this costs ~1: Q4_1 576x1536 32.7 → 25.7 µs alone on the Zen 3 (benchmarks/README.md, issue 13)."""
+    if len(dots) == 1:
+        (v,) = dots
+        while v.ty.dtype.lanes > 1:
+            half = v.ty.dtype.lanes // 2
+            v = T.Shuffle([v], list(range(0, 2 * half, 2))) + T.Shuffle([v], list(range(1, 2 * half, 2)))
+        return v
+    if len(dots) == 2:
+        pair = _hadd(dots[0], dots[1])
+        quad = _hadd(pair, pair)
+        return T.Shuffle([quad], [0, 1]) + T.Shuffle([quad], [4, 5])
+    quads = [_hadd(_hadd(dots[i], dots[i + 1]), _hadd(dots[i + 2], dots[i + 3])) for i in range(0, len(dots), 4)]
+    if len(quads) == 1:
+        return T.Shuffle(quads, [0, 1, 2, 3]) + T.Shuffle(quads, [4, 5, 6, 7])
+    return T.Shuffle(quads, [0, 1, 2, 3, 8, 9, 10, 11]) + T.Shuffle(quads, [4, 5, 6, 7, 12, 13, 14, 15])
 
 
 # group index → weight row n's unpacked group (`_weights`) and, for SIGNED types, its `_x_offset`
@@ -274,6 +286,10 @@ def _unit_terms(
             isum = isum + _group_dot(isa, kind, bufs, a, g, weights(g), scale)
         else:
             isum = isum + _group_dot(isa, kind, bufs, a, g, weights(g)) * scale
+    if kind == "Q6_K":  # Σ_j sc_j·Σ (q − 32)·x = Σ_j sc_j·Σ q·x − 32·Σ_j sc_j·bsum_j (16-value sub-blocks j)
+        products = T.Cast("int32x16", bufs["sc"][n, T.Ramp(u * 16, 1, 16)]) * bufs["xb"][a, T.Ramp(u * 16, 1, 16)]
+        centre = T.Shuffle([products], list(range(8))) + T.Shuffle([products], list(range(8, 16)))
+        isum = isum - centre * T.Broadcast(T.int32(QUANT_OFFSET[kind]), LANES)
     acc = T.fma(_f32x8(d * xd), T.Cast("float32x8", isum), acc)
     if "mn" not in bufs:
         return acc
