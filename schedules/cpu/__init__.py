@@ -1,7 +1,8 @@
 """Schedule rules for CPU (llvm) targets, one file per op family; RULES is the order they are tried in."""
 
+from luce_schedules.cpu.elementwise import Injective
 from luce_schedules.cpu.quant_matmul import QuantGEMM, QuantGEMV, match_matmul
 
-RULES = (QuantGEMV(), QuantGEMM())
+RULES = (QuantGEMV(), QuantGEMM(), Injective())
 
-__all__ = ["RULES", "QuantGEMM", "QuantGEMV", "match_matmul"]
+__all__ = ["RULES", "Injective", "QuantGEMM", "QuantGEMV", "match_matmul"]
