@@ -58,7 +58,8 @@ class Injective:
     """Functions whose every block is spatial; see the module docstring."""
 
     name = "cpu.injective"
-    DEFAULTS: ClassVar[dict[str, int]] = {}
+    DEFAULTS: ClassVar[dict[str, int]] = {}  # no knobs: nothing for the tuner to search
+    SPACE: ClassVar[dict[str, tuple[int, ...]]] = {}
 
     def apply(self, func: tirx.PrimFunc, target: Target, _knobs: object = None) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
