@@ -449,12 +449,16 @@ def _lane_sum(acc: tirx.Buffer, r: tirx.Expr, lanes: int) -> tirx.Expr:
     return total
 
 
-def _unroll(units: int, want: int) -> int:
+def _unroll(units: int, want: int, staged: bool = False) -> int:
     """A divisor of `units` near `want`: the largest not above it, unless that is under half of it (a prime count
     of units would give 1), then the smallest above it. Qwen2.5-0.5B's 896 inputs are 7 groups of 4 blocks: the whole
-    row as one chain ran 118.6 µs for its 4864x896 Q5_0 GEMV, one group at a time 129.2 µs (min of 4 x 5 runs)."""
+    row as one chain ran 118.6 µs for its 4864x896 Q5_0 GEMV, one group at a time 129.2 µs (min of 4 x 5 runs).
+    `staged` (a batch: the units' unpacked weights are held for every activation row) never rounds up: held past
+    ~8 groups they no longer fit the 16 vector registers and every row reloads them from spill slots. Gemma 3's
+    Q8_0 LM head (262144x640: 5 units of 4 blocks) at 8 rows on the Zen 3: the whole row held 36-44 ms, a unit at a
+    time 30-31 ms (interleaved, min and median of 10 rounds)."""
     below = fit(units, want)
-    if 2 * below > want or want >= units:
+    if staged or 2 * below > want or want >= units:
         return below
     return min(d for d in range(want, units + 1) if units % d == 0)
 
@@ -487,7 +491,7 @@ class Int8GEMV(KnobbedRule):
         rows = fit(n_out, k["rows"])
         # `unroll` is in blocks of 32 values: whole units of the kernel (super-blocks, or groups of blocks)
         unit = QK_K if kind.endswith("_K") else QK8 * block_group(n_in)
-        unroll = _unroll(n_in // unit, max(1, k["unroll"] * QK8 // unit))
+        unroll = _unroll(n_in // unit, max(1, k["unroll"] * QK8 // unit), staged=batch != 1)
         kernel = int8_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]), unroll, batch, isa, k["ahead"])
         if _signature(kernel) != _signature(func):
             log.warning("%s declined %s: its arguments are not int8_matmul's", self.name, func.attrs["global_symbol"])
