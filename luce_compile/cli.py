@@ -240,12 +240,16 @@ def cmd_targets(args: argparse.Namespace) -> int:
 def tuning_note(name: str, source: str | None) -> str:
     """Which shipped tuning records a target's kernels take (compile --tune-logs DIR can point elsewhere)."""
     from luce_compile.targets import TARGETS
+    from luce_compile.tune.records import records_folder
 
+    info = TARGETS[name]
+    own = records_folder(info)
     if source is not None:
         where = f"autotune_logs/{source}/*.jsonl"
-        return f"{where} (measured here)" if source == name else f"{where}: {source}'s, the nearest measured target"
-    info = TARGETS[name]
+        return f"{where} (measured here)" if source == own else f"{where}: {source}'s, the nearest measured target"
     measured = [t.name for t in TARGETS.values() if t.kind == info.kind and t.status == "measured"]
+    if info.kind == "llvm":
+        return f"no records for this CPU's level ({own}) yet: rule defaults"
     if name in measured:
         return "no records yet: rule defaults"
     if measured:
@@ -271,7 +275,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 TUNE_HELP = """Search each tunable kernel's schedule knobs for one target, and record the best in
-autotune_logs/<target>/<model>.jsonl, which `compile` then reads (it never searches).
+autotune_logs/<target>/<model>.jsonl, which `compile` then reads (it never searches). The CPU's folder is named
+after its int8 level (cpu-avx2, cpu-avxvnni, cpu-avx512vnni): a build takes only its own level's records.
 
   cpu: timed here, each candidate kernel built alone:
     luce-compile tune smollm2-135m --target cpu --minutes 15

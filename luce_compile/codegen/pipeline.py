@@ -66,7 +66,7 @@ def _tuned(tuning: Tuning, rule, name: str, func: tirx.PrimFunc, target: tvm.tar
     from luce_compile.tune.records import KernelTuning
     from luce_compile.tune.workloads import SCHEDULE_ERRORS, workload_key
 
-    key = workload_key(tuning.log_target or tuning.target, rule.name, name, func)
+    key = workload_key(tuning.key_target, rule.name, name, func)
     kernel = KernelTuning(name, rule.name, key, tuning.lookup(key) if tuning.log_target else None)
     result = default
     if kernel.record is not None:

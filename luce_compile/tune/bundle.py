@@ -23,8 +23,8 @@ from luce_runtime.tune_bench import BUNDLE_FORMAT, RESULTS_FORMAT, BundleError, 
 
 import luce_compile
 from luce_compile.errors import LuceError
-from luce_compile.targets import TargetInfo
-from luce_compile.tune.records import TuneLogError, append_jsonl
+from luce_compile.targets import TargetInfo, get_target
+from luce_compile.tune.records import TuneLogError, append_jsonl, records_folder
 from luce_compile.tune.search import (
     SCHEDULE_ERRORS,
     apply_confirmation,
@@ -57,7 +57,7 @@ def build_bundle(workloads: list[Workload], info: TargetInfo, model: str, out: P
     shutil.rmtree(out, ignore_errors=True)  # a bundle of ours: rebuilt whole (ids must match its libraries)
     (out / "lib").mkdir(parents=True)
     target = info.tvm_target()
-    done = trials_by_key(trials_path(logs_dir, info.name, model))
+    done = trials_by_key(trials_path(logs_dir, records_folder(info), model))
     index: dict[str, Any] = {"format": BUNDLE_FORMAT, "target": info.name, "kind": info.kind, "model": model,
                              "tvm": tvm.__version__, "luce_compile": luce_compile.__version__,
                              "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -97,8 +97,9 @@ def ingest(results_path: Path, logs_dir: Path) -> tuple[Path, list[dict[str, Any
     """Record a tune_bench results file: every candidate into the trials log, and per workload the best of all its
     candidates timed so far (every round's) into the log. Returns (the log, the records written)."""
     results = _read_results(results_path)
-    target, model = results["target"], results.get("model") or "bundle"
-    trials = trials_path(logs_dir, target, model)
+    # a CPU bundle's records go to this host's level (records_folder): ingest where it was timed
+    folder, model = records_folder(get_target(results["target"])), results.get("model") or "bundle"
+    trials = trials_path(logs_dir, folder, model)
     known = trials_by_key(trials)
     by_key: dict[str, list[dict]] = {}
     for r in results["results"]:
@@ -116,7 +117,7 @@ def ingest(results_path: Path, logs_dir: Path) -> tuple[Path, list[dict[str, Any
                              f"bundle {results.get('bundle')}")
         if record:
             records.append(_confirmed(record, results, w["key"]))
-    path = save_records(records, logs_dir, target, model)
+    path = save_records(records, logs_dir, folder, model)
     return path, records
 
 

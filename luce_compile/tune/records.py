@@ -1,10 +1,11 @@
-"""Tuning records: one JSON line per workload in `autotune_logs/<target>/<name>.jsonl`, and the lookup compile uses.
+"""Tuning records: one JSON line per workload in `autotune_logs/<folder>/<name>.jsonl`, and the lookup compile uses.
 
 A record (one line, readable as it is):
   {"key": workload key (workloads.py), "rule", "function", "weight_type", "target", "args": [{name, shape, dtype}],
    "knobs": the best knobs found, "time_us": their median time, "default_us": the rule defaults' median time,
    "speedup", "measured_at": {symbolic extent: value it was timed at}, "candidates": how many were timed,
    "device": what it was timed on, "date", "tvm", "luce_compile", "source": "local" or "bundle <id>"}
+in `autotune_logs/<folder>/`, the folder a GPU arch (sm_90) or the host CPU's int8 level (cpu-avx2: `records_folder`).
 A file holds at most one record per key; `trials/<name>.jsonl` beside it holds every candidate timed (every round),
 so a search can resume, a record is chosen from all of them, and the search's cost can be read back.
 
@@ -26,7 +27,7 @@ from typing import Any
 
 import luce_compile
 from luce_compile.errors import LuceError
-from luce_compile.targets import TARGETS, get_target
+from luce_compile.targets import TARGETS, TargetInfo, get_target
 
 log = logging.getLogger(__name__)
 TRIALS_DIR = "trials"
@@ -91,15 +92,32 @@ def merge_records(path: Path, new: Iterable[dict[str, Any]], *, replace: bool = 
     return taken
 
 
+def records_folder(info: TargetInfo) -> str:
+    """The folder of the logs that a target's records go to: a GPU target's (lowest) arch; for this host's CPU
+    `cpu-<level>`, its int8 dot level (cpu_int8.int8_isa: avx512vnni, avxvnni, avx2; `cpu-x86-64` with none). The
+    CPU kernels differ by that level (vpdpbusd or vpmaddubsw bodies, 512- or 256-bit vectors), so knobs measured on
+    one level are never applied to another's kernels: SmolLM2's first records, from a Zen 4 with AVX512-VNNI, had
+    been taken by every build on the Zen 3 (AVX2) that replaced it."""
+    if info.kind == "llvm":
+        from luce_compile.lower.cpu_int8 import int8_isa
+
+        return f"{info.name}-{int8_isa(info.tvm_target()) or 'x86-64'}"
+    return info.archs[0] if info.archs else info.name
+
+
 def log_target(name: str, logs_dir: Path) -> str | None:
-    """The target whose records a build for `name` uses: its own when it has any, else the nearest measured target
-    of the same kind that has some (a CUDA arch takes sm_90's), else None (rule defaults). A comma list of CUDA archs
-    is generated for its lowest arch, so that arch's records apply."""
+    """The records folder (`records_folder`) a build for `name` uses: its own when it has records, else for a GPU the
+    nearest measured target's of the same kind that has some (a CUDA arch takes sm_90's), else None (rule
+    defaults). A CPU takes only its own level's. A comma list of CUDA archs is generated for its lowest arch, so
+    that arch's records apply."""
     info = get_target(name)
-    own = info.archs[0] if info.archs else info.name
+    own = records_folder(info)
     if _has_records(logs_dir / own):
         return own
-    measured = [t.name for t in TARGETS.values() if t.kind == info.kind and t.status == "measured" and t.name != own]
+    if info.kind == "llvm":
+        return None
+    measured = [records_folder(t) for t in TARGETS.values()
+                if t.kind == info.kind and t.status == "measured" and records_folder(t) != own]
     return next((t for t in measured if _has_records(logs_dir / t)), None)
 
 
@@ -163,6 +181,14 @@ class Tuning:
                     tuning.records[record["key"]] = record
         return tuning
 
+    @property
+    def key_target(self) -> str:
+        """The target the keys of the applying records name: the records folder's GPU target (sm_86 builds look up
+        sm_90's keys), the build's own for a CPU (its level's folder holds `cpu|…` keys)."""
+        if self.log_target is None or get_target(self.target).kind == "llvm":
+            return self.target
+        return self.log_target
+
     def lookup(self, key: str) -> dict[str, Any] | None:
         return self.records.get(key)
 
@@ -182,7 +208,8 @@ class Tuning:
         # the files whose records were taken (a folder may hold other models' logs: their keys did not match)
         used = sorted({k.record["_source"].rsplit(":", 1)[0] for k in tuned})
         where = ", ".join(used) or f"no matching record in {_shown(self.files[0].parent)}"
-        borrowed = f" ({self.log_target}'s records)" if self.log_target and self.log_target != self.target else ""
+        own = records_folder(get_target(self.target))
+        borrowed = f" ({self.log_target}'s records)" if self.log_target and self.log_target != own else ""
         text = (f"kernels: {len(tuned)} tuned from {where}{borrowed} ({sum(k.differs for k in tuned)} with knobs "
                 f"other than their rule's defaults), {len(self.kernels) - len(tuned)} with rule defaults")
         return text + (f" ({len(failed)} records refused by their rule)" if failed else "")

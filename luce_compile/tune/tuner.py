@@ -48,6 +48,7 @@ def model_workloads(gguf_path: Path, info: TargetInfo, precision: str = "auto") 
 
 def tune(gguf_path: Path, info: TargetInfo, options: TuneOptions, progress: Progress) -> dict[str, Any]:
     """Search (cpu, no bundle asked) or build a bundle; returns what happened, for the command to print."""
+    from luce_compile.tune.records import records_folder
     from luce_compile.tune.search import LocalSearch, save_records, trials_path
 
     if len(info.archs) > 1:
@@ -64,8 +65,9 @@ def tune(gguf_path: Path, info: TargetInfo, options: TuneOptions, progress: Prog
         index = build_bundle(workloads, info, name, bundle, trials=options.trials, logs_dir=options.logs_dir,
                              extents=options.extents, progress=progress)
         return {"bundle": bundle, "candidates": len(index["candidates"]), "workloads": len(workloads)}
+    folder = records_folder(info)
     search = LocalSearch(info, options.trials, start + options.minutes * 60,
-                         trials_path(options.logs_dir, info.name, name), options.extents, options.min_time, progress)
+                         trials_path(options.logs_dir, folder, name), options.extents, options.min_time, progress)
     records = search.run(workloads)
-    path = save_records(records, options.logs_dir, info.name, name)
+    path = save_records(records, options.logs_dir, folder, name)
     return {"log": path, "records": records, "workloads": len(workloads), "seconds": time.monotonic() - start}

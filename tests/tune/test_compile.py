@@ -15,7 +15,7 @@ from luce_compile.graph.registry import open_graph
 from luce_compile.lower.cpu_int8 import resolve_precision
 from luce_compile.lower.relax_model import LowerOptions, lower_graph
 from luce_compile.targets import get_target
-from luce_compile.tune.records import Tuning, merge_records
+from luce_compile.tune.records import Tuning, merge_records, records_folder
 from luce_compile.tune.workloads import Workload, rule_by_name
 
 CPU = get_target("cpu")
@@ -28,8 +28,9 @@ def tuned_knobs(w: Workload) -> dict[str, int]:
 
 
 def write_record(logs: Path, w: Workload, knobs: dict) -> None:
-    merge_records(logs / "cpu" / "tiny.jsonl", [{"key": w.key, **w.fields(), "knobs": knobs, "time_us": 1.0,
-                                                "default_us": 2.0, "speedup": 2.0, "device": "test"}])
+    merge_records(logs / records_folder(CPU) / "tiny.jsonl",
+                  [{"key": w.key, **w.fields(), "knobs": knobs, "time_us": 1.0, "default_us": 2.0, "speedup": 2.0,
+                    "device": "test"}])
 
 
 def built(gguf: Path, tuning: Tuning | None) -> dict:

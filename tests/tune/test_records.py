@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from luce_compile.tune.records import Tuning, log_target, merge_records, read_jsonl
+from luce_compile.targets import get_target
+from luce_compile.tune.records import Tuning, log_target, merge_records, read_jsonl, records_folder
 from luce_compile.tune.workloads import Workload
 
 pytestmark = pytest.mark.unit
+HOST = records_folder(get_target("cpu"))  # cpu-avx2 on an AVX2 machine, cpu-avx512vnni with VNNI
 
 
 def record(key: str, time_us: float, knobs: dict | None = None) -> dict:
@@ -39,7 +41,7 @@ def test_workloads_are_deterministic_and_keyed_by_rule_shape_type_target(tiny_gg
 
 
 def test_a_log_round_trips_and_merging_keeps_the_faster(tmp_path: Path):
-    path = tmp_path / "cpu" / "m.jsonl"
+    path = tmp_path / HOST / "m.jsonl"
     merge_records(path, [record("a", 5.0), record("b", 7.0)])
     assert [r["key"] for r in read_jsonl(path)] == ["a", "b"]
     assert read_jsonl(path)[0] == record("a", 5.0)  # every field as written
@@ -51,14 +53,14 @@ def test_a_log_round_trips_and_merging_keeps_the_faster(tmp_path: Path):
 
 
 def test_tuning_takes_the_fastest_record_across_files(tmp_path: Path):
-    merge_records(tmp_path / "cpu" / "one.jsonl", [record("a", 5.0, {"rows": 1})])
-    merge_records(tmp_path / "cpu" / "two.jsonl", [record("a", 4.0, {"rows": 8})])
-    merge_records(tmp_path / "cpu" / "trials" / "ignored.jsonl", [record("a", 1.0, {"rows": 2})])
+    merge_records(tmp_path / HOST / "one.jsonl", [record("a", 5.0, {"rows": 1})])
+    merge_records(tmp_path / HOST / "two.jsonl", [record("a", 4.0, {"rows": 8})])
+    merge_records(tmp_path / HOST / "trials" / "ignored.jsonl", [record("a", 1.0, {"rows": 2})])
     tuning = Tuning.load("cpu", tmp_path)
     assert tuning.lookup("a")["knobs"] == {"rows": 8}
     assert tuning.lookup("a")["_source"].endswith("two.jsonl:1")
     assert Tuning.load("cpu", tmp_path).digest() == tuning.digest()
-    merge_records(tmp_path / "cpu" / "two.jsonl", [record("a", 2.0, {"rows": 4})])
+    merge_records(tmp_path / HOST / "two.jsonl", [record("a", 2.0, {"rows": 4})])
     assert Tuning.load("cpu", tmp_path).digest() != tuning.digest()  # new records: a new build, not the cached one
 
 
@@ -72,6 +74,17 @@ def test_targets_without_hardware_take_the_nearest_measured_targets_records(tmp_
     assert log_target("cpu", tmp_path) is None
     merge_records(tmp_path / "sm_86" / "m.jsonl", [record("a", 1.0)])
     assert log_target("sm_86", tmp_path) == "sm_86"  # its own records, once it has some
+
+
+def test_a_cpu_takes_only_the_records_of_its_own_int8_level(tmp_path: Path):
+    """Knobs timed on another CPU level are for other kernels (vpdpbusd vs vpmaddubsw bodies, vector width)."""
+    assert HOST.startswith("cpu-") and HOST.split("-", 1)[1] in ("avx512vnni", "avxvnni", "avx2", "x86-64")
+    other = "cpu-avx2" if HOST != "cpu-avx2" else "cpu-avx512vnni"
+    merge_records(tmp_path / other / "m.jsonl", [record("a", 1.0)])
+    merge_records(tmp_path / "cpu" / "m.jsonl", [record("a", 1.0)])  # the old unlevelled folder: not read either
+    assert log_target("cpu", tmp_path) is None and Tuning.load("cpu", tmp_path).records == {}
+    merge_records(tmp_path / HOST / "m.jsonl", [record("a", 2.0)])
+    assert log_target("cpu", tmp_path) == HOST and Tuning.load("cpu", tmp_path).records["a"]["time_us"] == 2.0
 
 
 def test_targets_command_says_which_log_each_target_uses(logs: Path, capsys):

@@ -13,7 +13,7 @@ from luce_runtime.tune_bench import RESULTS_FORMAT, argument_sets
 
 from luce_compile.targets import get_target
 from luce_compile.tune.bundle import ingest
-from luce_compile.tune.records import read_jsonl
+from luce_compile.tune.records import read_jsonl, records_folder
 from luce_compile.tune.search import LocalSearch, call_args, candidates, knob_id, schedule_candidates, trials_path
 from luce_compile.tune.workloads import Workload, rule_by_name
 
@@ -29,8 +29,8 @@ def pick(workloads: list[Workload], function: str) -> Workload:
 
 
 def search(logs: Path, trials: int) -> LocalSearch:
-    return LocalSearch(CPU, trials, time.monotonic() + 120, trials_path(logs, "cpu", "tiny"), {"batch": 4, "rows": 2},
-                       min_time=0.005)
+    return LocalSearch(CPU, trials, time.monotonic() + 120, trials_path(logs, records_folder(CPU), "tiny"),
+                       {"batch": 4, "rows": 2}, min_time=0.005)
 
 
 def test_candidates_start_with_the_default_and_are_reproducible(tiny_workloads):
@@ -68,7 +68,7 @@ def test_search_records_the_best_and_resumes_without_retiming(tiny_workloads, lo
         assert r["time_us"] <= r["default_us"] and r["candidates"] == 3 and r["knobs"]
         assert r["tvm"] and r["luce_compile"] and r["device"] and r["date"]
     assert records[0]["measured_at"] == {"rows": 2}
-    path = trials_path(logs, "cpu", "tiny")
+    path = trials_path(logs, records_folder(CPU), "tiny")
     first = read_jsonl(path)
     assert len(first) == 6 and sum(r["default"] for r in first) == 2
     search(logs, 3).run(ws)
@@ -97,7 +97,7 @@ def test_ingest_keeps_the_best_over_rounds(tiny_workloads, logs, tmp_path):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(results(w, name, rows)))
         log, taken = ingest(path, logs)
-        assert log == logs / "cpu" / "tiny.jsonl"
+        assert log == logs / records_folder(CPU) / "tiny.jsonl"
         (record,) = read_jsonl(log)
         return record
 
@@ -109,7 +109,8 @@ def test_ingest_keeps_the_best_over_rounds(tiny_workloads, logs, tmp_path):
     third = round_("r3", [(c, False, 9.0)])
     assert third["knobs"] == b and third["time_us"] == 5.0
     # every candidate once, and c again with its new time (the later line wins when the log is read back)
-    assert [r["time_us"] for r in read_jsonl(trials_path(logs, "cpu", "tiny"))] == [10.0, 8.0, None, 5.0, 9.0]
+    timed = read_jsonl(trials_path(logs, records_folder(CPU), "tiny"))
+    assert [r["time_us"] for r in timed] == [10.0, 8.0, None, 5.0, 9.0]
 
 
 def test_ingest_refuses_a_file_that_is_not_results(tmp_path, logs):
