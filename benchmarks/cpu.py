@@ -31,7 +31,7 @@ def run_one(engine: str, model: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, TVM_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, __file__, "--only", engine, "--models", model, "--threads", str(args.threads),
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--batch", str(args.batch),
-           "--prefill-lens", *map(str, args.prefill_lens)]
+           "--prefill-lens", *map(str, args.prefill_lens), *(["--no-tune-logs"] if args.no_tune_logs else [])]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         return {"error": out.stderr[-2000:]}
@@ -55,11 +55,15 @@ def measure(engine: str, model: str, args: argparse.Namespace) -> dict:
     from luce_compile.codegen.compile import compile_model
     from luce_compile.models import cache_dir
 
-    art = compile_model(gguf, "cpu", cache_dir() / "bench" / f"{gguf.stem}.cpu", overwrite=True)  # our cache
+    art = compile_model(gguf, "cpu", cache_dir() / "bench" / f"{gguf.stem}.cpu", overwrite=True,  # our cache
+                        use_tune_logs=not args.no_tune_logs)
     from luce_runtime.bench import bench_artifact
 
-    return bench_artifact(art, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch, repeat=3,
-                          prefill_lens=args.prefill_lens, prefill_repeat=1).to_dict()
+    result = bench_artifact(art, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch, repeat=3,
+                            prefill_lens=args.prefill_lens, prefill_repeat=1).to_dict()
+    tuning = json.loads((art / "manifest.json").read_text())["kernels"].get("tuning") or {}
+    result["tuning"] = {k: tuning.get(k) for k in ("log_target", "tuned", "default")}  # what the header says
+    return result
 
 
 def main() -> int:
@@ -71,6 +75,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prefill-lens", type=int, nargs="*", default=[512, 2048], help="also time prefill of these")
     p.add_argument("--only", choices=["luce-compile", "llama.cpp"])
+    p.add_argument("--no-tune-logs", action="store_true",
+                   help="build luce-compile with the rule defaults (tuned vs untuned; the records otherwise apply)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     args = p.parse_args()
     if args.only:

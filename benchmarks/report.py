@@ -68,13 +68,25 @@ def _ratio_text(ratio: float | None) -> str:
     return f"{ratio:.2f}×" if ratio is not None else ""
 
 
+def _tuning_text(rows: list[dict[str, Any]]) -> str:
+    """Which of our builds took tuning records: "untuned" when none did (and for tables from before it was kept)."""
+    tuned = {r["model"]: r["result"]["tuning"] for r in rows
+             if r["engine"] == OURS and (r["result"].get("tuning") or {}).get("tuned")}
+    if not tuned:
+        return "untuned"
+    folders = sorted({t["log_target"] for t in tuned.values()})
+    counts = ", ".join(f"{m} {t['tuned']}/{t['tuned'] + t['default']}" for m, t in tuned.items())
+    return f"kernels tuned from autotune_logs/{', '.join(folders)}: {counts}"
+
+
 def cpu_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The CPU table: one row per (model, engine), with % of roofline and ours/peer decode ratio."""
     roofs = model_rooflines(rows)
     lens = [int(n) for n in meta.get("prefill_lens", [])]
     lines = [f"# CPU: luce-compile vs llama.cpp ({meta['date']})", "",
              f"{meta['cpu']}, {meta['threads']} threads, load before {meta['load_avg_1m']:.2f}; "
-             f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, untuned), llama-cpp-python {meta['llama_cpp']}; "
+             f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, {_tuning_text(rows)}), "
+             f"llama-cpp-python {meta['llama_cpp']}; "
              f"prompt {meta['prompt_len']} tokens, {meta['gen_len']} decode steps.", "",
              f"Command: `{meta['command']}`", "",
              "% roofline: decode tok/s (b=1) over memory bandwidth / weight bytes per token, both measured in this "

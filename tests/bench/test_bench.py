@@ -119,6 +119,17 @@ def test_cpu_table_rows_roofline_and_ratio():
 
 
 @pytest.mark.unit
+def test_cpu_table_header_says_which_builds_took_tuning_records():
+    report = load_benchmark_module("report")
+    assert "(TVM 0.27.0.post1, untuned)" in report.cpu_table(FIXED_DOC["rows"], FIXED_DOC["meta"])  # no record
+    rows = [dict(FIXED_DOC["rows"][0], result={**FIXED_DOC["rows"][0]["result"],
+                                               "tuning": {"log_target": "cpu-avx2", "tuned": 9, "default": 1}}),
+            *FIXED_DOC["rows"][1:]]
+    md = report.cpu_table(rows, FIXED_DOC["meta"])
+    assert "(TVM 0.27.0.post1, kernels tuned from autotune_logs/cpu-avx2: smollm2-135m 9/10)" in md
+
+
+@pytest.mark.unit
 def test_cpu_table_prefill_length_columns():
     report = load_benchmark_module("report")
     res = result().to_dict() | {"extra": {"prefill_tok_s_by_len": {"512": 70.0}}}  # as read back from JSON
