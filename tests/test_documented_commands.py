@@ -138,7 +138,9 @@ def test_tune(in_tmp: Path, capsys, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("LUCE_TUNE_LOGS", str(in_tmp / "logs"))
     out, err = run_cli(capsys, [*required_args(table_commands()["tune"], Path()), "--trials", "2", "--minutes", "0.5"])
     log = Path(out.split(":")[0])
-    assert log.parent == in_tmp / "logs" / "cpu" and log.suffix == ".jsonl" and "[1/" in err
+    # CPU records go to a folder per int8 level (cpu-avx2, cpu-avx512vnni, ...): tune/records.py records_folder
+    assert log.parent.parent == in_tmp / "logs" and re.fullmatch(r"cpu-[\w-]+", log.parent.name)
+    assert log.suffix == ".jsonl" and "[1/" in err
     assert all(json.loads(line)["knobs"] for line in log.read_text().splitlines())
     _, err = run_cli(capsys, ["compile", MODEL, "--target", "cpu", "-o", "tuned.cpu"])
     assert re.search(r"kernels: [1-9]\d* tuned from .*\.jsonl", err)
