@@ -269,7 +269,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     compile_model(gguf, args.target, out, use_cache=not args.no_cache, overwrite=args.force, progress=progress,
                   precision=args.precision, tune_logs=args.tune_logs, use_tune_logs=not args.no_tune_logs,
-                  megakernel=not args.no_megakernel, megakernel_q8=args.megakernel_q8)
+                  megakernel=not args.no_megakernel, megakernel_q8=args.megakernel_q8,
+                  megakernel_tf32=args.megakernel_tf32)
     print(out)
     return 0
 
@@ -540,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA targets: the megakernels' Q4_0/Q4_1/Q8_0 matvecs quantize their input to 8-bit "
                         "blocks and use integer dot products, as llama.cpp's mmvq does (decode steps 2-39%% shorter on "
                         "the H200's benchmark models; logits move by that rounding, not within 1e-4)")
+    s.add_argument("--megakernel-tf32", action="store_true",
+                   help="CUDA targets: the megakernels' F16/BF16 matvecs run on tf32 tensor cores (weights exact, "
+                        "inputs rounded to 10 mantissa bits, float32 sums); logits move by that rounding (~2e-3)")
     logs = s.add_mutually_exclusive_group()
     logs.add_argument("--tune-logs", type=Path, metavar="DIR",
                       help="tuning records to take kernel knobs from: DIR/<target>/*.jsonl (default: the shipped "

@@ -50,6 +50,10 @@ REL_TOL_F16 = 1e-2
 # float64 does, each such flip moving later logits by ~1e-2 (scripts/megakernel_check.py: Q8_REL_TOL); the per-op
 # path differs by the rounding itself (4-5e-2 on tiny models). A wrong dot product is O(1) off.
 REL_TOL_Q8 = 0.1
+# --megakernel-tf32's decode against the per-op path (float32 inputs): tf32 keeps 10 of float32's 23 mantissa bits
+# of every F16/BF16 matvec input; the float64 oracle moved 1.3-1.6e-3 on tiny models when those inputs were rounded
+# so (2026-12-04). The oracle check emulates the rounding and keeps REL_TOL.
+REL_TOL_TF32 = 1e-2
 # TVM's python package less what only the compiler needs (libtvm_compiler.so alone is 248 MB)
 TVM_SKIP = ("lib/libtvm_compiler.so", "3rdparty", "src", "include", "web", "__pycache__")
 
@@ -67,20 +71,22 @@ def prepare(args: argparse.Namespace) -> None:
     # the folder is this script's own output: a re-run replaces the artifact it wrote
     artifact = compile_model(gguf, args.target, out / "artifact", use_cache=not args.no_cache, overwrite=True,
                              precision=args.precision, megakernel=not args.no_megakernel,
-                             megakernel_q8=args.megakernel_q8)
+                             megakernel_q8=args.megakernel_q8, megakernel_tf32=args.megakernel_tf32)
     build_s = time.perf_counter() - start
     precision = json.loads((artifact / "manifest.json").read_text())["kernels"]["precision"]
     (artifact / "weights.bin").unlink()  # rebuilt there from the GGUF: it would not fit the 64 MiB transfer
     prompt = [int(t) for t in np.random.default_rng(args.seed).integers(1, 49152, args.prompt_len)]
     # precision f16: matmuls of more rows than the last low-batch bucket run on tensor cores
-    from luce_compile.fuse.build import Q8_ORDER
+    from luce_compile.fuse.build import MMA_FLOAT_TYPES, Q8_ORDER
 
     q8 = tuple(Q8_ORDER) if args.megakernel_q8 else ()  # the megakernel decodes, rounding as llama.cpp
+    tf32 = MMA_FLOAT_TYPES if args.megakernel_tf32 else ()  # and its F16/BF16 inputs to tf32
     ids, logits = _oracle_trace(gguf, prompt, args.steps, half_above=LOW_BATCH[-1][0] if precision == "f16" else None,
-                                q8_types=q8, q8_decode_only=True)
+                                q8_types=q8, q8_decode_only=True, tf32_types=tf32)
     np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
     (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name, "target": args.target,
                                                "megakernel_q8": args.megakernel_q8,
+                                               "megakernel_tf32": args.megakernel_tf32,
                                                "precision": precision, "build_seconds": round(build_s, 1)}))
     if args.bundle:
         make_bundle(Path(args.bundle))
@@ -89,22 +95,24 @@ def prepare(args: argparse.Namespace) -> None:
 
 def _oracle_trace(gguf: Path, prompt: list[int], steps: int, half_above: int | None = None,
                   q8_types: tuple[str, ...] = (), half_kv: bool = False,
-                  q8_decode_only: bool = False) -> tuple[list[int], np.ndarray]:
+                  q8_decode_only: bool = False, tf32_types: tuple[str, ...] = ()) -> tuple[list[int], np.ndarray]:
     """The oracle's greedy trace; half_above=N rounds both operands of the matmuls of more than N rows to float16
     (precision f16's tensor-core GEMMs; the logits rows asked of the LM head stay float32, as in the build);
     q8_types: the weight types whose matmul inputs are rounded to llama.cpp's 8-bit blocks (the megakernel's
     q8_activations); half_kv: keys and values rounded to float16 as a float16 KV cache stores them (with 8-bit
     activations a check must emulate it: its ~1e-3 moves activations across rounding boundaries, and the logits
     by ~2e-2, measured on tiny-llama); q8_decode_only: the rounding in decode steps only (an artifact built with
-    --megakernel-q8: the megakernel decodes, the per-op kernels prefill)."""
+    --megakernel-q8: the megakernel decodes, the per-op kernels prefill); tf32_types: the weight types whose matmul
+    inputs are rounded to tf32 (the megakernel's float_mma), in decode steps only as well with q8_decode_only."""
     from luce_compile.graph.oracle import Oracle
     from luce_compile.graph.rounding import GgmlRounding
 
     class Base(GgmlRounding):
         def __init__(self, source):
-            super().__init__(source, types=q8_types, gelu_table=False)
+            super().__init__(source, types=q8_types, gelu_table=False, tf32_types=tf32_types)
 
-    class FastOracle(Base if q8_types else Oracle):  # 2-D operands: numpy's BLAS path (the same formula, ~20x faster)
+    # 2-D operands: numpy's BLAS path (the same formula, ~20x faster)
+    class FastOracle(Base if q8_types or tf32_types else Oracle):
         decoding = False
 
         def _plain_or_rounded(self, op, x2):
@@ -300,7 +308,8 @@ def check_paths(engine, per_op, steps: int = 64, seed: int = 2, tol: float = BAT
     summation order, so the logits must agree to 1e-4 of the row's largest (BATCH_TOL) and the ids until a near tie.
     The megakernel's argmax on the device (decode_greedy) must be the argmax of its own logits, every id, and on
     every other step the argmax over a random token mask's allowed tokens (grammar-constrained decoding). A
-    megakernel with 8-bit activations (--megakernel-q8) differs by their rounding: `tol` = REL_TOL_Q8."""
+    megakernel with 8-bit activations (--megakernel-q8) differs by their rounding: `tol` = REL_TOL_Q8; one with tf32
+    inputs (--megakernel-tf32): REL_TOL_TF32."""
     from luce_runtime.sampler import masked_argmax
 
     rng = np.random.default_rng(seed)
@@ -395,14 +404,16 @@ def run(args: argparse.Namespace) -> int:
     if kernels.get("tuning"):  # how many kernels took tuning records (the H200 report says so)
         result["tuning"] = {k: kernels["tuning"][k] for k in ("tuned", "default", "files")}
     half = result["spec"].get("precision", "f32") == "f16"
-    q8 = bool(engine.artifact.manifest.get("megakernel", {}).get("options", {}).get("q8_activations"))
+    mk_options = engine.artifact.manifest.get("megakernel", {}).get("options", {})
+    q8, tf32 = bool(mk_options.get("q8_activations")), bool(mk_options.get("float_mma"))
     tol = REL_TOL_Q8 if q8 else REL_TOL_F16 if half else REL_TOL
     checks = {"oracle": check_oracle(engine, np.load(folder / "reference.npz"), tol),
               "batched": check_batched(engine, joint_prefill=not half)}
     result["decode_path"] = engine.decode_path
     if engine.megakernel is not None:
         per_op = Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=False))
-        checks["megakernel_vs_per_op"] = check_paths(engine, per_op, tol=REL_TOL_Q8 if q8 else BATCH_TOL)
+        checks["megakernel_vs_per_op"] = check_paths(engine, per_op, tol=REL_TOL_Q8 if q8 else REL_TOL_TF32 if tf32
+                                                     else BATCH_TOL)
         del per_op
     result["checks"] = checks
     if not args.no_timing:
@@ -621,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
                    "takes over 10 minutes to compile")
     p.add_argument("--megakernel-q8", action="store_true", help="compile's --megakernel-q8; the reference rounds "
                    "the decode steps' matmul inputs as the megakernel does")
+    p.add_argument("--megakernel-tf32", action="store_true", help="compile's --megakernel-tf32; the reference rounds "
+                   "the decode steps' F16/BF16 matmul inputs to tf32 as the megakernel does")
     p.add_argument("--precision", choices=("auto", "f16", "f32"), default="auto",
                    help="as compile's: auto is f16 (tensor-core prefill) on CUDA; the reference emulates it")
     p.set_defaults(func=prepare)

@@ -55,6 +55,8 @@ def tiny_specs() -> dict:
     specs = {name: preset(name) for name in TINY_ARCHS}
     for q in TINY_TYPES:
         specs[f"tiny-llama-{q.lower()}"] = dataclasses.replace(preset("tiny-llama"), quant=q)
+    for name in TINY_ARCHS[1:]:  # BF16 bodies of the other architectures: biases, q/k norms, post-norms (float_mma)
+        specs[f"{name}-bf16"] = dataclasses.replace(preset(name), quant="BF16")
     return specs
 
 
@@ -87,14 +89,15 @@ def prepare(args: argparse.Namespace) -> int:
             (folder / "synthetic.json").write_text(json.dumps(dataclasses.asdict(tiny[name])))
         elif args.data_from:  # a variant: its spec, tokenizer and reference stay in the default build's folder
             gguf = cached_synthetic(name)
-            rounded = q8_types(dataclasses.asdict(options(args.ctx, batches, variant)))
+            rounded = roundings(dataclasses.asdict(options(args.ctx, batches, variant)))
             source = json.loads((ROOT / args.data_from / name / "build.json").read_text()).get("options", {})
-            if rounded != q8_types(source):  # its own reference: the same prompt, the variant's rounding emulated
+            if rounded != roundings(source):  # its own reference: the same prompt, the variant's rounding emulated
                 from device_check import _oracle_trace
 
                 plain = np.load(ROOT / args.data_from / name / "reference.npz")
                 ids, logits = _oracle_trace(gguf, [int(t) for t in plain["prompt"]], len(plain["ids"]) - 1,
-                                            q8_types=rounded, half_kv=True)  # the kernel's float16 pages
+                                            q8_types=rounded[0], tf32_types=rounded[1],
+                                            half_kv=True)  # the kernel's float16 pages
                 np.savez(folder / "reference.npz", prompt=plain["prompt"], ids=np.array(ids, np.int32),
                          logits=logits)
         else:
@@ -135,6 +138,7 @@ class Runner:
 
     def __init__(self, fn, prog, weights: list, torch, params: list[str]):
         from luce_compile.fuse.program import PROFILE_CLOCKS
+        from luce_compile.graph.ir import LOGITS
 
         self.fn, self.p, self.torch, self.params = fn, prog, torch, params
         t, dev = torch, "cuda"
@@ -160,10 +164,10 @@ class Runner:
         self.tok = [t.zeros(b + 1, dtype=t.int32, device=dev) for _ in range(2)]  # the ids, then the gave-up marker
         self.len = [t.zeros(b, dtype=t.int32, device=dev) for _ in range(2)]
         self.weights = weights
+        # a grammar's token mask per sequence, read only when `masked` is set (never here: plain argmax)
+        self.allowed = t.zeros((b, -(-prog.width(LOGITS) // 32)), dtype=t.int32, device=dev)
         self.epoch = 0
         self.cur = 0
-        from luce_compile.graph.ir import LOGITS
-
         self.logits_at = prog.arena[LOGITS]
         self.vocab = prog.width(LOGITS)
 
@@ -177,7 +181,7 @@ class Runner:
                  "arena": self.arena, "amax_val": self.amax_val, "amax_idx": self.amax_idx, "token_out": self.tok[z],
                  "lengths_out": self.len[z], "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps,
                  "counters": self.counters, "status": self.status, "profile": self.profile,
-                 "profiling": self.profiling, "epoch": self.epoch}
+                 "profiling": self.profiling, "epoch": self.epoch, "allowed": self.allowed, "masked": 0}
         weights = iter(self.weights)
         self.fn(*(named[n] if n in named else next(weights) for n in self.params))
         self.cur = z
@@ -273,19 +277,23 @@ def check_oracle(runner, ref: dict, tol: float = REL_TOL) -> dict:
             "tol": tol, "ok": max(errs) < tol and mism == 0}
 
 
-def q8_types(options: dict) -> tuple[str, ...]:
-    """The weight types whose matmul inputs the build rounds to 8 bits (the oracle emulates it)."""
-    from luce_compile.fuse.build import Q8_ORDER
+def roundings(options: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The weight types whose matmul inputs the build rounds to 8 bits, and those it rounds to tf32 (the oracle
+    emulates both)."""
+    from luce_compile.fuse.build import MMA_FLOAT_TYPES, Q8_ORDER
 
-    return tuple(Q8_ORDER) if options.get("q8_activations") else ()
+    return (tuple(Q8_ORDER) if options.get("q8_activations") else (),
+            MMA_FLOAT_TYPES if options.get("float_mma") else ())
 
 
-def tiny_reference(gguf_path: Path, vocab: int, steps: int = 64, seed: int = 0, rounded: tuple[str, ...] = ()) -> dict:
+def tiny_reference(gguf_path: Path, vocab: int, steps: int = 64, seed: int = 0,
+                   rounded: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> dict:
     """The oracle's greedy trace, as device_check's reference.npz holds it (computed there: tiny models are fast)."""
     from device_check import _oracle_trace
 
     prompt = [int(t) for t in np.random.default_rng(seed).integers(1, min(vocab, 49152), 8)]
-    ids, logits = _oracle_trace(gguf_path, prompt, steps, q8_types=rounded, half_kv=bool(rounded))
+    ids, logits = _oracle_trace(gguf_path, prompt, steps, q8_types=rounded[0], tf32_types=rounded[1],
+                                half_kv=any(rounded))
     return {"prompt": np.array(prompt), "ids": np.array(ids), "logits": logits}
 
 
@@ -421,14 +429,14 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
     runners = {b: Runner(mod[f"megakernel_b{b}"], p, weights, torch, build["params"][str(b)])
                for b, p in programs.items()}
     ref_path = data("reference.npz")
-    rounded = q8_types(build.get("options", {}))
+    rounded = roundings(build.get("options", {}))
     ref = dict(np.load(ref_path)) if ref_path.is_file() else tiny_reference(gguf_path, runners[1].vocab,
                                                                             rounded=rounded)
     t0 = time.perf_counter()
     runners[1].step([1], [0])
     torch.cuda.synchronize()
     say(f"{folder.name}: first step done in {time.perf_counter() - t0:.2f} s")
-    result["oracle"] = check_oracle(runners[1], ref, Q8_REL_TOL if rounded else REL_TOL)
+    result["oracle"] = check_oracle(runners[1], ref, Q8_REL_TOL if rounded[0] else REL_TOL)
     say(f"{folder.name}: oracle {result['oracle']}")
     if not result["oracle"]["ok"]:  # name the first wrong value (the oracle of a 1B model costs a minute)
         result["values"] = check_values(runners[1], gguf_path)

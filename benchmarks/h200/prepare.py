@@ -69,6 +69,8 @@ def main() -> int:
                    "(device_check.py prepare --no-megakernel)")
     p.add_argument("--megakernel-q8", action="store_true", help="the megakernels' Q4_0/Q4_1/Q8_0 matvecs with 8-bit "
                    "activations (compile --megakernel-q8); the references round the decode steps as they do")
+    p.add_argument("--megakernel-tf32", action="store_true", help="the megakernels' F16/BF16 matvecs on tf32 tensor "
+                   "cores (compile --megakernel-tf32); the references round their inputs as they do")
     args = p.parse_args()
     if args.untuned:
         return prepare_untuned(args.workloads, args.target, args.untuned)
@@ -79,7 +81,8 @@ def main() -> int:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "prepare", "--preset", w,
                         "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16",
                         *bundle, *(["--no-megakernel"] if args.no_megakernel else []),
-                        *(["--megakernel-q8"] if args.megakernel_q8 else [])], check=True)
+                        *(["--megakernel-q8"] if args.megakernel_q8 else []),
+                        *(["--megakernel-tf32"] if args.megakernel_tf32 else [])], check=True)
     tgz = pack_llama_cpp(extract_llama_cpp(find_sdist(), args.work), args.dir / "peer" / "llama.cpp.tgz")
     size = sum(f.stat().st_size for f in args.dir.rglob("*") if f.is_file())
     print(f"{args.dir}: {size / 2**20:.1f} MiB to carry (llama.cpp {tgz.stat().st_size / 2**20:.1f} MiB)")

@@ -330,6 +330,8 @@ def build_description(*runs: Path) -> str:
         text += f"; {sum(t['tuned'] for t in tuned)} kernels tuned, {sum(t['default'] for t in tuned)} default"
     if any((s or {}).get("spec", {}).get("megakernel_q8") for s in specs):  # prepare.py --megakernel-q8
         text += "; the megakernels' Q4_0/Q4_1/Q8_0 matvecs with llama.cpp's 8-bit activations (--megakernel-q8)"
+    if any((s or {}).get("spec", {}).get("megakernel_tf32") for s in specs):  # prepare.py --megakernel-tf32
+        text += "; the megakernels' F16/BF16 matvecs on tf32 tensor cores (--megakernel-tf32)"
     return text
 
 

@@ -69,7 +69,7 @@ def compiler_fingerprint() -> str:
 def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, use_cache: bool = True,
                   overwrite: bool = False, progress: Progress | None = None, precision: str = "auto",
                   tune_logs: Path | None = None, use_tune_logs: bool = True, megakernel: bool = True,
-                  megakernel_q8: bool = False) -> Path:
+                  megakernel_q8: bool = False, megakernel_tf32: bool = False) -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
     An existing out_dir is replaced only if it is an artifact and `overwrite` is set (the CLI's --force); anything
@@ -83,14 +83,17 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     `megakernel` is off (--no-megakernel); the manifest's "megakernel" section says why a build has none.
     `megakernel_q8` (--megakernel-q8): the megakernels' Q4_0/Q4_1/Q8_0 matvecs take llama.cpp's 8-bit activations
     and integer dot products (MegakernelOptions.q8_activations); the per-op kernels keep float activations.
+    `megakernel_tf32` (--megakernel-tf32): the megakernels' F16/BF16 matvecs run on tf32 tensor cores, their
+    inputs rounded to tf32 (MegakernelOptions.float_mma).
     """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     check_destination(out_dir, overwrite)  # before minutes of work, and again when the result is moved into place
     info = get_target(target)
-    if megakernel_q8 and (info.kind != "cuda" or not megakernel):
-        raise LuceError(f"compile: --megakernel-q8 changes the decode megakernels, which only CUDA targets build; "
-                        f"{info.name}{'' if megakernel else ' with --no-megakernel'} has none. Drop the flag.")
+    for flag, on in (("--megakernel-q8", megakernel_q8), ("--megakernel-tf32", megakernel_tf32)):
+        if on and (info.kind != "cuda" or not megakernel):
+            raise LuceError(f"compile: {flag} changes the decode megakernels, which only CUDA targets build; "
+                            f"{info.name}{'' if megakernel else ' with --no-megakernel'} has none. Drop the flag.")
     say("hashing the model")
     gguf_sha = file_sha256(gguf_path)
     precision = resolve_precision(precision, info.tvm_target())  # refuses int8 where it cannot run, before work
@@ -98,7 +101,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     # the records are part of the key: new records (or --no-tune-logs) make a new build, never a stale reuse
     key = (f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}-{tuning.digest()}"
            f"{'' if megakernel or info.kind != 'cuda' else '-nomk'}"
-           f"{'-mkq8' if megakernel and megakernel_q8 and info.kind == 'cuda' else ''}")
+           f"{'-mkq8' if megakernel and megakernel_q8 and info.kind == 'cuda' else ''}"
+           f"{'-mktf32' if megakernel and megakernel_tf32 and info.kind == 'cuda' else ''}")
     cached = cache_dir() / "artifacts" / key
     if use_cache and (cached / "manifest.json").is_file():
         say(f"reusing the cached build {cached}")
@@ -112,7 +116,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     gguf = read_gguf(gguf_path)
     graph = build_graph(gguf)  # refuses unsupported models before any work
     built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision), tuning, megakernel,
-                   megakernel_q8)
+                   megakernel_q8, megakernel_tf32)
     try:
         if use_cache:
             _copy_tree(built, cached, overwrite=True)  # the cache is ours: a stale entry is replaced
@@ -144,7 +148,7 @@ def _cached_summary(cached: Path) -> str:
 
 def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: Progress,
            options: LowerOptions, tuning: Tuning | None = None, megakernel: bool = True,
-           megakernel_q8: bool = False) -> Path:
+           megakernel_q8: bool = False, megakernel_tf32: bool = False) -> Path:
     import tvm
 
     target = info.tvm_target()
@@ -169,7 +173,8 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
 
         say("generating the decode megakernels")
         megakernel_fields["megakernel"], extra_files = artifact_megakernels(graph, info.name, work, options.dtype,
-                                                                            q8_activations=megakernel_q8)
+                                                                            q8_activations=megakernel_q8,
+                                                                            float_mma=megakernel_tf32)
     elif info.kind == "cuda":
         megakernel_fields["megakernel"] = {"skipped": "built with --no-megakernel"}
     say("writing the artifact (weights repacked into kernel planes)")

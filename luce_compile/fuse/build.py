@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 # in the words they read (emit_cuda.quantize_q8); here so that the runtime side (the checks' oracle) needs no
 # compiler import
 Q8_ORDER = {"Q4_0": "nibbles", "Q4_1": "nibbles", "Q8_0": "natural"}
+# float_mma: the weight types whose matvecs run on tf32 tensor cores, which hold them exactly (10 mantissa bits and
+# float32's exponent range); their inputs are rounded to tf32 (the oracle emulates it: graph/rounding.tf32)
+MMA_FLOAT_TYPES = ("F16", "BF16")
 
 
 STATIC_KIB = 44  # shared memory without opting in (under 48 KiB, with room for the kernel's static buffers)
@@ -78,6 +81,10 @@ class MegakernelOptions:
     # with q8_activations: the matvecs' integer dot products on tensor cores (mma.m16n8k32 s8, 16 rows x a block x
     # 8 sequences an instruction) instead of dp4a, at every batch size
     q8_mma: bool = False
+    # matvecs of F16/BF16 weights on tf32 tensor cores (mma.m16n8k8: 16 rows x 8 values x 8 sequences an
+    # instruction, float32 sums), the input rounded to tf32 (10 mantissa bits), at every batch size
+    float_mma: bool = False
+    float_mma_ahead: int = 0  # chunks of 32 values whose loads a float_mma warp issues at once; 0: the emitter's rule
     # shared memory a block, KiB: 44 is static (under the 48 KiB that needs no opt-in); more is dynamic shared
     # memory, up to 99 KiB on sm_86/sm_120 and 227 on sm_90 (one block an SM: it costs no occupancy). 0: the
     # target's (for_target): 128 where it allows (then the 1B's K = 8,192 down projection takes 8-bit inputs at
@@ -170,7 +177,7 @@ TABLES_FILE = "megakernel.npz"
 
 
 def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: str,
-                         q8_activations: bool = False) -> tuple[dict, dict[str, Path]]:
+                         q8_activations: bool = False, float_mma: bool = False) -> tuple[dict, dict[str, Path]]:
     """Compile the megakernels for an artifact: the manifest's "megakernel" section and the files it names
     (luce_runtime/megakernel.py reads both). The section says why when there is none: a target or model the
     generator does not cover yet is built without one, and the engine runs the per-op path."""
@@ -183,7 +190,8 @@ def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: s
     from luce_compile.targets import get_target
 
     options = MegakernelOptions(max_context=min(int(graph.config.n_ctx_train), 4096), kv_dtype=kv_dtype,
-                                q8_activations=q8_activations).for_target(get_target(target_name).facts)
+                                q8_activations=q8_activations,
+                                float_mma=float_mma).for_target(get_target(target_name).facts)
     try:
         programs = compile_megakernels(graph, target_name, work / MODULE_FILE, options)
     except UnsupportedError as e:

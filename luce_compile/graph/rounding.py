@@ -5,7 +5,8 @@ Before a matmul with a quantized weight, ggml rounds the activations to 8 bits (
 vec_dot_type): Q8_0 blocks for Q4_0/Q5_0/Q8_0 weights, Q8_1 (the same values plus an fp16 block sum used against
 the weight's block minimum) for Q4_1/Q5_1, Q8_K for K-quants; for F16 weights it rounds them to fp16. Its CPU GELU
 reads a table indexed by the input rounded to fp16 (ggml-cpu/vec.h, GGML_GELU_FP16). `GgmlRounding` adds exactly
-those roundings to the oracle, for the weight types it is given (all of them by default).
+those roundings to the oracle, for the weight types it is given (all of them by default), and the megakernel's
+tf32 rounding of the inputs of F16/BF16 matvecs on tensor cores (float_mma) for the types given as `tf32_types`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from luce_compile.graph.oracle import Oracle, gelu_tanh
 
 def f16(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16).astype(np.float64)
+
+
+def tf32(x: np.ndarray) -> np.ndarray:
+    """x rounded to tf32 as the megakernel's float_mma rounds its inputs (emit_cuda.tf32: float32, then the 13 low
+    mantissa bits rounded off to nearest, ties away from zero; cvt.rna.tf32.f32)."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
 
 
 def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -66,12 +74,14 @@ Q8_1_TYPES = ("Q4_1", "Q5_1")  # Q8_1 activations: q8_0's values plus s = fp16(d
 
 class GgmlRounding(Oracle):
     """The oracle plus llama.cpp's CPU roundings of activations (module docstring). `types`: the weight types whose
-    matmul inputs are rounded (None: every type ggml rounds for); `gelu_table`: ggml's fp16 GELU table."""
+    matmul inputs are rounded (None: every type ggml rounds for); `gelu_table`: ggml's fp16 GELU table;
+    `tf32_types`: weight types whose matmul inputs are rounded to tf32 instead (the megakernel's float_mma)."""
 
     def __init__(self, source: Graph | GGUFFile | str | Path, types: Iterable[str] | None = None,
-                 gelu_table: bool = True):
+                 gelu_table: bool = True, tf32_types: Iterable[str] = ()):
         super().__init__(source)
         self.types = None if types is None else frozenset(types)
+        self.tf32_types = frozenset(tf32_types)
         self.gelu_table = gelu_table
 
     def _block_minimums(self, name: str) -> np.ndarray:
@@ -82,6 +92,8 @@ class GgmlRounding(Oracle):
     def _matmul(self, op, x):
         name = op.weights["weight"]
         kind = self.gguf.tensor(name).ggml_type.name
+        if kind in self.tf32_types:
+            return super()._matmul(op, tf32(x))
         if self.types is not None and kind not in self.types:
             return super()._matmul(op, x)
         if kind not in Q8_1_TYPES:

@@ -155,3 +155,10 @@ def test_build_description_names_the_8_bit_megakernel(report, tmp_path):
     assert "--megakernel-q8" not in report.build_description(tmp_path / "plain")
     assert "--megakernel-q8" in report.build_description(tmp_path / "q8")
     assert report.build_description(tmp_path / "q8").startswith("float16 tensor-core GEMMs")
+    assert "--megakernel-tf32" not in report.build_description(tmp_path / "q8")
+    w = tmp_path / "tf32" / "tiny"
+    w.mkdir(parents=True)
+    (w / "check.json").write_text(json.dumps({"spec": {"precision": "f16", "megakernel_q8": True,
+                                                        "megakernel_tf32": True}}))
+    assert "--megakernel-q8" in report.build_description(tmp_path / "tf32")
+    assert "--megakernel-tf32" in report.build_description(tmp_path / "tf32")

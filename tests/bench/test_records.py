@@ -27,15 +27,18 @@ DEVICE_CHECKS = sorted(p for p in (RESULTS / "h200").glob("*.json") if p.stem.sp
                        ("tiny", "smollm2", "gemma3"))
 REL_TOL, REL_TOL_F16, BATCH_TOL = 1e-3, 1e-2, 1e-4  # scripts/device_check.py's bars (f16: tensor-core prefill)
 REL_TOL_Q8 = 0.1  # device_check's bar for a build whose megakernel takes 8-bit activations (--megakernel-q8)
+REL_TOL_TF32 = 1e-2  # its bar for the megakernel against the per-op path where F16/BF16 inputs round to tf32
 
 
 def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def check_correctness(checks: dict[str, Any], weights: dict[str, Any], q8: bool = False) -> None:
+def check_correctness(checks: dict[str, Any], weights: dict[str, Any], q8: bool = False, tf32: bool = False) -> None:
     """device_check's `checks` and `weights` sections: present, in today's schema, and passing; `q8`: the build's
-    megakernel takes 8-bit activations, so its decode may be held to REL_TOL_Q8 (never a build without them)."""
+    megakernel takes 8-bit activations, so its decode may be held to REL_TOL_Q8 (never a build without them); `tf32`:
+    its F16/BF16 matvecs round their inputs to tf32 (--megakernel-tf32), so its decode may differ from the per-op
+    path's by REL_TOL_TF32."""
     assert weights == {"weights_sha_match": True, "gguf_sha_match": True}
     oracle, batched = checks["oracle"], checks["batched"]
     fields = {"steps", "max_rel_err", "prefill_rel_err", "ids_checked", "ids_mismatched", "ok"}
@@ -52,7 +55,7 @@ def check_correctness(checks: dict[str, Any], weights: dict[str, Any], q8: bool 
     paths = checks.get("megakernel_vs_per_op")  # artifacts with a megakernel: its decode against the per-op one
     if paths is not None:
         bar = paths.get("tolerance", BATCH_TOL)
-        assert bar in (BATCH_TOL, *((REL_TOL_Q8,) if q8 else ()))
+        assert bar in (BATCH_TOL, *((REL_TOL_Q8,) if q8 else ()), *((REL_TOL_TF32,) if tf32 else ()))
         assert paths["ok"] is True and 0 <= paths["max_rel_diff"] <= bar and paths["ids_mismatched"] == 0
         assert paths["ids_checked"] > 0 and paths.get("device_ids_mismatched", 0) == 0
 
@@ -96,7 +99,8 @@ def test_h200_report_record(path: Path, report):
             assert row["roofline_tok_s"] == pytest.approx(roof)
             assert row["roofline_fraction"] == pytest.approx(row["decode_b1"] / roof)
             assert 0 < row["roofline_fraction"] < 1, (name, engine)
-        check_correctness(w["check"], w["weights"], q8="--megakernel-q8" in meta.get("build", ""))
+        check_correctness(w["check"], w["weights"], q8="--megakernel-q8" in meta.get("build", ""),
+                          tf32="--megakernel-tf32" in meta.get("build", ""))
     # the committed tables are this JSON rendered (the prose around them may describe the method of its day)
     rendered = [line for line in report.markdown(doc).splitlines() if line.startswith("|")]
     committed = [line for line in path.with_suffix(".md").read_text().splitlines() if line.startswith("|")]
@@ -110,7 +114,8 @@ def test_device_check_record(path: Path):
     assert set(record) >= {"spec", "environment", "weights", "load_seconds", "manifest_kernels", "checks"}
     assert record["environment"]["gpu"].startswith("NVIDIA"), "the record names the GPU and driver"
     assert record["spec"]["target"].startswith("sm_")
-    check_correctness(record["checks"], record["weights"], q8=bool(record["spec"].get("megakernel_q8")))
+    check_correctness(record["checks"], record["weights"], q8=bool(record["spec"].get("megakernel_q8")),
+                      tf32=bool(record["spec"].get("megakernel_tf32")))
     if "timing" not in record:  # device_check run --no-timing
         return
     timing = record["timing"]

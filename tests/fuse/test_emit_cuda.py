@@ -180,3 +180,30 @@ def test_q8_mma_dots_on_tensor_cores_at_every_batch_size(quant):
         body = source[source.index("megakernel_kernel("):]
         calls = [line for line in body.split("\n") if "mma_int_sync" in line]
         assert calls and divergent_collectives(source.replace("tvm_builtin_ptx_mma_int_sync", "__shfl_sync")) == []
+
+
+@pytest.mark.parametrize("quant", ["F16", "BF16"])
+def test_float_mma_runs_float_weights_on_tf32_tensor_cores_at_every_batch_size(quant):
+    """float_mma: F16/BF16 matvecs take mma.m16n8k8.tf32 at batch 1 as at 3 (one summation order for every batch
+    size), BF16 weights split from their words by a shift and a mask, F16 converted, the input rounded once
+    (0x1000, then the 13 low bits cleared); every mma and barrier sits where its whole warp or block arrives; F32
+    weights keep the float32 lane body (tf32 would round them)."""
+    import dataclasses
+
+    from luce_compile.fuse.build import MegakernelOptions
+
+    options = MegakernelOptions(float_mma=True, batches=(1, 3))
+    for q in (quant, "F32"):
+        graph, _ = open_graph(cached_synthetic(dataclasses.replace(preset("tiny-llama"), quant=q)))
+        for batch in (1, 3):
+            prog = build_program(graph, batch=batch, n_sms=8, max_context=64, kv_chunk=16, merge_in_last=True)
+            source = cuda_source(emit_megakernel(prog, options=options))
+            mma = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
+            assert (mma in source) == (q != "F32")
+            if q == "F32":
+                continue
+            assert "4294959104" in source and "4096" in source  # 0xFFFFE000 and 0x1000: the tf32 rounding
+            assert ("4294901760" in source) == (q == "BF16")  # 0xFFFF0000: a BF16 word's high value
+            calls = [line for line in source.split("\n") if "m16n8k8_row_col_f32_tf32" in line]
+            assert len(calls) > 1
+            assert divergent_collectives(source.replace("tvm_builtin_ptx_mma_sync_aligned", "__shfl_sync")) == []
