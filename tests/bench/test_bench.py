@@ -243,3 +243,17 @@ def test_plot_writes_a_png_per_table(tmp_path):
     models, series = plot.cpu_series(FIXED_DOC, "decode_tok_s", roofline=True)
     assert models == ["smollm2-135m", "gemma3-270m"]
     assert series == {"luce-compile": [12.5, 0.0], "llama.cpp": [25.0, 0.0]}
+
+
+@pytest.mark.unit
+def test_tuned_vs_untuned_table_gives_both_builds_and_the_change():
+    tvu = load_benchmark_module("tuned_vs_untuned")
+    meta = {"date": "d", "cpu": "c", "threads": 2, "steps": 48, "batch": 8, "prompt_len": 128, "prefill_len": 512,
+            "command": "python benchmarks/tuned_vs_untuned.py"}
+    row = {"model": "m", "tuning": {"untuned": {"log_target": None, "tuned": 0, "default": 10},
+                                    "tuned": {"log_target": "cpu-avx2", "tuned": 9, "default": 1}},
+           "decode_tok_s": {"untuned": 100.0, "tuned": 110.0}, "decode_batch_tok_s": {"untuned": 200.0, "tuned": 190.0},
+           "prefill_tok_s": {"untuned": 400.0, "tuned": 400.0}}
+    lines = tvu.table([row], meta).splitlines()
+    assert "| m | 9/10 (cpu-avx2) | 100.0 / 110.0 (+10.0%) | 200.0 / 190.0 (-5.0%) | 400.0 / 400.0 (+0.0%) |" in lines
+    assert "decode tok/s (b=8) untuned / tuned" in lines[6] and "pp512" in lines[6]
