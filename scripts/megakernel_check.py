@@ -133,6 +133,13 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 # ---- run (GPU machine) ------------------------------------------------------------------------------------------
+# every argument of a megakernel but its weights, which Runner.launch passes by name (tests/fuse check the emitter's
+# list against it: a kernel argument added without it here made every run fail, unseen until a GPU run)
+KERNEL_ARGS = frozenset({"tokens", "lengths", "page_table", "pages", "kv_layer_offset", "arena", "amax_val", "amax_idx",
+                         "token_out", "lengths_out", "tasks", "queue_len", "deps", "counters", "status", "profile",
+                         "profiling", "epoch", "allowed", "masked"})
+
+
 class Runner:
     """One compiled megakernel with its program's buffers; steps B sequences, page tables contiguous per sequence."""
 
@@ -182,6 +189,7 @@ class Runner:
                  "lengths_out": self.len[z], "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps,
                  "counters": self.counters, "status": self.status, "profile": self.profile,
                  "profiling": self.profiling, "epoch": self.epoch, "allowed": self.allowed, "masked": 0}
+        assert set(named) == KERNEL_ARGS
         weights = iter(self.weights)
         self.fn(*(named[n] if n in named else next(weights) for n in self.params))
         self.cur = z

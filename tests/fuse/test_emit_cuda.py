@@ -207,3 +207,24 @@ def test_float_mma_runs_float_weights_on_tf32_tensor_cores_at_every_batch_size(q
             calls = [line for line in source.split("\n") if "m16n8k8_row_col_f32_tf32" in line]
             assert len(calls) > 1
             assert divergent_collectives(source.replace("tvm_builtin_ptx_mma_sync_aligned", "__shfl_sync")) == []
+
+
+def test_megakernel_check_passes_every_argument_the_kernel_takes():
+    """scripts/megakernel_check.py's Runner passes the kernel's non-weight arguments by name: the emitter's list
+    (weights aside, named after the weight planes) must be exactly its KERNEL_ARGS, or every GPU run fails."""
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        from megakernel_check import KERNEL_ARGS
+    finally:
+        sys.path.remove(str(scripts))
+    graph, _ = open_graph(cached_synthetic(preset("tiny-qwen2")))
+    prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16, merge_in_last=True)
+    func = emit_megakernel(prog)
+    weights = {name for name, _, _ in prog.weight_args()}
+    params = [str(v.name) for v in func.params]
+    others = {p for p in params if p not in weights and not any(p.startswith(f"{w}_") for w in weights)}
+    assert others == KERNEL_ARGS
