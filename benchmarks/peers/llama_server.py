@@ -40,6 +40,21 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED
                "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_CUDA=OFF"]
 
 
+# llama.cpp 0.3.36's AMX matmuls crash: its tile config is built on the stack, which GCC partly optimises away, and
+# `ldtilecfg` faults on the garbage (ggml-org/llama.cpp PR 26954, open; seen on a 2-core Sapphire Rapids KVM guest on
+# 2026-12-04, every quantized model). Where the CPU has AMX the peer is built without it (its AVX512-VNNI kernels),
+# as setup.sh builds llama-cpp-python; the cache key says so.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(ln.startswith("flags") and " amx_tile" in ln for ln in f)
+    except OSError:
+        return False
+
+
 class PeerBuildError(RuntimeError):
     """llama-server could not be fetched or built; the message names the step and its log."""
 
@@ -56,7 +71,8 @@ def cpu_key() -> str:
             line = next((ln for ln in f if ln.startswith("flags")), None)
     except OSError:
         line = None
-    return hashlib.md5(line.encode()).hexdigest()[:12] if line else "generic"
+    key = hashlib.md5(line.encode()).hexdigest()[:12] if line else "generic"
+    return f"{key}-noamx" if cpu_has_amx() else key
 
 
 def install_dir() -> Path:
@@ -119,7 +135,9 @@ def build(dest: Path, jobs: int = 2) -> Path:
         src = extract_llama_cpp(find_sdist(), Path(scratch))
         build_dir = Path(scratch) / "build"
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *generator, *CMAKE_FLAGS], logfile, "configure")
+        no_amx = [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"] if cpu_has_amx() else []
+        run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *generator, *CMAKE_FLAGS, *no_amx], logfile,
+                   "configure")
         run_logged(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)], logfile,
                    "build")
         (dest / "bin").mkdir(exist_ok=True)
