@@ -63,8 +63,11 @@ def plot_cpu(doc: dict, out: Path) -> Path:
     grouped_bars(axes[3], *cpu_series(doc, "decode_tok_s", roofline=True), "decode, % of memory roofline", "{:.1f}%")
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=20)
+    tuned = sorted(r["model"] for r in doc["rows"]
+                   if r["engine"] == OURS and (r["result"].get("tuning") or {}).get("tuned"))  # as the table says
+    tuning = f"tuned ({', '.join(tuned)})" if tuned else "untuned"
     fig.suptitle(f"CPU {meta['date'][:10]}: {meta['cpu']}, {meta['threads']} threads (load {meta['load_avg_1m']:.2f})"
-                 f"; luce-compile {meta['luce_compile']} untuned vs llama.cpp {meta['llama_cpp']}", fontsize=10)
+                 f"; luce-compile {meta['luce_compile']} {tuning} vs llama.cpp {meta['llama_cpp']}", fontsize=10)
     return save(fig, out)
 
 
