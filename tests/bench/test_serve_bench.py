@@ -168,7 +168,10 @@ def test_cache_dir_is_keyed_like_setup_sh(monkeypatch, tmp_path):
     if Path("/proc/cpuinfo").is_file() and shutil.which("md5sum"):
         shell = subprocess.run("grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-12", shell=True,
                                capture_output=True, text=True, check=True).stdout.strip()
-        assert key == shell  # scripts/setup.sh's wheel cache key
+        # scripts/setup.sh's wheel cache key, with its -noamx where the CPU has AMX (built without it)
+        assert key == (f"{shell}-noamx" if llama_server.cpu_has_amx() else shell)
+        has_amx = subprocess.run("grep -qw amx_tile /proc/cpuinfo", shell=True).returncode == 0
+        assert llama_server.cpu_has_amx() == has_amx  # setup.sh's test
 
 
 def fake_sdist(path: Path, files: dict[str, str]) -> Path:
