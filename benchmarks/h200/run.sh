@@ -19,7 +19,8 @@
 # the pair.
 # PEROP=1 also times each artifact's decode with the per-op kernels (bench --no-megakernel): ours-perop.json.
 # 8-bit megakernel matvecs: prepare.py --megakernel-q8 --dir .gpucheck/h200-q8, then H=.gpucheck/h200-q8 (the
-# checks then hold the decode to REL_TOL_Q8; report.py names the build).
+# checks then hold the decode to REL_TOL_Q8; report.py names the build); add --megakernel-tf32 for the F16/BF16
+# matvecs on tf32 tensor cores (the table of 2026-12-04: results/h200-2026-12-04-tf32.md).
 # An artifact with megakernels also gets profile.json (benchmarks/h200/engine_profile.py): device time a step beside
 # the host's wall clock, and one step's time task by task.
 set -o pipefail
