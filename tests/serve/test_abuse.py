@@ -166,6 +166,13 @@ def test_a_full_queue_answers_429_with_retry_after(server):
             assert status in (200, 429), status
             refused += status == 429
             s = server.stats()
+            deadline = time.monotonic() + 30
+            while status == 429 and s["running"] < 8 and time.monotonic() < deadline:
+                # refused while the engine had not yet admitted the queue's head: its first steps of a larger batch
+                # can take longer than a fast client's burst of requests (a 2-core Xeon queued 32 behind 1 running
+                # and refused the next 46); wait for admission to catch up, then fill the queue again
+                time.sleep(0.05)
+                s = server.stats()
             if refused and s["running"] == 8 and s["waiting"] == 32:
                 break
         assert refused and len(socks) < 80, (refused, server.stats())
