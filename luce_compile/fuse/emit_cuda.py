@@ -553,7 +553,7 @@ class MegakernelEmitter:
 
         env_end = env_base + self._env_floats(st, u, rows_max)
         if mma_x is not None:
-            self._float_mma_matmuls(op, unit, k_in, rows_max, lo, hi, env, slots, env_end, mma_x, staged, env_base)
+            self._float_mma_matmuls(op, unit, k_in, rows_max, lo, hi, env, slots, env_end, mma_x, env_base)
         elif q8 is not None and self.q8_mma:
             self._mma_matmuls(op, unit, k_in, rows_max, lo, hi, env, slots, env_end)
         else:
@@ -893,7 +893,7 @@ class MegakernelEmitter:
                 self.matvec_unit(op, st, u, unit, k_in, staged, xval, env_base, mma_x=x_granule)
 
     def _float_mma_matmuls(self, op, unit, k_in: int, rows_max: int, lo, hi, env, slots, env_end: int, x_granule,
-                           staged: bool, input_floats: int) -> None:
+                           input_floats: int) -> None:
         """The tile's matmuls into shared memory (env) on tf32 tensor cores: mma.m16n8k8 (16 rows x 8 values x
         the batch's 8 columns, float32 accumulators), F16/BF16 weights exact, the input rounded to tf32. The
         columns past the batch repeat its last sequence (their results unused): at batch 1, 7 of 8 columns are
