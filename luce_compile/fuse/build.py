@@ -85,6 +85,7 @@ class MegakernelOptions:
     # instruction, float32 sums), the input rounded to tf32 (10 mantissa bits), at every batch size
     float_mma: bool = False
     float_mma_ahead: int = 0  # chunks of 32 values whose loads a float_mma warp issues at once; 0: the emitter's rule
+    float_mma_tiles: int = 0  # (matmul, 16-row tile) fragments a float_mma warp accumulates at once; 0: MMA_TILES
     # shared memory a block, KiB: 44 is static (under the 48 KiB that needs no opt-in); more is dynamic shared
     # memory, up to 99 KiB on sm_86/sm_120 and 227 on sm_90 (one block an SM: it costs no occupancy). 0: the
     # target's (for_target): 128 where it allows (then the 1B's K = 8,192 down projection takes 8-bit inputs at
