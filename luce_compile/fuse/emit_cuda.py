@@ -460,44 +460,11 @@ class MegakernelEmitter:
         if self._float_mma(st, k_in):
             self._float_mma_matvec(op, st, k_in, env_need, rstd_at, rstd_all, rstd_from_arena, xval)
             return
-        if st.merged >= 0:  # the attention's split partials merged here, into shared memory (no merge tasks)
-            if not staged:
-                raise UnsupportedError(f"fuse: stage {op.stage} merges attention partials but its input does not "
-                                       "fit shared memory; plan it without fold_merge")
-            att = self.p.tg.stages[st.merged]
-            dv = k_in // att.attention.attrs["n_head"]
-            partials = self.p.partials[self.p.opcodes[self.p.stage_opcode[st.merged]].stage]
-            with B.serial(0, -(-nb * granules // self.threads)) as it:
-                idx = it * self.threads + self.tx
-                with self.when(idx < nb * granules):
-                    b, g = idx // granules, idx % granules
-                    for j in range(8):
-                        k = g * 8 + j
-                        self.store(self.smem, x_at(b, k), self.merged_value(att, partials, b, k // dv, k % dv))
-            self.sync()
-        elif staged:
-            # the input read from the arena once, raw into shared memory, then the norm's scale in place. A thread
-            # takes a granule (8 features): the transposed stores of a warp's lanes land in consecutive words, where
-            # a feature a thread put 8 lanes on one bank (ncu: half the kernel's shared wavefronts were conflicts)
-            def keep(b, k):
-                self.store(self.smem, x_at(b, k), self.arena_at(op, x_name, b, k))
-                return self.smem[x_at(b, k)]  # the stored value: the arena is read once
-
-            parts = self._granule_squares(granules, keep, square=st.prologue is not None)
-            if st.prologue is not None:
-                rstd_all(parts)
-            else:
-                self.sync()
-            if st.prologue is not None:
-                with B.serial(0, -(-nb * granules // self.threads)) as it:
-                    idx = it * self.threads + self.tx
-                    with self.when(idx < nb * granules):
-                        b, g = idx // granules, idx % granules
-                        for j in range(8):
-                            at = x_at(b, g * 8 + j)
-                            self.store(self.smem, at, self.smem[at] * self.smem[rstd_at + b]
-                                       * self.vector(op, norm_w, g * 8 + j))
-                self.sync()
+        if st.merged >= 0 and not staged:
+            raise UnsupportedError(f"fuse: stage {op.stage} merges attention partials but its input does not "
+                                   "fit shared memory; plan it without fold_merge")
+        if staged:
+            self._stage_input(op, st, k_in, x_at, rstd_at, rstd_all)
         elif st.prologue is not None:  # the norm's scale per sequence; the body reads the arena (xval)
             rstd_from_arena()
         env_base = nb * k_in if staged else 0
@@ -505,6 +472,55 @@ class MegakernelEmitter:
         for u, unit in enumerate(st.units):
             with self.when(self.col(P.UNIT) == u):
                 self.matvec_unit(op, st, u, unit, k_in, staged, xval, env_base)
+
+    def _stage_input(self, op: P.Opcode, st, k_in: int, at, rstd_at: int, rstd_all, finish=None) -> None:
+        """A matvec stage's input in shared memory, sequence b's feature k at word at(b, k): the attention's split
+        partials merged (Stage.merged), or the arena read once, raw, then the prologue norm's scale in place;
+        `finish` (float_mma's tf32 rounding) on every value last. Ends on a barrier."""
+        nb, granules = self.nb, k_in // 8
+
+        def done(v: tirx.Expr) -> tirx.Expr:
+            return finish(v) if finish is not None else v
+
+        if st.merged >= 0:  # the attention's split partials merged here, into shared memory (no merge tasks)
+            att = self.p.tg.stages[st.merged]
+            dv = k_in // att.attention.attrs["n_head"]
+            partials = self.p.partials[self.p.opcodes[self.p.stage_opcode[st.merged]].stage]
+
+            def merged(idx) -> None:
+                b, g = idx // granules, idx % granules
+                for j in range(8):
+                    k = g * 8 + j
+                    self.store(self.smem, at(b, k), done(self.merged_value(att, partials, b, k // dv, k % dv)))
+            self._each(nb * granules, merged)
+            self.sync()
+            return
+
+        # a thread takes a granule (8 features): in the transposed layout the stores of a warp's lanes land in
+        # consecutive words, where a feature a thread put 8 lanes on one bank (ncu: half the kernel's shared
+        # wavefronts were conflicts)
+        def keep(b, k):
+            self.store(self.smem, at(b, k), self.arena_at(op, st.input, b, k))
+            return self.smem[at(b, k)]  # the stored value: the arena is read once
+
+        parts = self._granule_squares(granules, keep, square=st.prologue is not None)
+        if st.prologue is not None:
+            rstd_all(parts)
+        else:
+            self.sync()
+        if st.prologue is None and finish is None:
+            return
+        norm_w = st.prologue.weights["weight"] if st.prologue is not None else None
+
+        def scale(idx) -> None:  # the norm's scale in xval's order, then `finish`, in place
+            b, g = idx // granules, idx % granules
+            for j in range(8):
+                v = self.smem[at(b, g * 8 + j)]
+                if norm_w is not None:
+                    v = v * self.smem[rstd_at + b] * self.vector(op, norm_w, g * 8 + j)
+                self.store(self.smem, at(b, g * 8 + j), done(v))
+        self._each(nb * granules, scale)
+        self.sync()
 
     def _granule_squares(self, granules: int, value, square: bool = True) -> tirx.Buffer:
         """A thread's granules of every sequence's row (8 features each, in turn), value(b, k) giving sequence b's
@@ -834,43 +850,10 @@ class MegakernelEmitter:
         that a quarter warp's 16-byte loads of B fragments (4 lanes of one sequence, 2 sequences) hit distinct
         banks; where it does not fit, the B fragments are read from the arena and rounded in registers (the same
         values: staging changes no bit)."""
-        nb, granules, stride = self.nb, k_in // 8, k_in + P.ALIGN
+        nb, stride = self.nb, k_in + P.ALIGN
         staged = nb * stride + env_need + nb <= self.shared_floats
-        norm_w = st.prologue.weights["weight"] if st.prologue is not None else None
         if staged:
-            if st.merged >= 0:  # the attention's split partials merged here (no merge tasks)
-                att = self.p.tg.stages[st.merged]
-                dv = k_in // att.attention.attrs["n_head"]
-                partials = self.p.partials[self.p.opcodes[self.p.stage_opcode[st.merged]].stage]
-
-                def merged(idx) -> None:
-                    b, g = idx // granules, idx % granules
-                    for j in range(8):
-                        k = g * 8 + j
-                        self.store(self.smem, b * stride + k,
-                                   tf32(self.merged_value(att, partials, b, k // dv, k % dv)))
-                self._each(nb * granules, merged)
-            else:
-                def keep(b, k):  # raw from the arena, read once; the squares for the norm from the same value
-                    self.store(self.smem, b * stride + k, self.arena_at(op, st.input, b, k))
-                    return self.smem[b * stride + k]
-
-                parts = self._granule_squares(granules, keep, square=st.prologue is not None)
-                if st.prologue is not None:
-                    rstd_all(parts)
-                else:
-                    self.sync()
-
-                def scale(idx) -> None:  # the norm's scale in xval's order, then the rounding, in place
-                    b, g = idx // granules, idx % granules
-                    for j in range(8):
-                        at = b * stride + g * 8 + j
-                        v = self.smem[at]
-                        if st.prologue is not None:
-                            v = v * self.smem[rstd_at + b] * self.vector(op, norm_w, g * 8 + j)
-                        self.store(self.smem, at, tf32(v))
-                self._each(nb * granules, scale)
-            self.sync()
+            self._stage_input(op, st, k_in, lambda b, k: b * stride + k, rstd_at, rstd_all, finish=tf32)
         else:
             if st.merged >= 0:
                 raise UnsupportedError(f"fuse: stage {op.stage} merges attention partials but its input does not "
