@@ -115,16 +115,18 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "results")
     args = p.parse_args()
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
+    import luce_compile
+    from luce_compile.cli import bench_path
+
+    # both builds before the runtime's import: luce_runtime loads TVM's runtime alone, after which the compiler's
+    # relax does not import (benchmarks/README.md, Gotchas)
+    target_art, draft_art = bench_path(args.target, "cpu"), bench_path(args.draft, "cpu")
     from cpu import _cpu_name
     from luce_runtime.bench import machine_load
     from luce_runtime.engine import Engine, EngineOptions
     from luce_runtime.sampler import SamplingParams
     from luce_runtime.speculative import DraftModel, NgramDrafter, SpeculativeDecoder
 
-    import luce_compile
-    from luce_compile.cli import bench_path
-
-    target_art, draft_art = bench_path(args.target, "cpu"), bench_path(args.draft, "cpu")
     engine = Engine(target_art, EngineOptions(max_batch=1))
     draft = Engine(draft_art, EngineOptions(max_batch=1, max_context=engine.max_context))
     decoders = {"draft model": SpeculativeDecoder(engine, DraftModel(draft, engine), draft_max=args.draft_max),
