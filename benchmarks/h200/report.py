@@ -243,6 +243,11 @@ def spec_replay_lines(replay: dict[str, Any] | None) -> list[str]:
              f"| decode step | {t['decode_ms']:.3f} | 1.00 | {d['decode_ms']:.3f} |"]
     for rows, ms in t["verify_ms"].items():
         lines.append(f"| {rows} | {ms:.3f} | {ms / t['decode_ms']:.2f} | {d['verify_ms'][rows]:.3f} |")
+    if "verify_ids_equal_decode" in t:  # replays since 2026-12-04
+        lines += [""] + [f"{who}: a verify's {e['rows']} greedy ids equal decoding the same tokens one by one at "
+                         f"{e['equal']} of {e['rows']} rows."
+                         for who, e in (("Target", t["verify_ids_equal_decode"]),
+                                        ("Draft", d["verify_ids_equal_decode"]))]
     lines += ["", "| task | drafter | prompts | tokens | plain tok/s | speculative tok/s | speed-up | tokens per "
               "target step |", "|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}

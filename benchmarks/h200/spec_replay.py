@@ -5,12 +5,13 @@ machine (runtime and this tree; spec.sh's set-up):
     python3 benchmarks/h200/spec_replay.py TARGET_DIR DRAFT_DIR --trace spec.json [--prompts 8] [--out F]
 
 TARGET_DIR and DRAFT_DIR are device_check workload folders whose artifact/ holds weights.bin (`device_check.py gguf`).
-1. Verify cost: Engine.verify of S = 1, 2, 4, 8, 16 rows of one sequence after a 256-token prompt, beside one greedy
-   decode step (Engine.decode_greedy, the megakernel where the engine chose it), medians; each rolled back after.
+1. Verify cost: Engine.verify_greedy of S = 1, 2, 4, 8, 16 rows of one sequence after a 256-token prompt (the
+   megakernel's rows up to its largest batch, where the artifact has one), beside one greedy decode step
+   (Engine.decode_greedy, the megakernel where the engine chose it), medians; each rolled back after.
 2. Replay: for the first --prompts prompts of each task of the trace, a random prompt of the same length; plain greedy
    decoding of as many tokens as the CPU run generated, then speculation making the engine calls SpeculativeDecoder
-   makes (the draft model's sync and k - 1 greedy steps, or prompt lookup's free proposal; one target verify of
-   k + 1 rows; the host's argmax of the rows judged; the rollback of the rejected), with each step's drafted and
+   makes (the draft model's sync and k - 1 greedy steps, or prompt lookup's free proposal; one greedy target verify
+   of k + 1 rows, Engine.verify_greedy; the rollback of the rejected), with each step's drafted and
    accepted counts read from the trace, since random weights would accept nothing. Tokens/s from the first
    generated token to the last, as on the CPU.
 """
@@ -61,10 +62,19 @@ def verify_costs(engine, vocab: int, rng: np.random.Generator, context: int = 25
             engine.rollback(seq, 1)
 
         def verify(s: int) -> None:
-            engine.verify([seq], [fed[:s]])
+            engine.verify_greedy([seq], [fed[:s]])
             engine.rollback(seq, s)
 
         out = {"context": context, "decode_ms": median_time(decode, repeat, warmup=2, sync=sync) * 1e3}
+        # the rows of a verify against the same tokens decoded one by one (both greedy, the paths the engine chose):
+        # on the megakernel they are one kernel's rows, so the ids must agree (a near tie aside on other paths)
+        rows = min(8, max(VERIFY_ROWS))
+        (verified,) = engine.verify_greedy([seq], [fed[:rows]])
+        engine.rollback(seq, rows)
+        decoded = [engine.decode_greedy([seq], [t])[0] for t in fed[:rows]]
+        engine.rollback(seq, rows)
+        out["verify_ids_equal_decode"] = {"rows": rows, "equal": sum(a == b for a, b in zip(verified, decoded,
+                                                                                             strict=True))}
         out["verify_ms"] = {str(s): median_time(lambda s=s: verify(s), repeat, warmup=2, sync=sync) * 1e3
                             for s in VERIFY_ROWS}
     return out
@@ -82,27 +92,32 @@ def plain(engine, prompt: list[int], tokens: int) -> float:
         return time.perf_counter() - start
 
 
-def speculative(engine, drafter, prompt: list[int], steps: list[tuple[int, int]]) -> tuple[int, float]:
-    """(tokens, seconds from the first token to the last) of speculation whose step i drafts steps[i][0] tokens and
-    has steps[i][1] of them accepted: SpeculativeDecoder.step's engine calls, the acceptance forced."""
+def speculative(engine, drafter, prompt: list[int], steps: list[tuple[int, int]]) -> tuple[int, float, int]:
+    """(tokens, seconds from the first token to the last, drafts accepted) of speculation whose step i drafts
+    steps[i][0] tokens and has steps[i][1] of them accepted: SpeculativeDecoder.step's engine calls, the acceptance
+    forced (a step drafting more than the engine verifies at decode cost is cut to that, as the decoder cuts it)."""
     from luce_runtime.sampler import Sampler, SamplingParams
 
     sampler = Sampler(SamplingParams(temperature=0))
+    cheap = engine.verify_rows_at_decode_cost  # SpeculativeDecoder.step drafts at most one row fewer
     with engine.sequence() as seq:
         history = list(prompt)
         history.append(int(np.argmax(engine.prefill([seq], [history])[0])))
         engine.device.sync()
         start = time.perf_counter()
+        accepted = 0
         for k, n in steps:
+            if cheap > 1 and k >= cheap:
+                k, n = cheap - 1, min(n, cheap - 1)
+            accepted += n
             draft = drafter.propose(history, k, sampler)
-            rows = engine.verify([seq], [[history[-1], *draft.tokens]])[0]
-            picks = [sampler.sample(rows[i], history) for i in range(n + 1)]  # accept() judges n + 1 rows
+            picks = engine.verify_greedy([seq], [[history[-1], *draft.tokens]])[0]  # as SpeculativeDecoder.step
             engine.rollback(seq, k - n)
             history += [*draft.tokens[:n], picks[n]]
         engine.device.sync()
         seconds = time.perf_counter() - start
         drafter.reset()
-    return len(history) - len(prompt), seconds
+    return len(history) - len(prompt), seconds, accepted
 
 
 def replay(target_artifact: Path, draft_artifact: Path, trace: dict, prompts: int) -> dict:
@@ -115,6 +130,7 @@ def replay(target_artifact: Path, draft_artifact: Path, trace: dict, prompts: in
     draft = Engine(draft_artifact, EngineOptions(max_batch=2, max_context=engine.max_context))
     vocab = int(engine.config["n_vocab"])
     out: dict = {"target_decode_path": engine.decode_path, "draft_decode_path": draft.decode_path,
+                 "target_verify_rows_at_decode_cost": engine.verify_rows_at_decode_cost,
                  "target": verify_costs(engine, vocab, rng), "draft": verify_costs(draft, vocab, rng), "rows": []}
     print(f"verify costs: {json.dumps(out['target'])}", file=sys.stderr)
     drafters = {"draft model": DraftModel(draft, engine), "prompt lookup": LookupReplay()}
@@ -129,9 +145,9 @@ def replay(target_artifact: Path, draft_artifact: Path, trace: dict, prompts: in
             row = {"task": task, "name": r["name"], "prompt_tokens": r["prompt_tokens"], "drafters": {}}
             for name, drafter in drafters.items():
                 steps = [tuple(s) for s in r["drafters"][name]["trace"]]
-                tokens, seconds = speculative(engine, drafter, prompt, steps)
+                tokens, seconds, accepted = speculative(engine, drafter, prompt, steps)
                 row["drafters"][name] = {"tokens": tokens, "s": seconds, "plain_s": plain(engine, prompt, tokens),
-                                         "steps": len(steps), "accepted": sum(n for _, n in steps)}
+                                         "steps": len(steps), "accepted": accepted}
             out["rows"].append(row)
             print(f"{task} {r['name']}: " + ", ".join(f"{n} {d['tokens']} tokens {d['plain_s'] / d['s']:.2f}x"
                                                        for n, d in row["drafters"].items()), file=sys.stderr)

@@ -6,6 +6,11 @@ the tasks it depends on are done), in an interleaving chosen by a seeded random 
 refuses any read of a value region no task has written yet in this step: a missing dependency is an error here,
 not a silent race. Each task computes only from the regions it declares; the float64 oracle's op functions give the
 arithmetic, so the logits must equal the oracle's to float64 rounding.
+
+Rows may share a sequence (`sequence_of_row`): a speculative verify runs the last token and the drafts of one
+sequence as rows of one step, at consecutive positions of the same pages (the runtime's Engine.verify). Then a
+row's attention reads keys that other rows append in the same step, and every such key must have been written
+before the read (checked per position and feature): the verify's causal attention holds in any interleaving.
 """
 
 from __future__ import annotations
@@ -41,34 +46,50 @@ class _Partial:
 
 
 class TaskSimulator:
-    """Decode steps of `tg` for tg.batch sequences; weights come from the oracle (dequantized float64)."""
+    """Decode steps of `tg`'s tg.batch rows; weights come from the oracle (dequantized float64). Row b feeds one
+    token of sequence sequence_of_row[b] (default: a sequence per row)."""
 
-    def __init__(self, tg: TaskGraph, plan: Plan, oracle: Oracle):
+    def __init__(self, tg: TaskGraph, plan: Plan, oracle: Oracle, sequence_of_row: list[int] | None = None):
         plan.check(tg)
         self.tg, self.plan, self.oracle = tg, plan, oracle
         self.values = tg.graph.values()
-        self.length = [0] * tg.batch  # tokens in each sequence's cache
-        self.cache: dict[str, np.ndarray] = {}  # kvcache value → (B, max_context, features)
+        self.seq = np.asarray(sequence_of_row if sequence_of_row is not None else range(tg.batch), dtype=np.int64)
+        if len(self.seq) != tg.batch:
+            raise ValueError(f"simulate: {len(self.seq)} rows' sequences for a task graph of {tg.batch} rows")
+        n_seqs = int(self.seq.max()) + 1
+        self.length = [0] * n_seqs  # tokens in each sequence's cache
+        self.cache: dict[str, np.ndarray] = {}  # kvcache value → (sequences, max_context, features)
         for value, (layer, which) in tg.kv_slots.items():
             width = self.width(value)
-            self.cache[kv_cache_value(layer, which)] = np.zeros((tg.batch, tg.max_context, width))
+            self.cache[kv_cache_value(layer, which)] = np.zeros((n_seqs, tg.max_context, width))
 
     def width(self, name: str) -> int:
         return value_width(self.values, name)
 
-    def load_prefix(self, row: int, keys_values: dict[str, np.ndarray]) -> None:
+    def load_prefix(self, seq: int, keys_values: dict[str, np.ndarray]) -> None:
         """Fill a sequence's cache with a prefix computed elsewhere: attention k/v value → (L, features)."""
         for value, (layer, which) in self.tg.kv_slots.items():
             kv = keys_values[value]
-            self.cache[kv_cache_value(layer, which)][row, :len(kv)] = kv
-            self.length[row] = len(kv)
+            self.cache[kv_cache_value(layer, which)][seq, :len(kv)] = kv
+            self.length[seq] = len(kv)
 
-    def step(self, tokens: list[int], *, seed: int | None = 0, adversarial: bool = False) -> tuple[np.ndarray, list]:
-        """One decode step: each sequence's next token → (logits (B, V), greedy token ids)."""
-        if any(n >= self.tg.max_context for n in self.length):
+    def step(self, tokens: list[int], *, positions: list[int] | None = None, seed: int | None = 0,
+             adversarial: bool = False) -> tuple[np.ndarray, list]:
+        """One step: row b's token at positions[b] of its sequence (default: the sequence's length plus the rows of
+        that sequence before b) → (logits (B, V), greedy token ids). A row may repeat another's token and
+        position (the runtime pads a step to the kernel's batch so)."""
+        if positions is None:
+            seen: dict[int, int] = {}
+            positions = []
+            for s in self.seq.tolist():
+                positions.append(self.length[s] + seen.get(s, 0))
+                seen[s] = seen.get(s, 0) + 1
+        if max(positions) >= self.tg.max_context:
             raise ScheduleError("simulate: a sequence is at the maximum context")
         self.tokens = np.asarray(tokens, dtype=np.int64)
-        self.pos = np.asarray(self.length, dtype=np.int64)
+        self.pos = np.asarray(positions, dtype=np.int64)
+        self.step_start = list(self.length)  # positions from here on are this step's appends
+        self.kv_written = {name: np.zeros(c.shape, dtype=bool) for name, c in self.cache.items()}
         self.buf: dict[str, np.ndarray] = {}
         self.written: dict[str, np.ndarray] = {}
         self.partials: dict[tuple, _Partial] = {}
@@ -78,7 +99,8 @@ class TaskSimulator:
             for r in task.reads:
                 self._check_read(task, r)
             getattr(self, f"_{task.kind.value}")(task)
-        self.length = [n + 1 for n in self.length]
+        for s, p in zip(self.seq.tolist(), positions, strict=True):
+            self.length[s] = max(self.length[s], p + 1)
         return self.buf[LOGITS], [int(t) for t in self.buf[TOKEN_IDS][:, 0]]
 
     # ---- the blocks ---------------------------------------------------------------------------------------------
@@ -163,8 +185,10 @@ class TaskSimulator:
             env[op.outputs[0]] = self._local(op, ins, lo, hi)
         for name, y in env.items():
             self.write(name, lo, hi, y)
-            if name in self.tg.kv_slots:  # the KV append: this step's keys or values at each sequence's position
-                self.cache[kv_cache_value(*self.tg.kv_slots[name])][np.arange(self.tg.batch), self.pos, lo:hi] = y
+            if name in self.tg.kv_slots:  # the KV append: this step's keys or values at each row's position
+                cache = kv_cache_value(*self.tg.kv_slots[name])
+                self.cache[cache][self.seq, self.pos, lo:hi] = y
+                self.kv_written[cache][self.seq, self.pos, lo:hi] = True
         if any(m.kind == OpKind.LM_HEAD for m in unit.matmuls):
             logits = env[unit.epilogue[-1].outputs[0] if unit.epilogue else unit.matmuls[0].outputs[0]]
             for b in range(self.tg.batch):  # the tile's partial argmax (first index on ties, as numpy's argmax)
@@ -225,8 +249,15 @@ class TaskSimulator:
         chunk = self.tg.chunk_keys(pos + 1 - first)
         lo = first + task.split * chunk
         hi = min(pos + 1, lo + chunk) if st.n_splits > 1 else pos + 1
-        keys = self.cache[kv_cache_value(a["layer"], "k")][b, lo:hi, g * d:(g + 1) * d]
-        vals = self.cache[kv_cache_value(a["layer"], "v")][b, lo:hi, g * dv:(g + 1) * dv]
+        s_b = int(self.seq[b])
+        for which, width in (("k", d), ("v", dv)):  # keys this step appends must be written before this read
+            name = kv_cache_value(a["layer"], which)
+            new = slice(max(lo, self.step_start[s_b]), hi)
+            if not self.kv_written[name][s_b, new, g * width:(g + 1) * width].all():
+                raise ScheduleError(f"simulate: task {task.id} (attention, row {b}) reads {name} at positions "
+                                    f"{new.start}..{new.stop - 1} before this step wrote them")
+        keys = self.cache[kv_cache_value(a["layer"], "k")][s_b, lo:hi, g * d:(g + 1) * d]
+        vals = self.cache[kv_cache_value(a["layer"], "v")][s_b, lo:hi, g * dv:(g + 1) * dv]
         if hi <= lo:  # an empty chunk: nothing to add (the kernel's early exit)
             part = _Partial(np.full(group, -np.inf), np.zeros(group), np.zeros((group, dv)))
         else:

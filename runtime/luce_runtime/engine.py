@@ -59,6 +59,9 @@ class EngineOptions:
     megakernel: bool | str = "auto"
 
 
+INT8_VERIFY_ROWS = 16  # the most rows the int8 low-row matmuls are built for (schedules/cpu/int8_gemv.py)
+
+
 def _ranges(numbers: set[int]) -> str:
     """{1, 2, 3, 8} → '1-3, 8'."""
     out: list[str] = []
@@ -149,9 +152,9 @@ class _KV:
         self.flush(seqs)
         self._begin(self.cache, tvm_ffi.Shape(list(seqs)), tvm_ffi.Shape(list(lengths)))
 
-    def defer(self, seq: int) -> None:
-        """One token appended to `seq` in a page TVM holds, its keys and values already written there."""
-        self.behind[seq] = self.behind.get(seq, 0) + 1
+    def defer(self, seq: int, n: int = 1) -> None:
+        """n tokens appended to `seq` in pages TVM holds, their keys and values already written there."""
+        self.behind[seq] = self.behind.get(seq, 0) + n
 
     def flush(self, seqs: Sequence[int]) -> None:
         """TVM counts the deferred tokens of these sequences: one forward that reserves their slots (the same slots:
@@ -256,10 +259,14 @@ class Engine:
             raise EngineError(f"engine: megakernel must be True, False or 'auto', got {self.options.megakernel!r}")
         self.megakernel = self._load_megakernel(weights)
         self._mk_sizes: set[int] = set()  # numbers of sequences whose decode steps run the megakernel
+        # rows of a verify the megakernel takes (each fed token a row, at its own position of its sequence's pages)
+        self._mk_verify_rows = 0
         self.decode_timings_us: dict[int, tuple[float, float]] = {}  # n → (megakernel, per-op) µs, when measured
+        self.verify_timings_us: dict[int, tuple[float, float]] = {}  # rows → (megakernel, per-op) µs, likewise
         if self.megakernel is not None:
             largest = min(self.megakernel.batches[-1], self.options.max_batch)
             self._mk_sizes = set(range(1, largest + 1))
+            self._mk_verify_rows = self.megakernel.batches[-1]
             if self.options.megakernel == "auto":
                 self._choose_decode_paths()
 
@@ -292,7 +299,8 @@ class Engine:
         the megakernel at one sequence on three of four workloads, the per-op GEMVs at eight on three of four), so
         it is measured here, once, ~1 s at load. Without a size left the megakernels' buffers are freed."""
         sizes = sorted(self._mk_sizes)
-        appended = len(sizes) * 2 * (steps + 2)  # tokens the timed steps add to the first sequence
+        rows = self._mk_verify_rows
+        appended = len(sizes) * 2 * (steps + 2) + 2 * rows * (steps + 2)  # tokens the timed steps add at most
         context = max(1, min(context, self.max_context - appended - 1))
         rng = np.random.default_rng(0)
         seqs = [self.add_sequence() for _ in sizes]
@@ -308,18 +316,40 @@ class Engine:
                 times[n] = (mk, op)
                 if mk < op:
                     chosen.add(n)
+            # a verify of the largest kernel's rows (one sequence): the megakernel's rows, or the per-op verify
+            # (the prefill function's fixed cost: 2.5-3 decode steps on the H200 from 2 rows up, 2026-12-02)
+            feed = [[0] * rows]
+            mk_v = median_time(lambda: self._verify_then_pop(seqs[0], feed, True), steps, warmup=2,
+                               sync=self.device.sync)
+            op_v = median_time(lambda: self._verify_then_pop(seqs[0], feed, False), steps, warmup=2,
+                               sync=self.device.sync)
         finally:
             for sid in seqs:
                 self.remove_sequence(sid)
         self._mk_sizes = chosen
         self.decode_timings_us = {n: (round(mk * 1e6, 1), round(op * 1e6, 1)) for n, (mk, op) in times.items()}
-        log.info("engine: decode step µs (megakernel, per-op) by sequences: %s", self.decode_timings_us)
-        if not chosen:
+        self.verify_timings_us = {rows: (round(mk_v * 1e6, 1), round(op_v * 1e6, 1))}
+        if mk_v >= op_v:
+            self._mk_verify_rows = 0
+        log.info("engine: decode step µs (megakernel, per-op) by sequences: %s; verify of %d rows: %s",
+                 self.decode_timings_us, rows, self.verify_timings_us[rows])
+        verify = f", verify of up to {self._mk_verify_rows} rows" if self._mk_verify_rows else ""
+        if not chosen and not self._mk_verify_rows:
             self.megakernel = None  # its stacked weights and arenas leave the device
-            self.decode_path = "per-op kernels (the megakernel measured slower at every batch size)"
+            self.decode_path = "per-op kernels (the megakernel measured slower at every batch size and for verify)"
+        elif not chosen:
+            self.decode_path = f"per-op kernels (measured faster at load); megakernel for verify of up to {rows} rows"
         else:
-            self.decode_path = (f"megakernel for {_ranges(chosen)} sequences (measured faster at load), per-op "
-                                "otherwise")
+            self.decode_path = (f"megakernel for {_ranges(chosen)} sequences{verify} (measured faster at load), "
+                                "per-op otherwise")
+
+    def _verify_then_pop(self, seq_id: int, feeds: list[list[int]], megakernel: bool) -> None:
+        """A verify of one sequence through the megakernel or the per-op path, its tokens popped again (timings)."""
+        if megakernel:
+            self._megakernel_rows([seq_id], feeds, logits=False)
+        else:
+            self._forward([seq_id], feeds, Fn.VERIFY if self.has_int8_verify else Fn.PREFILL, every_row=True)
+        self.rollback(seq_id, len(feeds[0]))
 
     # ---- facts -----------------------------------------------------------------------------------------------------
     @property
@@ -335,6 +365,15 @@ class Engine:
         """The artifact exports `verify` (decode's integer matmuls over several rows): a few tokens cost about one
         decode step each, where the float32 prefill function costs several."""
         return str(Fn.VERIFY) in self._fns
+
+    @property
+    def verify_rows_at_decode_cost(self) -> int:
+        """The most rows a verify takes through decode's own kernels, at about a decode step's cost (the
+        megakernel's rows, or the int8 `verify` function's low-row matmuls); 0: verify runs the prefill function,
+        whose fixed cost is several decode steps."""
+        if self.megakernel is not None and self._mk_verify_rows:
+            return self._mk_verify_rows
+        return INT8_VERIFY_ROWS if self.has_int8_verify else 0
 
     @property
     def max_sequences(self) -> int:
@@ -534,33 +573,47 @@ class Engine:
 
     def _megakernel_step(self, seq_ids: list[int], tokens: list[int], logits: bool = True,
                          allowed: np.ndarray | None = None) -> np.ndarray:
-        """decode() through the megakernel: the kernel writes each new token's keys and values into its slot and
-        attends over the sequence's pages. A token whose position lies in a page TVM already holds for the
-        sequence (read before, not moved since) is only counted (_KV.defer: skipping TVM's begin + end forward took
-        ~100 µs off SmolLM2's step on the H200); otherwise TVM's cache reserves the slot first (begin forward, which
-        allocates a page at a page boundary and copies a shared last page after a fork), as a per-op step does.
-        The logits, or the greedy ids."""
+        """decode() through the megakernel: one row per sequence (_megakernel_rows)."""
+        return self._megakernel_rows(seq_ids, [[t] for t in tokens], logits=logits, allowed=allowed)
+
+    def _megakernel_rows(self, seq_ids: list[int], feeds: list[list[int]], logits: bool = True,
+                         allowed: np.ndarray | None = None) -> np.ndarray:
+        """One megakernel step over every fed token: token j of sequence s is a row at position length(s) + j of
+        s's pages (a decode step feeds one token a sequence; a verify several). The kernel writes each row's keys
+        and values into its slot, and a row attends over its sequence's keys up to its own position: every
+        attention task waits on the key/value tiles of all rows of the step (the task graph's regions), so a
+        verify's rows see the drafts before them, causally, as a prefill chunk does.
+
+        A token whose position lies in a page TVM already holds for the sequence (read before, not moved since) is
+        only counted (_KV.defer: skipping TVM's begin + end forward took ~100 µs off SmolLM2's step on the H200);
+        otherwise TVM's cache reserves the slots first (begin forward, which allocates pages at page boundaries
+        and copies a shared last page after a fork), as a per-op step does. The logits (rows, V) or the greedy
+        ids (rows,), rows in feed order."""
         lengths = [self._live[s] for s in seq_ids]
-        reserve = [s for s, n in zip(seq_ids, lengths, strict=True)
-                   if n >= len(self._mk_pages.get(s, ())) * self.page_size]
+        counts = [len(f) for f in feeds]
+        reserve = [(s, c) for s, n, c in zip(seq_ids, lengths, counts, strict=True)
+                   if n + c > len(self._mk_pages.get(s, ())) * self.page_size]
         if reserve:
-            self._kv.begin(reserve, [1] * len(reserve))
+            self._kv.begin([s for s, _ in reserve], [c for _, c in reserve])
         try:
-            pages = [self._page_ids(s, n + 1) for s, n in zip(seq_ids, lengths, strict=True)]
-            out = self.megakernel.step(tokens, lengths, pages, *self._pages.kernel_args(self.device), logits=logits,
-                                       allowed=allowed)
+            pages = [self._page_ids(s, n + c) for s, n, c in zip(seq_ids, lengths, counts, strict=True)]
+            out = self.megakernel.step([t for f in feeds for t in f],
+                                       [n + j for n, c in zip(lengths, counts, strict=True) for j in range(c)],
+                                       [p for p, c in zip(pages, counts, strict=True) for _ in range(c)],
+                                       *self._pages.kernel_args(self.device), logits=logits, allowed=allowed)
         except BaseException:
             if reserve:
                 self._kv.end()
-            for sid in reserve:
-                self._undo_append(sid, 1)  # forgets the page ids read for the step too (_pages_moved)
+            for sid, c in reserve:
+                self._undo_append(sid, c)  # forgets the page ids read for the step too (_pages_moved)
             raise
         if reserve:
             self._kv.end()
-        for sid in seq_ids:
-            self._live[sid] += 1
-            if sid not in reserve:
-                self._kv.defer(sid)
+        reserved = {s for s, _ in reserve}
+        for sid, c in zip(seq_ids, counts, strict=True):
+            self._live[sid] += c
+            if sid not in reserved:
+                self._kv.defer(sid, c)
         return out
 
     def _page_ids(self, seq_id: int, length: int) -> list[int]:
@@ -587,10 +640,35 @@ class Engine:
         the drafts); the logits after every appended token, one (len(tokens[i]), V) float32 array per sequence.
         Row j of a sequence scores the token after its j-th fed token. Roll back the rejected tail with rollback().
 
-        An artifact whose decode takes 8-bit activations (--precision auto on x86 with AVX2, or int8) exports `verify`:
-        prefill's attention with decode's integer matmuls, each row quantized on its own as decode quantizes it, so
-        the rows are decode's numbers (up to the two attention kernels' float rounding) at decode's per-row cost.
-        Otherwise it runs the prefill function with every row selected (float32 GEMMs, as decode's there)."""
+        Where the artifact has decode megakernels and the rows fit the largest (8 rows by default), the megakernel
+        runs them: each fed token is a row at its own position, so a verify costs about one batched decode step
+        and its rows are the megakernel's decode numbers (bit-identical to decoding the same tokens one by one on
+        it). An artifact whose decode takes 8-bit activations (--precision auto on x86 with AVX2, or int8) exports
+        `verify`: prefill's attention with decode's integer matmuls, each row quantized on its own as decode
+        quantizes it, so the rows are decode's numbers (up to the two attention kernels' float rounding) at
+        decode's per-row cost. Otherwise it runs the prefill function with every row selected."""
+        self._check_verify(seq_ids, tokens)
+        if self._verify_on_megakernel(tokens):
+            logits = self._megakernel_rows(list(seq_ids), [list(map(int, t)) for t in tokens])
+        else:
+            fn = Fn.VERIFY if self.has_int8_verify else Fn.PREFILL
+            logits = self._forward(list(seq_ids), [list(t) for t in tokens], fn, every_row=True)
+        return np.split(logits, np.cumsum([len(t) for t in tokens])[:-1])
+
+    def verify_greedy(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[list[int]]:
+        """verify() followed by every row's argmax (the lowest index of the largest logit): only the ids cross to
+        the host where the megakernel runs the verify (greedy speculation needs nothing else)."""
+        self._check_verify(seq_ids, tokens)
+        if not self._verify_on_megakernel(tokens):
+            return [np.argmax(rows, axis=-1).tolist() for rows in self.verify(seq_ids, tokens)]
+        ids = self._megakernel_rows(list(seq_ids), [list(map(int, t)) for t in tokens], logits=False).tolist()
+        at = np.cumsum([0, *(len(t) for t in tokens)])
+        return [ids[a:b] for a, b in zip(at[:-1], at[1:], strict=True)]
+
+    def _verify_on_megakernel(self, tokens: Sequence[Sequence[int]]) -> bool:
+        return self.megakernel is not None and sum(len(t) for t in tokens) <= self._mk_verify_rows
+
+    def _check_verify(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
         self._check_step(seq_ids, tokens)
         total = sum(len(t) for t in tokens)
         if total > self.prefill_chunk:
@@ -601,9 +679,6 @@ class Engine:
                 raise EngineError(f"engine: sequence {sid} can take {self.chunk_limit(sid)} tokens per call, not "
                                   f"{len(toks)} (TVM's CPU prefill on sliding-window layers, see chunk_limit); "
                                   "speculative decoding needs a model without sliding windows.")
-        fn = Fn.VERIFY if self.has_int8_verify else Fn.PREFILL
-        logits = self._forward(list(seq_ids), [list(t) for t in tokens], fn, every_row=True)
-        return np.split(logits, np.cumsum([len(t) for t in tokens])[:-1])
 
     def _forward(self, seq_ids: list[int], tokens: list[list[int]], fn: Fn, every_row: bool = False) -> np.ndarray:
         """One call of a compiled step between the cache's begin and end of forward; on failure the appended

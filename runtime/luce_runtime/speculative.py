@@ -36,7 +36,9 @@ from luce_runtime.sampler import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
 
-VERIFY_ROWS = 16  # the most rows the low-row integer path is built for (schedules/cpu/int8_gemv.py)
+# the tokens a draft model feeds before drafting in steady state: the target's token after a rejection, or the last
+# draft and the target's token after a full acceptance; more is a prompt's prefill, not timed as drafting
+CATCH_UP = 2
 
 
 class SpecError(LuceError, ValueError):
@@ -50,6 +52,9 @@ class Draft:
 
     tokens: list[int]
     probs: list[np.ndarray] | None = None
+    # tokens the drafter's own model took in to catch up with the history before drafting: 1-2 a step, the whole
+    # prompt at a generation's first proposal (a prefill, which is no drafting cost: DraftLength must not learn it)
+    fed: int = 0
 
 
 class Drafter(Protocol):
@@ -130,6 +135,7 @@ class DraftModel:
             refuse_sliding_window(engine, "draft model")
         self.engine = engine
         self._seq: int | None = None
+        self._fed = 0  # tokens the last proposal fed to catch up (Draft.fed)
         self._tokens: list[int] = []  # what the draft sequence's cache holds
         self._committed = 0  # history[:_committed] was committed at the last proposal: never changes after
 
@@ -155,7 +161,7 @@ class DraftModel:
                 else:
                     logits = self.engine.decode([self._seq], [token])[0]
                 self._tokens.append(token)
-        return Draft(tokens, probs or None)
+        return Draft(tokens, probs or None, fed=self._fed)
 
     def _sync(self, history: Sequence[int]) -> np.ndarray:
         """Make the draft cache hold history and return the logits after it: roll back what was not accepted, feed
@@ -167,13 +173,15 @@ class DraftModel:
             same += 1
         self.engine.rollback(self._seq, len(self._tokens) - same)
         new = list(history[same:])
+        self._fed = len(new)
         self._tokens = list(history)
         self._committed = len(history)
         if len(new) == 1:
             return self.engine.decode([self._seq], new)[0]
-        if len(new) <= VERIFY_ROWS and self.engine.has_int8_verify:
-            # after a fully accepted step: 2 new tokens. An int8 artifact's float32 prefill costs several of its
-            # decode steps even for 2 tokens; verify is decode's integer matmuls at ~1.5 steps for 2 rows
+        if len(new) <= self.engine.verify_rows_at_decode_cost:
+            # after a fully accepted step: 2 new tokens. The prefill function costs several decode steps even for
+            # 2 tokens (an int8 artifact's float32 GEMMs; on a GPU its fixed cost); verify through decode's kernels
+            # (the megakernel's rows, the int8 low-row matmuls) costs ~1-1.5 steps for 2 rows
             return self.engine.verify([self._seq], [new])[0][-1]
         return self.engine.prefill([self._seq], [new])[0]
 
@@ -368,11 +376,14 @@ class SpeculativeDecoder:
         """One target forward: the tokens it commits after history (1 to k + 1 of them)."""
         engine, length, clock = self.engine, self.length, time.perf_counter
         observe = length.observe if self.timed_length else _ignore
-        # a step emits up to k + 1 tokens; a verify feeds k + 1 into one prefill chunk
-        k = min(length.k, remaining - 1, engine.prefill_chunk - 1)
+        # a step emits up to k + 1 tokens; a verify feeds k + 1 into one prefill chunk, and into the megakernel's
+        # largest batch where it verifies (a row more would cost the prefill function's 2.5-3 steps on the H200)
+        cheap = engine.verify_rows_at_decode_cost
+        k = min(length.k, remaining - 1, engine.prefill_chunk - 1, cheap - 1 if cheap > 1 else length.k)
         start = clock()
         draft = self.drafter.propose(history, k, sampler) if k > 0 else Draft([])
-        observe("draft", clock() - start, len(draft.tokens))
+        if draft.fed <= CATCH_UP:  # not a proposal that prefilled the draft model with the prompt
+            observe("draft", clock() - start, len(draft.tokens))
         self.stats.steps += 1
         if not draft.tokens:  # nothing to verify: a plain decode step (the GEMV path), as Engine.generate's
             start = clock()
@@ -387,9 +398,18 @@ class SpeculativeDecoder:
             raise EngineError(f"speculative: drafter {self.drafter.name} proposed {len(draft.tokens)} tokens, "
                               f"asked for at most {k}.")
         start = clock()
-        rows = engine.verify([seq], [[history[-1], *draft.tokens]])[0]
-        observe("verify", clock() - start, len(draft.tokens))
-        n, token = accept(rows, draft, sampler, history)
+        fed = [history[-1], *draft.tokens]
+        if sampler.argmax_only:  # greedy: the rows' argmax ids are all acceptance needs (only they cross to the host
+            # where the megakernel verifies)
+            ids = engine.verify_greedy([seq], [fed])[0]
+            observe("verify", clock() - start, len(draft.tokens))
+            n = next((i for i, (d, t) in enumerate(zip(draft.tokens, ids, strict=False)) if d != t),
+                     len(draft.tokens))
+            token = ids[n]
+        else:
+            rows = engine.verify([seq], [fed])[0]
+            observe("verify", clock() - start, len(draft.tokens))
+            n, token = accept(rows, draft, sampler, history)
         engine.rollback(seq, len(draft.tokens) - n)
         self.stats.drafted += len(draft.tokens)
         self.stats.accepted += n

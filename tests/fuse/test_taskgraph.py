@@ -89,6 +89,61 @@ def test_dropping_any_dependency_is_caught(name, fold, last, rng):
             sim.step([1, 2], adversarial=True)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])  # the megakernel's (no sliding window)
+@pytest.mark.parametrize(("kv_splits", "fold", "last"), [(0, False, False), (3, True, False), (3, False, True)],
+                         ids=["chunks-of-8", "3-splits-merged-by-o-proj", "3-splits-merged-by-last"])
+def test_rows_of_one_sequence_verify_like_decoding_them_in_turn(name, kv_splits, fold, last, rng):
+    """A speculative verify on the megakernel (Engine.verify): the last token and the drafts of one sequence as the
+    rows of one step, at consecutive positions of the same pages. Each row's logits must be the oracle's after
+    decoding the tokens one by one, in any block interleaving: a row's attention reads the keys the rows before it
+    append in the same step, which the simulator checks were written first. The engine pads a verify to the
+    kernel's batch by repeating the last row (same token and position): that row must give the last row's logits."""
+    batch = 5
+    path, graph, tg, plan = setup(name, batch, kv_splits=kv_splits, fold=fold, last=last)
+    sim = TaskSimulator(tg, plan, Oracle(path), sequence_of_row=[0] * batch)
+    oracle = Oracle(path)
+    kv, _ = prefill_kv(oracle, graph, [int(t) for t in rng.integers(0, 49152, 6)])
+    sim.load_prefix(0, kv)
+    for step in range(4):
+        fed = [int(t) for t in rng.integers(0, 49152, batch)]
+        real = batch - (step == 3)  # the last step: 4 real rows and the 4th repeated
+        fed[real:] = [fed[real - 1]] * (batch - real)
+        start = sim.length[0]
+        positions = [start + min(j, real - 1) for j in range(batch)]
+        got, ids = sim.step(fed, positions=positions, seed=step, adversarial=step % 2 == 1)
+        for j in range(real):
+            want = oracle.decode(fed[j])
+            err = np.max(np.abs(got[j] - want)) / np.max(np.abs(want))
+            assert err < 1e-10, (step, j, err)
+            assert ids[j] == int(np.argmax(want))
+        for j in range(real, batch):
+            # equal up to numpy's float64 rounding (BLAS may block a matrix's last row differently)
+            assert np.max(np.abs(got[j] - got[real - 1])) <= 1e-12 * np.max(np.abs(got[real - 1]))
+            assert ids[j] == ids[real - 1]
+        assert sim.length[0] == start + real
+
+
+def test_a_verify_row_reading_keys_not_yet_appended_is_caught(rng):
+    """The check the test above leans on: an attention task that does not wait on the key/value tiles reads this
+    step's keys before they are written, and the simulator says so (verify rows of one sequence)."""
+    path, graph, tg, _ = setup("tiny-llama", batch=3)
+    plan = plan_queues(tg, CostModel(n_sms=len(tg.tasks)))  # a task runs as soon as its declared deps allow
+    kv_writers = {t.id for t in tg.tasks if any(w.value.startswith("kvcache:") for w in t.writes)}
+    tasks = [dataclasses.replace(t, deps=tuple(d for d in t.deps if d not in kv_writers))
+             if t.kind == TaskKind.ATTN_PARTIAL else t for t in tg.tasks]
+    kv, _ = prefill_kv(Oracle(path), graph, [int(t) for t in rng.integers(0, 49152, 5)])
+    caught = 0
+    for seed in range(8):  # random interleavings (the adversarial one runs the key/value tiles before the queries')
+        sim = TaskSimulator(dataclasses.replace(tg, tasks=tasks), plan, Oracle(path), sequence_of_row=[0, 0, 0])
+        sim.load_prefix(0, kv)
+        try:
+            sim.step([1, 2, 3], seed=seed)
+        except ScheduleError as e:
+            assert "before this step wrote them" in str(e)
+            caught += 1
+    assert caught >= 4, caught
+
+
 def test_fusions_and_plan_shape():
     _, graph, tg, plan = setup("tiny-gemma3", batch=2, n_sms=8)
     kinds = [st.kind for st in tg.stages]

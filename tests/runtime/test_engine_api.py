@@ -187,31 +187,36 @@ def test_decode_greedy_under_masks_is_the_best_allowed_token(engine, rng):
 
 
 def test_the_engine_keeps_the_megakernel_only_where_it_measured_faster(engine, monkeypatch):
-    """_choose_decode_paths times both paths per number of sequences and routes decode by the result. The CUDA
-    megakernel is stood in for by a step that takes no time for one sequence and 30 ms for more."""
+    """_choose_decode_paths times both paths per number of sequences, and a verify of the largest kernel's rows,
+    and routes decode and verify by the result. The CUDA megakernel is stood in for by a step that takes no time for
+    rows of one sequence (a decode of one, a verify) and 30 ms for more sequences."""
     import time
 
     from luce_runtime import engine as engine_module
 
     calls = []
 
-    def fake_step(seq_ids, tokens, logits=True, allowed=None):
-        calls.append(len(seq_ids))
+    def fake_rows(seq_ids, feeds, logits=True, allowed=None):
+        calls.append([len(f) for f in feeds])
         time.sleep(0 if len(seq_ids) == 1 else 0.03)
-        engine._live.update({s: engine._live[s] + 1 for s in seq_ids})
-        return np.zeros(len(seq_ids), np.int32) if not logits else np.zeros((len(seq_ids), engine.vocab_size))
+        engine._live.update({s: engine._live[s] + len(f) for s, f in zip(seq_ids, feeds, strict=True)})
+        rows = sum(len(f) for f in feeds)
+        return np.zeros(rows, np.int32) if not logits else np.zeros((rows, engine.vocab_size))
 
-    monkeypatch.setattr(engine, "_megakernel_step", fake_step)
-    engine.megakernel, engine._mk_sizes, engine._mk_pages = object(), {1, 2, 3}, {}
+    monkeypatch.setattr(engine, "_megakernel_rows", fake_rows)
+    engine.megakernel, engine._mk_sizes, engine._mk_pages, engine._mk_verify_rows = object(), {1, 2, 3}, {}, 3
     engine._choose_decode_paths(context=8, steps=2)
-    assert engine._mk_sizes == {1} and engine.decode_path.startswith("megakernel for 1 sequences")
-    assert set(engine.decode_timings_us) == {1, 2, 3} and engine.sequences() == {}
+    assert engine._mk_sizes == {1} and engine.decode_path.startswith("megakernel for 1 sequences, verify of up to 3")
+    assert set(engine.decode_timings_us) == {1, 2, 3} and set(engine.verify_timings_us) == {3}
+    assert engine.sequences() == {} and engine.verify_rows_at_decode_cost == 3
     a, b = engine.add_sequence(), engine.add_sequence()
     engine.prefill([a, b], [[1, 2, 3], [4, 5, 6]])
     calls.clear()
     engine.decode_greedy([a], [7])
     engine.decode_greedy([a, b], [7, 8])  # two sequences: the per-op kernels
-    assert calls == [1]
+    assert engine.verify_greedy([b], [[9, 10, 11]]) == [[0, 0, 0]]  # three rows of one sequence: the megakernel
+    engine.verify([a, b], [[1, 2], [3, 4]])  # four rows: more than the largest kernel's, the per-op verify
+    assert calls == [[1], [3]] and engine.length(a) == 7 and engine.length(b) == 9
     monkeypatch.setattr(engine_module, "median_time", lambda fn, *a, **k: (fn(), 1.0)[1] if fn else 1.0)
     engine._mk_sizes = {1}
     engine._choose_decode_paths(context=8, steps=1)  # a tie is no gain: the per-op path stays

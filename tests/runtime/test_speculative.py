@@ -81,6 +81,9 @@ def test_verify_scores_every_fed_token_as_decode_steps_do(target, rng):
     assert rel_err(got, want) < TOL
     target.rollback(seq, 4)  # the rejected tail of a verify goes as any tokens do
     assert rel_err(target.decode([seq], [fed[3]])[0], want[3]) < TOL
+    target.rollback(seq, 1)
+    (ids,) = target.verify_greedy([seq], [fed[3:]])  # greedy speculation's form: only the rows' argmax
+    assert ids == np.argmax(want[3:], axis=-1).tolist() and target.length(seq) == 28
     with pytest.raises(Exception, match="longer than the prefill chunk"):
         target.verify([seq], [[1] * (target.prefill_chunk + 1)])
 
@@ -256,6 +259,26 @@ def test_draft_length_from_measured_costs_keeps_plain_decodings_ids(target, draf
     for prompt in prompts(rng, target.vocab_size, 8):
         assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params)), prompt
     assert decoder.length.measured and decoder.stats.drafted > 0, decoder.stats
+
+
+@pytest.mark.e2e
+def test_a_draft_models_prompt_prefill_is_not_timed_as_drafting(target, drafts, rng, monkeypatch):
+    """The draft model's first proposal of a generation prefills the prompt (and the first token) into its own
+    cache: that is no drafting cost, and learning it as one (an exponential average over every draft) had the draft
+    length decide that drafts cost about a target step each and stop drafting for good (benchmarks/README.md,
+    2026-12-04)."""
+    decoder = SpeculativeDecoder(target, drafter_of("q4", target, drafts), draft_max=4)
+    timed: list[int] = []
+    observe = decoder.length.observe
+    monkeypatch.setattr(decoder.length, "observe", lambda kind, seconds, drafts=0: (
+        timed.append(drafts) if kind == "draft" and drafts else None, observe(kind, seconds, drafts)))
+    fed: list[int] = []
+    propose = decoder.drafter.propose
+    monkeypatch.setattr(decoder.drafter, "propose", lambda *a: (d := propose(*a), fed.append(d.fed))[0])
+    prompt = [int(t) for t in rng.integers(0, target.vocab_size, 30)]
+    list(decoder.generate(prompt, SamplingParams(temperature=0, max_tokens=24)))
+    assert fed[0] == len(prompt) + 1 and all(1 <= n <= 2 for n in fed[1:]), fed
+    assert len(timed) == len(fed) - 1  # every proposal timed but the prompt's
 
 
 @pytest.mark.e2e
