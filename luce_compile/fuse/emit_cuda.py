@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from tvm import DataType, tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
+from tvm.sym import Analyzer
 from tvm.tirx.script.builder import ir as B
 
 from luce_compile.errors import UnsupportedError
@@ -94,6 +95,48 @@ class _Stacked:
         return self.buf[(self.layer, *idx)] if isinstance(idx, tuple) else self.buf[self.layer, idx]
 
 
+class _Granule:
+    """The planes of a stacked weight while one granule (8 values) is dequantized, and the integer-to-float
+    conversion: the eight dequant_expr calls of a granule read the same quant word and the same scales (K-quants:
+    d, dmin, sc, mn; Q5/Q6: the high-bit word) and convert the same scale integers, each of them eight times in the
+    CUDA the IR builder writes. Here each distinct load and each conversion of a loaded scale goes into a register
+    once (the source of a K-quant matvec shrinks several-fold, and with it nvcc's time); the arithmetic is
+    dequant_expr's, so the values are the same to the bit."""
+
+    def __init__(self, planes: dict[str, tirx.Buffer], layer: tirx.Expr, analyzer):
+        self.layer, self.analyzer = layer, analyzer
+        self.cache: dict[tuple, tirx.Buffer] = {}
+        self.loaded: list[tuple[tirx.Buffer, tuple]] = []  # (register, the key of the load it holds)
+        self.planes = {name: _GranulePlane(self, buf) for name, buf in planes.items()}
+
+    def once(self, key: tuple, dtype: str, value: tirx.Expr) -> tirx.Expr:
+        if key not in self.cache:
+            reg = B.alloc_buffer((1,), dtype, scope="local")
+            B.buffer_store(reg, value, [i32(0)])
+            self.cache[key] = reg
+            self.loaded.append((reg, key))
+        return self.cache[key][0]
+
+    def int_to_float(self, value: tirx.Expr) -> tirx.Expr:
+        # a load is a tvm.ir.expr.TensorLoad in TVM 0.27, its buffer in `source`; TIR variables compare by
+        # building an expression, not by identity: same_as, not a dict
+        src = getattr(value, "source", None)
+        key = next((k for reg, k in self.loaded if src is not None and src.same_as(reg)), None)
+        if key is not None:  # a loaded integer (a scale, a min; Q8_0's quant): converted once
+            return self.once(("itof", *key), F32, exact_int_to_float(value))
+        return exact_int_to_float(value)
+
+
+class _GranulePlane:
+    def __init__(self, granule: _Granule, buf: tirx.Buffer):
+        self.granule, self.buf = granule, buf
+
+    def __getitem__(self, idx):
+        g = self.granule
+        idx = tuple(g.analyzer.simplify(i) for i in idx)
+        return g.once((self.buf.name, *(str(i) for i in idx)), self.buf.dtype, self.buf[(g.layer, *idx)])
+
+
 class MegakernelEmitter:
     def __init__(self, prog: P.Program, *, name: str, options: MegakernelOptions):
         self.p, self.name, self.kv_dtype = prog, name, options.kv_dtype
@@ -108,6 +151,7 @@ class MegakernelEmitter:
         self.float_mma = options.float_mma
         self.float_mma_ahead = options.float_mma_ahead
         self.float_mma_tiles = options.float_mma_tiles
+        self.analyzer = Analyzer()  # _Granule's index simplification
         self.q8_batch = max(options.batches or (self.nb,))  # a stage's q8 choice is the same at every batch size
         # float32 words of shared memory: static up to 48 KiB, dynamic above (TVM's launch raises the limit)
         self.shared_floats = (options.shared_kib or STATIC_KIB) * 256  # 0: no target known here, the static
@@ -978,14 +1022,22 @@ class MegakernelEmitter:
                 x = self.smem[(b * 8 + j) * granules + g] if staged else xval(b, g * 8 + j)
                 self.store(xv, b * 8 + j, x)
         types = self._weight_types(unit)
+        if any(t not in FLOAT_WORDS for t in types):
+            # the granule index in a register: its eight values' indices are then `g * 8 + j`, whose blocks
+            # (k // 32, k // 256) the analyzer sees are one (_Granule loads each word once)
+            g_reg = self.local("int32")
+            self.store(g_reg, 0, g)
+            g = g_reg[0]
         for m_i, m in enumerate(unit.matmuls):
             for r in range(rows):
                 row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
                 if types[m_i] in FLOAT_WORDS:
                     self._float_words(self.weight(op, m.weights["weight"])["w"], types[m_i], row, g, wv)
-                else:
-                    for j in range(8):  # the granule dequantized once, into registers, for every sequence
-                        self.store(wv, j, self.dequant(op, m.weights["weight"], row, g * 8 + j))
+                else:  # the granule dequantized once, into registers, for every sequence; each plane's word
+                    # loaded once for its eight values
+                    gr = _Granule(self.weight(op, m.weights["weight"]), self.col(P.LAYER), self.analyzer)
+                    for j in range(8):
+                        self.store(wv, j, dequant_expr(types[m_i], gr.planes, row, g * 8 + j, gr.int_to_float))
                 for j in range(8):
                     for b in range(nb):
                         a = (m_i * rows + r) * nb + b
@@ -1552,13 +1604,17 @@ class MegakernelEmitter:
                     pg = pages_of[0]
                     for i in range(1, n_pages):
                         pg = tirx.Select(jk // ps - first_page >= i, pages_of[i], pg)
-                    sl = jk % ps
+                    # the key's value row once into a register, each value once: written inline, the address
+                    # (page select, layer offset) was repeated in every head's FMA, 1.4 MB of the Qwen2.5-Coder-
+                    # 1.5B shape's 5.2 MB batch-1 kernel (6 heads a group x 128 dims x 32 keys)
+                    row = self.local("int64")
+                    self.store(row, 0, self.kv_index(layer, pg, 1, g, jk % ps, 0))
                     for c in range(per_lane):
-                        dim = tirx.min(c * 32 + self.lane, d - 1)
-                        v = self.kv_at(layer, pg, 1, g, sl, dim).astype(F32)
+                        v = self.local()
+                        self.store(v, 0, self.pages[row[0] + tirx.min(c * 32 + self.lane, d - 1)].astype(F32))
                         for hh in range(group):
                             i = hh * per_lane + c
-                            self.store(o, i, o[i] + self.smem[p_at + (self.warp * group + hh) * 32 + kk] * v)
+                            self.store(o, i, o[i] + self.smem[p_at + (self.warp * group + hh) * 32 + kk] * v[0])
                 B.evaluate(T.cuda.warp_sync())
         self.phase(4)  # thread 0's warp's keys done (the others may still run)
         # the warps' partials → shared, then one (max, sum, o) per head
