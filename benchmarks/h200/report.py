@@ -191,8 +191,9 @@ def markdown(doc: dict[str, Any]) -> str:
     for name, w in res["workloads"].items():
         ours = w["engines"][OURS]
         for engine, e in w["engines"].items():
-            if "error" in e:
-                lines.append(f"| {name} | {engine} | error: see the JSON | | | | | | |")
+            if "error" in e:  # an engine the run skipped (run.sh LLAMA_CPP=0) says so; a failure points to the JSON
+                said = "not run" if e["error"] == "not run" else "error: see the JSON"
+                lines.append(f"| {name} | {engine} | {said} | | | | | | |")
                 continue
             ratios = "" if engine == OURS or "error" in ours else ", ".join(
                 _fmt(ratio(ours, e, m), ".2f") + "×" for m in METRICS)
