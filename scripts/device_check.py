@@ -109,7 +109,8 @@ def _oracle_trace(gguf: Path, prompt: list[int], steps: int, half_above: int | N
 
     class Base(GgmlRounding):
         def __init__(self, source):
-            super().__init__(source, types=q8_types, gelu_table=False, tf32_types=tf32_types)
+            # the megakernel's 8-bit matvecs take q8_1 blocks for Q4_K too (llama.cpp's CUDA, not its CPU's q8_K)
+            super().__init__(source, types=q8_types, gelu_table=False, tf32_types=tf32_types, gpu_q8_1=True)
 
     # 2-D operands: numpy's BLAS path (the same formula, ~20x faster)
     class FastOracle(Base if q8_types or tf32_types else Oracle):

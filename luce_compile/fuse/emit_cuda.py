@@ -12,7 +12,7 @@ Task bodies:
                 runs several rows at once for all sequences, lanes stride over granules, a warp sum per output; the
                 tile's outputs go to shared memory, where the epilogue ops run (elementwise, per-head norms,
                 RoPE); then the values other stages read go to the arena, keys/values to their pages, and the LM
-                head's tile leaves its best logit per sequence. With q8_activations, the tiles of Q4_0/Q4_1/Q8_0
+                head's tile leaves its best logit per sequence. With q8_activations, the tiles of Q4_0/Q4_1/Q8_0/Q4_K
                 weights quantize the input into 8-bit blocks instead (a thread per 8 features, 16-byte loads) and
                 dot 8-bit words (dp4a), a lane per 32-value block of a row where K >= 1,024 (q8_by_block), else per
                 8 values; with q8_mma on integer tensor cores (mma.m16n8k32, a warp per 16 rows). F32/F16/BF16 rows
@@ -1101,6 +1101,19 @@ class MegakernelEmitter:
             y = y + mw * (s if lanes_per_block == 4 else s * f32(4))
         self.store(acc, a, y)
 
+    @staticmethod
+    def _q8_block_scales(planes, ggml_type: str, layer, row, blk) -> tuple[tirx.Expr, tirx.Expr | None]:
+        """A 32-value block's (d_w, m_w) as float32, w = d_w·q + m_w (m_w None: Q4_0/Q8_0 have no minimum). A Q4_K
+        sub-block is a Q4_1 block with d_w = d·sc and m_w = −dmin·mn (llama.cpp's vec_dot_q4_K_q8_1; both
+        products exact in float32)."""
+        if ggml_type == "Q4_K":
+            sb = blk // 8  # the 256-value super-block
+            d = planes["d"][layer, row, sb].astype(F32) * exact_int_to_float(planes["sc"][layer, row, blk])
+            m = planes["dmin"][layer, row, sb].astype(F32) * exact_int_to_float(planes["mn"][layer, row, blk])
+            return d, f32(0) - m
+        mw = planes["m"][layer, row, blk].astype(F32) if ggml_type == "Q4_1" else None
+        return planes["d"][layer, row, blk].astype(F32), mw
+
     def _q8_order(self, st, k_in: int) -> str | None:
         """The activation order the stage's matmuls take ("nibbles" for Q4_0/Q4_1, "natural" for Q8_0), or None
         where it keeps float32 activations: the option is off, a weight type has no integer body here, the types
@@ -1213,8 +1226,7 @@ class MegakernelEmitter:
                          tirx.reinterpret("int32", (qs >> tirx.const(4, "uint32")) & mask)]
                 self.store(wl, 0, w[0])
                 self.store(wl, 1, w[1])
-                dw = planes["d"][layer, row, blk].astype(F32)
-                mw = planes["m"][layer, row, blk].astype(F32) if types[m_i] == "Q4_1" else None
+                dw, mw = self._q8_block_scales(planes, types[m_i], layer, row, blk)
                 for b in range(nb):
                     a = (m_i * rows + r) * nb + b
                     start = xsum[b] if types[m_i] == "Q4_0" else i32(0)
@@ -1257,8 +1269,7 @@ class MegakernelEmitter:
                         self.store(wi, 2 * gg, tirx.reinterpret("int32", wq[gg] & mask))
                         self.store(wi, 2 * gg + 1, tirx.reinterpret("int32", (wq[gg] >> four) & mask))
                     pairs = [(wi[2 * gg], wi[2 * gg + 1]) for gg in range(4)]
-                dw = planes["d"][layer, row, blk].astype(F32)
-                mw = planes["m"][layer, row, blk].astype(F32) if types[m_i] == "Q4_1" else None
+                dw, mw = self._q8_block_scales(planes, types[m_i], layer, row, blk)
                 for b in range(nb):
                     a = (m_i * rows + r) * nb + b
                     total = xsum[b] if types[m_i] == "Q4_0" else i32(0)

@@ -152,6 +152,19 @@ def _dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:  # ql[128] | qh[64] | sc
     return (d[:, :, None] * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, QK_K)
 
 
+def k_quant_minimums(raw: np.ndarray, ggml_type: GGMLQuantizationType = T.Q4_K) -> np.ndarray:
+    """Q4_K/Q5_K rows (*outer, row_bytes) → each 32-value sub-block's minimum term −dmin·m as float64 (*outer,
+    row_bytes / block bytes · 8): with it a sub-block is a Q4_1 block, w = (d·sc)·q + (−dmin·m), as llama.cpp's
+    CUDA dot products with q8_1 activations take it (the megakernel's 8-bit matvecs; graph/rounding emulates them).
+    The products are exact in float32 (an fp16 times a 6-bit integer)."""
+    if ggml_type not in (T.Q4_K, T.Q5_K):
+        raise UnsupportedError(f"quants: {GGMLQuantizationType(ggml_type).name} has no per-32 minimums")
+    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    blocks = np.ascontiguousarray(raw).reshape(-1, type_size)
+    _, m = _scale_min_k4(blocks[:, 4:4 + K_SCALE_SIZE])
+    return (-(_f16(blocks, 2) * m.astype(np.float32))).astype(np.float64).reshape(*raw.shape[:-1], -1)
+
+
 def block_info(ggml_type: GGMLQuantizationType) -> tuple[int, int]:
     """(elements per block, bytes per block), refusing types without a dequantizer."""
     if ggml_type not in DEQUANTIZERS:

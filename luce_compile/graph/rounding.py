@@ -7,6 +7,8 @@ the weight's block minimum) for Q4_1/Q5_1, Q8_K for K-quants; for F16 weights it
 reads a table indexed by the input rounded to fp16 (ggml-cpu/vec.h, GGML_GELU_FP16). `GgmlRounding` adds exactly
 those roundings to the oracle, for the weight types it is given (all of them by default), and the megakernel's
 tf32 rounding of the inputs of F16/BF16 matvecs on tensor cores (float_mma) for the types given as `tf32_types`.
+The megakernel's 8-bit matvecs round as llama.cpp's CUDA mmvq does, q8_1 blocks of 32 for every type, K-quants too
+(`GPU_Q8_1_TYPES`: Q4_K's d·sc and −dmin·mn per 32 values are a Q4_1 block's d and m), where the CPU takes q8_K.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from luce_compile.gguf.quants import k_quant_minimums
 from luce_compile.gguf.reader import GGUFFile
 from luce_compile.graph.ir import Graph
 from luce_compile.graph.oracle import Oracle, gelu_tanh
@@ -70,22 +73,29 @@ ACTIVATION_ROUNDING = {
     "Q6_K": q8_k,
 }
 Q8_1_TYPES = ("Q4_1", "Q5_1")  # Q8_1 activations: q8_0's values plus s = fp16(d · Σq) against the block minimum
+GPU_Q8_1_TYPES = ("Q4_K",)  # with gpu_q8_1: q8_1 activations against these types' per-32 minimum (the megakernel)
 
 
 class GgmlRounding(Oracle):
     """The oracle plus llama.cpp's CPU roundings of activations (module docstring). `types`: the weight types whose
     matmul inputs are rounded (None: every type ggml rounds for); `gelu_table`: ggml's fp16 GELU table;
-    `tf32_types`: weight types whose matmul inputs are rounded to tf32 instead (the megakernel's float_mma)."""
+    `tf32_types`: weight types whose matmul inputs are rounded to tf32 instead (the megakernel's float_mma);
+    `gpu_q8_1`: K-quants of GPU_Q8_1_TYPES take q8_1 blocks of 32 (the megakernel's 8-bit matvecs), not q8_K."""
 
     def __init__(self, source: Graph | GGUFFile | str | Path, types: Iterable[str] | None = None,
-                 gelu_table: bool = True, tf32_types: Iterable[str] = ()):
+                 gelu_table: bool = True, tf32_types: Iterable[str] = (), gpu_q8_1: bool = False):
         super().__init__(source)
         self.types = None if types is None else frozenset(types)
         self.tf32_types = frozenset(tf32_types)
         self.gelu_table = gelu_table
+        self.q8_1_types = Q8_1_TYPES + (GPU_Q8_1_TYPES if gpu_q8_1 else ())
 
     def _block_minimums(self, name: str) -> np.ndarray:
-        info = self.gguf.tensor(name)  # block_q4_1 / block_q5_1 start with f16 d, then f16 m
+        """Each 32-value block's minimum term m (w = d·q + m), (out, n_blocks) float64."""
+        info = self.gguf.tensor(name)
+        if info.ggml_type.name in GPU_Q8_1_TYPES:  # −dmin·m of each sub-block of 32
+            return k_quant_minimums(self.gguf.raw(name), info.ggml_type)
+        # block_q4_1 / block_q5_1 start with f16 d, then f16 m
         blocks = self.gguf.raw(name).reshape(*info.shape[:-1], info.shape[-1] // 32, -1)
         return blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)  # (out, n_blocks)
 
@@ -96,7 +106,7 @@ class GgmlRounding(Oracle):
             return super()._matmul(op, tf32(x))
         if self.types is not None and kind not in self.types:
             return super()._matmul(op, x)
-        if kind not in Q8_1_TYPES:
+        if kind not in self.q8_1_types:
             rounding = ACTIVATION_ROUNDING.get(kind)
             return super()._matmul(op, rounding(x) if rounding else x)
         # q8_1 · q4_1 = Σ_blocks d_w·d_x·Σ q_w·q_x + m_w·s_x, with s_x = f16(d_x · Σ q_x) from the float32 d_x

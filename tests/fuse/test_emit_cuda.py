@@ -88,7 +88,7 @@ def test_the_variant_knobs_emit_kernels_without_divergent_collectives():
 @pytest.mark.parametrize("quant,integer", [("Q4_0", True), ("Q4_1", True), ("Q8_0", True), ("F16", False),
                                            ("Q5_1", False)])
 def test_q8_activations_give_integer_dots_where_the_weight_type_has_them(quant, integer):
-    """q8_activations: the matvecs of Q4_0/Q4_1/Q8_0 weights quantize their input once per task (a thread per
+    """q8_activations: the matvecs of Q4_0/Q4_1/Q8_0/Q4_K weights quantize their input once per task (a thread per
     32-value block) and dot 8-bit words (dp4a); other weight types keep the float32 body. The kernels' numbers are
     checked on the H200 (scripts/megakernel_check.py, against the oracle with the rounding emulated)."""
     import dataclasses
@@ -103,6 +103,45 @@ def test_q8_activations_give_integer_dots_where_the_weight_type_has_them(quant, 
         assert divergent_collectives(source) == []
         plain = cuda_source(emit_megakernel(prog))
         assert "__dp4a" not in plain
+
+
+def test_q4_k_matvecs_take_8_bit_activations_as_q4_1_blocks():
+    """Q4_K on the 8-bit path: its qs plane is Q4_0's nibble layout, and a sub-block of 32 is a Q4_1 block with
+    d·sc and −dmin·mn as its scale and minimum (llama.cpp's vec_dot_q4_K_q8_1); a stage that mixes in a type
+    without an integer body (Q6_K, as a Q4_K_M file's attn_v and ffn_down in some layers) keeps float32 inputs."""
+    import dataclasses
+
+    from luce_compile.fuse.build import MegakernelOptions
+
+    spec = dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=512, quant="Q4_K")
+    mixed = dataclasses.replace(spec, quant_overrides={"ffn_down.weight": "Q6_K"})
+    for model, q8_stages in ((spec, {"qkv", "gate_up", "down"}), (mixed, {"qkv", "gate_up"})):
+        graph, _ = open_graph(cached_synthetic(model))
+        prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16)
+        source = cuda_source(emit_megakernel(prog, options=MegakernelOptions(q8_activations=True)))
+        assert "__dp4a" in source and "_dmin_ptr[" in source and divergent_collectives(source) == []
+        # the down projection's opcode body: the last branch on its opcode (the first is its L2 prefetch; the task
+        # row's local is _ptr_4 in TVM's naming)
+        down = next(o.index for o in prog.opcodes if o.kind.name == "MATVEC" and any(
+            "ffn_down" in w for w in o.weights))
+        body = source.split(f"_ptr_4[0] == {down})")[-1].split("_ptr_4[0] == ")[0]
+        assert ("__dp4a" in body) == ("down" in q8_stages), model.quant_overrides
+
+
+def test_a_float_granule_reads_each_weight_word_once():
+    """The float32 matvec body dequantizes a granule's 8 values from one load of each plane word (the quants, the
+    scales): the indices of the 8 values' blocks simplify to the granule's (emit_cuda._Granule). Loading per value
+    made the Q4_K_M shapes' kernels several megabytes of CUDA and nvcc minutes."""
+    import dataclasses
+
+    graph, _ = open_graph(cached_synthetic(dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=512,
+                                                               quant="Q4_K")))
+    prog = build_program(graph, batch=1, n_sms=8, max_context=64, kv_chunk=16)
+    source = cuda_source(emit_megakernel(prog))
+    qs_loads = len(re.findall(r"(?<!&\()w\d+_\d+_qs_ptr\[", source))  # not the L2 prefetches
+    sc_loads = len(re.findall(r"(?<!&\()w\d+_\d+_sc_ptr\[", source))
+    nibbles = len(re.findall(r">> \(uint\)\d+\) & \(uint\)15\)", source))
+    assert qs_loads and nibbles >= 8 * qs_loads - 8 and sc_loads <= qs_loads
 
 
 def test_q8_choice_is_the_same_at_every_batch_size():

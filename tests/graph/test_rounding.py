@@ -1,4 +1,4 @@
-"""The emulating oracle's type filter: the megakernel's q8_activations round only the inputs of Q4_0/Q4_1/Q8_0
+"""The emulating oracle's type filter: the megakernel's q8_activations round only the inputs of Q4_0/Q4_1/Q8_0/Q4_K
 matmuls, and its float_mma (--megakernel-tf32) only those of F16/BF16 ones, so its reference must leave every other
 matmul exact."""
 
@@ -66,3 +66,29 @@ def test_megakernel_q8_is_refused_where_no_megakernel_is_built(tmp_path):
     with pytest.raises(LuceError, match="--megakernel-tf32"):
         compile_model(gguf, "cpu", tmp_path / "a", megakernel_tf32=True)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_q4_k_sub_blocks_are_q4_1_blocks_for_the_gpus_8_bit_dot_products():
+    """The megakernel's 8-bit matvecs take a Q4_K sub-block of 32 as a Q4_1 block, w = (d·sc)·q + m with m = −dmin·mn
+    (gguf.quants.k_quant_minimums), against q8_1 activations (GgmlRounding(gpu_q8_1=True)) where the CPU takes q8_K:
+    each block's w − m must be a whole multiple 0..15 of one step, and the two roundings must both stay near the
+    exact logits and differ from each other."""
+    from luce_compile.gguf.quants import dequantize, k_quant_minimums
+    from luce_compile.gguf.reader import read_gguf
+    from luce_compile.lower.quant_layout import repack
+
+    gguf = cached_synthetic(dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=512, quant="Q4_K"))
+    f = read_gguf(gguf)
+    raw = f.raw("blk.0.ffn_up.weight")
+    w = dequantize(raw, f.tensor("blk.0.ffn_up.weight").ggml_type).astype(np.float64).reshape(raw.shape[0], -1, 32)
+    q = w - k_quant_minimums(raw)[..., None]
+    planes = repack(raw, "Q4_K")  # the kernels' planes: d per 256 values, sc per 32
+    step = (np.repeat(planes["d"].astype(np.float64), 8, axis=-1) * planes["sc"])[..., None]
+    levels = q / np.where(step > 0, step, 1)
+    assert np.allclose(levels, np.rint(levels), atol=1e-6) and levels.min() >= 0 and levels.max() <= 15
+    plain = _logits(Oracle(gguf))
+    gpu = _logits(GgmlRounding(gguf, types=("Q4_K",), gpu_q8_1=True))
+    cpu = _logits(GgmlRounding(gguf, types=("Q4_K",)))
+    for rounded in (gpu, cpu):
+        assert 1e-5 < np.abs(rounded - plain).max() / np.abs(plain).max() < 0.2
+    assert not np.array_equal(gpu, cpu)
