@@ -808,8 +808,7 @@ class MegakernelEmitter:
                                         *(d[i] for i in range(4)), *(a[4 * bb + i] for i in range(4)),
                                         bq[2 * bb], bq[2 * bb + 1], *(zero[i] for i in range(4))))
                                     for r, row in enumerate(rows):
-                                        dw = planes["d"][layer, row, blk].astype(F32)
-                                        mw = planes["m"][layer, row, blk].astype(F32) if types[m_i] == "Q4_1" else None
+                                        dw, mw = self._q8_block_scales(planes, types[m_i], layer, row, blk)
                                         for c in range(2):
                                             self._q8_accumulate(acc, ((m_i * per_warp + t) * 2 + r) * 2 + c,
                                                                 tirx.reinterpret("int32", d[2 * r + c]), dw, mw,

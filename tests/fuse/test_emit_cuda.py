@@ -126,6 +126,9 @@ def test_q4_k_matvecs_take_8_bit_activations_as_q4_1_blocks():
             "ffn_down" in w for w in o.weights))
         body = source.split(f"_ptr_4[0] == {down})")[-1].split("_ptr_4[0] == ")[0]
         assert ("__dp4a" in body) == ("down" in q8_stages), model.quant_overrides
+        # on integer tensor cores (q8_mma) the same blocks take the same scales
+        mma = cuda_source(emit_megakernel(prog, options=MegakernelOptions(q8_activations=True, q8_mma=True)))
+        assert "mma.sync.aligned.m16n8k32" in mma and "_dmin_ptr[" in mma.split("mma.sync.aligned.m16n8k32")[-1]
 
 
 def test_a_float_granule_reads_each_weight_word_once():
