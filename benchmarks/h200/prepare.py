@@ -67,8 +67,9 @@ def main() -> int:
                    "(run.sh's UNTUNED: tuned vs untuned in one run); artifacts only, no reference, no weights")
     p.add_argument("--no-megakernel", action="store_true", help="compile the workloads without decode megakernels "
                    "(device_check.py prepare --no-megakernel)")
-    p.add_argument("--megakernel-q8", action="store_true", help="the megakernels' Q4_0/Q4_1/Q8_0/Q4_K matvecs with "
-                   "8-bit activations (compile --megakernel-q8); the references round the decode steps as they do")
+    p.add_argument("--megakernel-q8", action="store_true", help="the megakernels' Q4_0/1, Q5_0/1, Q8_0, "
+                   "Q4_K matvecs with 8-bit activations (compile --megakernel-q8); the references round the decode "
+                   "steps as they do")
     p.add_argument("--megakernel-tf32", action="store_true", help="the megakernels' F16/BF16 matvecs on tf32 tensor "
                    "cores (compile --megakernel-tf32); the references round their inputs as they do")
     args = p.parse_args()

@@ -81,8 +81,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     nothing is searched here. The manifest's kernels.tuning says what each kernel got. On CUDA targets the decode
     step is also built as megakernels (fuse/build.py; the engine runs them for batches up to 8), unless
     `megakernel` is off (--no-megakernel); the manifest's "megakernel" section says why a build has none.
-    `megakernel_q8` (--megakernel-q8): the megakernels' Q4_0/Q4_1/Q8_0/Q4_K matvecs take llama.cpp's 8-bit activations
-    and integer dot products (MegakernelOptions.q8_activations); the per-op kernels keep float activations.
+    `megakernel_q8` (--megakernel-q8): the megakernels' Q4_0/1, Q5_0/1, Q8_0, Q4_K matvecs take llama.cpp's 8-bit
+    activations and integer dot products (MegakernelOptions.q8_activations); the per-op kernels keep float activations.
     `megakernel_tf32` (--megakernel-tf32): the megakernels' F16/BF16 matvecs run on tf32 tensor cores, their
     inputs rounded to tf32 (MegakernelOptions.float_mma).
     """

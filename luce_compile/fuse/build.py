@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 # q8_activations: the weight types whose matvecs take 8-bit activations, and the order of a 32-value block's quants
 # in the words they read (emit_cuda.quantize_q8); here so that the runtime side (the checks' oracle) needs no
 # compiler import
-Q8_ORDER = {"Q4_0": "nibbles", "Q4_1": "nibbles", "Q8_0": "natural", "Q4_K": "nibbles"}
+Q8_ORDER = {"Q4_0": "nibbles", "Q4_1": "nibbles", "Q5_0": "nibbles", "Q5_1": "nibbles", "Q8_0": "natural",
+            "Q4_K": "nibbles"}
 # float_mma: the weight types whose matvecs run on tf32 tensor cores, which hold them exactly (10 mantissa bits and
 # float32's exponent range); their inputs are rounded to tf32 (the oracle emulates it: graph/rounding.tf32)
 MMA_FLOAT_TYPES = ("F16", "BF16")
@@ -72,9 +73,9 @@ class MegakernelOptions:
     # a matvec's K passes are unrolled up to this many (every load of a step in flight at once); ncu (run6) puts 20%
     # of the warps' time in instruction-cache misses of the unrolled loops: 1 is the variant to time next
     unroll_passes: int = 4
-    # matvecs of Q4_0/Q4_1/Q8_0/Q4_K weights take 8-bit activations (llama.cpp's q8_0/q8_1 blocks of 32, as its CUDA
-    # mmvq: Q4_K too, where its CPU takes q8_K) and integer dot products (dp4a): ~4x fewer instructions per weight than
-    # dequantizing to float32
+    # matvecs of Q4_0/1, Q5_0/1, Q8_0, Q4_K weights take 8-bit activations (llama.cpp's q8_0/q8_1 blocks of 32, as
+    # its CUDA mmvq: Q4_K too, where its CPU takes q8_K) and integer dot products (dp4a): ~4x fewer instructions per
+    # weight than dequantizing to float32
     q8_activations: bool = False
     # with q8_activations and K >= 1,024: a lane per 32-value block of a row (16-byte loads), not per 8 values
     # (measured on the H200: the 1B body 1,199 -> 921 us a step at b=1, 4,329 -> 3,107 at b=8)

@@ -12,11 +12,11 @@ Task bodies:
                 runs several rows at once for all sequences, lanes stride over granules, a warp sum per output; the
                 tile's outputs go to shared memory, where the epilogue ops run (elementwise, per-head norms,
                 RoPE); then the values other stages read go to the arena, keys/values to their pages, and the LM
-                head's tile leaves its best logit per sequence. With q8_activations, the tiles of Q4_0/Q4_1/Q8_0/Q4_K
-                weights quantize the input into 8-bit blocks instead (a thread per 8 features, 16-byte loads) and
-                dot 8-bit words (dp4a), a lane per 32-value block of a row where K >= 1,024 (q8_by_block), else per
-                8 values; with q8_mma on integer tensor cores (mma.m16n8k32, a warp per 16 rows). F32/F16/BF16 rows
-                are read as 16-byte words
+                head's tile leaves its best logit per sequence. With q8_activations, the tiles of Q4_0/1, Q5_0/1,
+                Q8_0 and Q4_K weights quantize the input into 8-bit blocks instead (a thread per 8 features,
+                16-byte loads) and dot 8-bit words (dp4a), a lane per 32-value block of a row where K >= 1,024
+                (q8_by_block), else per 8 values; with q8_mma on integer tensor cores (mma.m16n8k32, a warp per
+                16 rows). F32/F16/BF16 rows are read as 16-byte words
   row           a whole-row op (gemma's post-norms) and its epilogue, for one sequence, in shared memory
   attn_partial  one (sequence, KV head, key chunk): lanes own keys for the scores (online softmax per warp), own
                 dimensions for p·v; the warps' partials merge in shared memory; one chunk writes the output,
@@ -58,6 +58,22 @@ FLOAT_WORDS = ("F32", "F16", "BF16")  # weight types whose matvec granules are r
 MMA_CHUNK = 32  # float_mma: K values a warp takes per (16 rows, chunk): 4 lanes x one 16-byte word of 8 values
 MMA_MIN_CHUNKS = 8  # float_mma: the fewest chunks a warp's slice of K takes
 MMA_TILES = 4  # float_mma: (matmul, 16-row tile) fragments a warp accumulates at once; more tiles take rounds
+
+
+# the 8-bit path's types stored unsigned with an offset (w = d·(q − offset)): the dot starts at −offset·Σq_x
+Q8_OFFSET = {"Q4_0": 8, "Q5_0": 16}
+
+
+def _fifth_bits(qh: tirx.Expr, gg) -> tuple[tirx.Expr, tirx.Expr]:
+    """A Q5 block's fifth bits (qh: bit j of element j of the 32) for granule gg's two nibble words: the even
+    elements 8gg + 2i go to bit 4 of byte i of the low-nibble word, the odd ones 8gg + 2i + 1 of the high one."""
+    u = lambda v: tirx.const(v, "uint32")  # noqa: E731
+    x = qh >> (u(8 * gg) if isinstance(gg, int) else (gg * 8).astype("uint32"))
+
+    def spread(v: tirx.Expr) -> tirx.Expr:  # bits 0, 2, 4, 6 → 4, 12, 20, 28
+        return ((v & u(1)) << u(4)) | ((v & u(4)) << u(10)) | ((v & u(16)) << u(16)) | ((v & u(64)) << u(22))
+
+    return spread(x), spread(x >> u(1))
 
 
 def dp4a(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
@@ -1110,11 +1126,11 @@ class MegakernelEmitter:
             d = planes["d"][layer, row, sb].astype(F32) * exact_int_to_float(planes["sc"][layer, row, blk])
             m = planes["dmin"][layer, row, sb].astype(F32) * exact_int_to_float(planes["mn"][layer, row, blk])
             return d, f32(0) - m
-        mw = planes["m"][layer, row, blk].astype(F32) if ggml_type == "Q4_1" else None
+        mw = planes["m"][layer, row, blk].astype(F32) if ggml_type in ("Q4_1", "Q5_1") else None
         return planes["d"][layer, row, blk].astype(F32), mw
 
     def _q8_order(self, st, k_in: int) -> str | None:
-        """The activation order the stage's matmuls take ("nibbles" for Q4_0/Q4_1, "natural" for Q8_0), or None
+        """The activation order the stage's matmuls take ("nibbles" for Q4/Q5 types, "natural" for Q8_0), or None
         where it keeps float32 activations: the option is off, a weight type has no integer body here, the types
         want different orders, the input is merged from attention partials, or the largest batch's 8-bit input
         would take more than 3/4 of the shared memory. The choice depends on the stage and the build's largest
@@ -1122,6 +1138,8 @@ class MegakernelEmitter:
         if not self.q8 or st.merged >= 0 or self.q8_batch * self._q8_words(k_in) > self.shared_floats * 3 // 4:
             return None
         types = {t for unit in st.units for t in self._weight_types(unit)}
+        if self.q8_mma and types & {"Q5_0", "Q5_1"}:  # the tensor-core body does not assemble their fifth bits
+            return None
         orders = {Q8_ORDER.get(t) for t in types}
         return orders.pop() if len(orders) == 1 and None not in orders else None
 
@@ -1207,9 +1225,9 @@ class MegakernelEmitter:
         for b in range(nb):
             for h in range(2):
                 self.store(xw, 2 * b + h, self.smem_i[(b * 2 + h) * granules + g])
-            if "Q4_0" in types:
+            if any(t in Q8_OFFSET for t in types):  # Σq_x, for the types stored with an offset
                 ones = i32(0x01010101)
-                self.store(xsum, b, i32(-8) * dp4a(xw[2 * b + 1], ones, dp4a(xw[2 * b], ones, i32(0))))
+                self.store(xsum, b, dp4a(xw[2 * b + 1], ones, dp4a(xw[2 * b], ones, i32(0))))
         for m_i, m in enumerate(unit.matmuls):
             planes = self.weight(op, m.weights["weight"])
             layer = self.col(P.LAYER)
@@ -1221,14 +1239,18 @@ class MegakernelEmitter:
                 else:
                     qs = planes["qs"][layer, row, g]
                     mask = tirx.const(0x0F0F0F0F, "uint32")
-                    w = [tirx.reinterpret("int32", qs & mask),
-                         tirx.reinterpret("int32", (qs >> tirx.const(4, "uint32")) & mask)]
+                    w = [qs & mask, (qs >> tirx.const(4, "uint32")) & mask]
+                    if "qh" in planes:  # Q5: each quant's fifth bit into its byte's bit 4
+                        w = [a | e for a, e in zip(w, _fifth_bits(planes["qh"][layer, row, blk], g % 4),
+                                                   strict=True)]
+                    w = [tirx.reinterpret("int32", v) for v in w]
                 self.store(wl, 0, w[0])
                 self.store(wl, 1, w[1])
                 dw, mw = self._q8_block_scales(planes, types[m_i], layer, row, blk)
                 for b in range(nb):
                     a = (m_i * rows + r) * nb + b
-                    start = xsum[b] if types[m_i] == "Q4_0" else i32(0)
+                    off = Q8_OFFSET.get(types[m_i])
+                    start = i32(-off) * xsum[b] if off else i32(0)
                     total = dp4a(wl[1], xw[2 * b + 1], dp4a(wl[0], xw[2 * b], start))
                     self._q8_accumulate(acc, a, total, dw, mw, b, blk, k_in, lanes_per_block=4)
 
@@ -1244,11 +1266,11 @@ class MegakernelEmitter:
             for h in range(2):
                 for gg in range(4):
                     self.store(xw, b * 8 + h * 4 + gg, self.smem_i[(b * 2 + h) * granules + blk * 4 + gg])
-            if "Q4_0" in types:
+            if any(t in Q8_OFFSET for t in types):  # Σq_x, for the types stored with an offset
                 total = i32(0)
                 for w in range(8):
                     total = dp4a(xw[b * 8 + w], ones, total)
-                self.store(xsum, b, i32(-8) * total)
+                self.store(xsum, b, total)
         layer = self.col(P.LAYER)
         mask, four = tirx.const(0x0F0F0F0F, "uint32"), tirx.const(4, "uint32")
         for m_i, m in enumerate(unit.matmuls):
@@ -1264,14 +1286,19 @@ class MegakernelEmitter:
                 else:  # one word per granule: the low nibbles are its even features, the high ones its odd
                     B.buffer_store(wq, planes["qs"].vload([layer, row, blk * 4], "uint32x4"),
                                    [tirx.Ramp(i32(0), i32(1), 4)])
+                    qh = planes["qh"][layer, row, blk] if "qh" in planes else None  # Q5: the fifth bits
                     for gg in range(4):
-                        self.store(wi, 2 * gg, tirx.reinterpret("int32", wq[gg] & mask))
-                        self.store(wi, 2 * gg + 1, tirx.reinterpret("int32", (wq[gg] >> four) & mask))
+                        w = [wq[gg] & mask, (wq[gg] >> four) & mask]
+                        if qh is not None:
+                            w = [a | e for a, e in zip(w, _fifth_bits(qh, gg), strict=True)]
+                        self.store(wi, 2 * gg, tirx.reinterpret("int32", w[0]))
+                        self.store(wi, 2 * gg + 1, tirx.reinterpret("int32", w[1]))
                     pairs = [(wi[2 * gg], wi[2 * gg + 1]) for gg in range(4)]
                 dw, mw = self._q8_block_scales(planes, types[m_i], layer, row, blk)
                 for b in range(nb):
                     a = (m_i * rows + r) * nb + b
-                    total = xsum[b] if types[m_i] == "Q4_0" else i32(0)
+                    off = Q8_OFFSET.get(types[m_i])
+                    total = i32(-off) * xsum[b] if off else i32(0)
                     for gg, (w0, w1) in enumerate(pairs):
                         total = dp4a(w1, xw[b * 8 + 4 + gg], dp4a(w0, xw[b * 8 + gg], total))
                     self._q8_accumulate(acc, a, total, dw, mw, b, blk, k_in, lanes_per_block=1)

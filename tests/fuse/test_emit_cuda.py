@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from luce_compile.fuse.emit_cuda import emit_megakernel
@@ -86,11 +87,11 @@ def test_the_variant_knobs_emit_kernels_without_divergent_collectives():
 
 
 @pytest.mark.parametrize("quant,integer", [("Q4_0", True), ("Q4_1", True), ("Q8_0", True), ("F16", False),
-                                           ("Q5_1", False)])
+                                           ("Q5_0", True), ("Q5_1", True)])
 def test_q8_activations_give_integer_dots_where_the_weight_type_has_them(quant, integer):
-    """q8_activations: the matvecs of Q4_0/Q4_1/Q8_0/Q4_K weights quantize their input once per task (a thread per
-    32-value block) and dot 8-bit words (dp4a); other weight types keep the float32 body. The kernels' numbers are
-    checked on the H200 (scripts/megakernel_check.py, against the oracle with the rounding emulated)."""
+    """q8_activations: the matvecs of Q4_0/1, Q5_0/1, Q8_0, Q4_K weights quantize their input once per task (a
+    thread per 32-value block) and dot 8-bit words (dp4a); other weight types keep the float32 body. The kernels'
+    numbers are checked on the H200 (scripts/megakernel_check.py, against the oracle with the rounding emulated)."""
     import dataclasses
 
     from luce_compile.fuse.build import MegakernelOptions
@@ -270,3 +271,35 @@ def test_megakernel_check_passes_every_argument_the_kernel_takes():
     params = [str(v.name) for v in func.params]
     others = {p for p in params if p not in weights and not any(p.startswith(f"{w}_") for w in weights)}
     assert others == KERNEL_ARGS
+
+
+def test_q5_fifth_bits_land_in_their_quants_bytes(rng):
+    """The 8-bit path's Q5 words: granule gg's low-nibble word with the fifth bits of its even elements in bit 4 of
+    each byte, the high-nibble word with its odd elements', must be the Q5 quants as dequant_expr reads them
+    (quant_matmul.stored_quant), for every granule of a block. Run on the CPU (the same TIR as the kernels)."""
+    import tvm
+    from tvm import te, tirx
+
+    from luce_compile.fuse.emit_cuda import _fifth_bits
+    from luce_compile.lower.quant_matmul import stored_quant
+
+    n = 64
+    qs = te.placeholder((n, 4), "uint32", name="qs")  # one block of 32 per row: 4 granule words
+    qh = te.placeholder((n, 1), "uint32", name="qh")
+    mask = tirx.const(0x0F0F0F0F, "uint32")
+
+    def word(i, gg, h):
+        nib = [qs[i, gg] & mask, (qs[i, gg] >> tirx.const(4, "uint32")) & mask]
+        high = _fifth_bits(qh[i, 0], gg)
+        return tirx.Select(h == 0, nib[0] | high[0], nib[1] | high[1])
+
+    words = te.compute((n, 4, 2), word, name="words")
+    quants = te.compute((n, 32), lambda i, k: stored_quant("Q5_0", {"qs": qs, "qh": qh}, i, k), name="quants")
+    func = tvm.compile(te.create_prim_func([qs, qh, words, quants]), target="llvm")
+    a = rng.integers(0, 2**32, (n, 4), dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, (n, 1), dtype=np.uint64).astype(np.uint32)
+    out = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in (((n, 4, 2), np.uint32), ((n, 32), np.int32))]
+    func(tvm.runtime.tensor(a), tvm.runtime.tensor(b), *out)
+    got = out[0].numpy().view(np.uint8).reshape(n, 4, 2, 4)  # (row, granule, even/odd, byte i)
+    want = out[1].numpy().reshape(n, 4, 4, 2).transpose(0, 1, 3, 2)  # element 8gg + 2i + h
+    assert np.array_equal(got, want) and want.max() > 15

@@ -1,6 +1,6 @@
-"""The emulating oracle's type filter: the megakernel's q8_activations round only the inputs of Q4_0/Q4_1/Q8_0/Q4_K
-matmuls, and its float_mma (--megakernel-tf32) only those of F16/BF16 ones, so its reference must leave every other
-matmul exact."""
+"""The emulating oracle's type filter: the megakernel's q8_activations round only the inputs of Q4_0/1, Q5_0/1, Q8_0
+and Q4_K matmuls, and its float_mma (--megakernel-tf32) only those of F16/BF16 ones, so its reference must leave every
+other matmul exact."""
 
 from __future__ import annotations
 
