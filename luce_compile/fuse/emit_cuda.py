@@ -121,8 +121,7 @@ class _Granule:
 
     def __init__(self, planes: dict[str, tirx.Buffer], layer: tirx.Expr, analyzer):
         self.layer, self.analyzer = layer, analyzer
-        self.cache: dict[tuple, tirx.Buffer] = {}
-        self.loaded: list[tuple[tirx.Buffer, tuple]] = []  # (register, the key of the load it holds)
+        self.cache: dict[tuple, tirx.Buffer] = {}  # load (or conversion) key → the register holding it
         self.planes = {name: _GranulePlane(self, buf) for name, buf in planes.items()}
 
     def once(self, key: tuple, dtype: str, value: tirx.Expr) -> tirx.Expr:
@@ -130,14 +129,13 @@ class _Granule:
             reg = B.alloc_buffer((1,), dtype, scope="local")
             B.buffer_store(reg, value, [i32(0)])
             self.cache[key] = reg
-            self.loaded.append((reg, key))
         return self.cache[key][0]
 
     def int_to_float(self, value: tirx.Expr) -> tirx.Expr:
         # a load is a tvm.ir.expr.TensorLoad in TVM 0.27, its buffer in `source`; TIR variables compare by
         # building an expression, not by identity: same_as, not a dict
         src = getattr(value, "source", None)
-        key = next((k for reg, k in self.loaded if src is not None and src.same_as(reg)), None)
+        key = next((k for k, reg in self.cache.items() if src is not None and src.same_as(reg)), None)
         if key is not None:  # a loaded integer (a scale, a min; Q8_0's quant): converted once
             return self.once(("itof", *key), F32, exact_int_to_float(value))
         return exact_int_to_float(value)

@@ -658,9 +658,9 @@ class Engine:
     def verify_greedy(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[list[int]]:
         """verify() followed by every row's argmax (the lowest index of the largest logit): only the ids cross to
         the host where the megakernel runs the verify (greedy speculation needs nothing else)."""
-        self._check_verify(seq_ids, tokens)
-        if not self._verify_on_megakernel(tokens):
+        if not self._verify_on_megakernel(tokens):  # verify checks the request
             return [np.argmax(rows, axis=-1).tolist() for rows in self.verify(seq_ids, tokens)]
+        self._check_verify(seq_ids, tokens)
         ids = self._megakernel_rows(list(seq_ids), [list(map(int, t)) for t in tokens], logits=False).tolist()
         at = np.cumsum([0, *(len(t) for t in tokens)])
         return [ids[a:b] for a, b in zip(at[:-1], at[1:], strict=True)]
