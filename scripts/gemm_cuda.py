@@ -5,8 +5,8 @@ by reading, before any GPU time is spent (benchmarks/README.md, "Prefill GEMM: w
     .venv/bin/python scripts/gemm_cuda.py Q4_1 2048 8192 [--knobs '{"warps_m": 2}'] [-o gemm.cu]
 
 Prints the source's counts (WMMA calls, 16-byte and scalar weight loads, 64-bit index arithmetic,
-__syncthreads) and writes the source itself with -o. Needs no GPU and no nvcc: the source is read before any
-device binary is built.
+__syncthreads) and writes the source itself with -o. Needs no GPU, but nvcc (the CUDA toolkit), as every sm_* build
+does: the source is read from the compiled module.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import tvm
 from luce_schedules.gpu.tensor_gemm import TensorCoreGEMM
 
+from luce_compile.codegen.device_binaries import device_sources
 from luce_compile.codegen.gpu_toolchain import gpu_toolchain
 from luce_compile.lower.quant_matmul import quant_matmul
 from luce_compile.targets import get_target
@@ -36,13 +37,7 @@ def gemm_source(qtype: str, n_out: int, n_in: int, knobs: dict[str, int] | None 
         raise SystemExit(f"gemm_cuda: the tensor-core rule declines {qtype} {n_out}x{n_in} with knobs {knobs}")
     with gpu_toolchain(info.kind, info.archs or (info.name,), info.name), target:
         built = tvm.compile(sch.mod, target=target)
-    stack, sources = [built.mod], []
-    while stack:
-        mod = stack.pop()
-        stack.extend(mod.imports)
-        if mod.kind == "cuda":
-            sources.append(mod.inspect_source(""))
-    return "\n".join(sources)
+    return "\n".join(source for kind, source in device_sources(built) if kind == "cuda")
 
 
 def counts(source: str) -> dict[str, int]:

@@ -144,18 +144,24 @@ def inspect_hsaco(binary: DeviceBinary, path: Path) -> None:
     binary.kernels = {mcpu: [n for n in names if n in shown]}
 
 
-def expected_kernels(executable) -> tuple[str, set[str]]:
-    """(device module kind, kernel names) from the compiled module's device code, before export."""
-    stack, kinds, names = [executable.mod], [], set()
+def device_sources(executable) -> list[tuple[str, str]]:
+    """(kind, source) of every device module the compiled module imports (CUDA C, or ROCm's LLVM IR), before export."""
+    stack, found = [executable.mod], []
     while stack:
         mod = stack.pop()
         stack.extend(mod.imports)
         if mod.kind in ("cuda", "hip", "rocm"):
-            kinds.append(mod.kind)
-            source = mod.inspect_source("")
-            names |= set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', source))
-            names |= set(re.findall(r'define\s+(?:\w+\s+)*amdgpu_kernel\s+void\s+@"?([\w.$]+)"?\(', source))
-    return (kinds[0] if kinds else "none"), names
+            found.append((mod.kind, mod.inspect_source("")))
+    return found
+
+
+def expected_kernels(executable) -> tuple[str, set[str]]:
+    """(device module kind, kernel names) from the compiled module's device code, before export."""
+    sources, names = device_sources(executable), set()
+    for _, source in sources:
+        names |= set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', source))
+        names |= set(re.findall(r'define\s+(?:\w+\s+)*amdgpu_kernel\s+void\s+@"?([\w.$]+)"?\(', source))
+    return (sources[0][0] if sources else "none"), names
 
 
 @dataclass
