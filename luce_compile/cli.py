@@ -1,17 +1,29 @@
-"""The `luce-compile` command line. Only this module prints; everything else logs."""
+"""The `luce-compile` command line. Only this module and luce_runtime/cli.py print; everything else logs.
+
+`run` and `serve` are luce-runtime's own commands (luce_runtime/cli.py: the same arguments and code);
+serve here also takes a GGUF or a model name, compiled into an artifact first."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from luce_runtime.cli import (
+    add_run_args,
+    add_serve_args,
+    add_spec_args,
+    add_threads_arg,
+    cmd_run,
+    print_generation,
+    prompt_ids,
+    run_command,
+    speculative_decoder,
+)
 
 from luce_compile import __version__
 from luce_compile.errors import LuceError
@@ -129,41 +141,6 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     else:
         for i in ids:
             print(f"{i:8}  {tok.decode([i], special=True)!r}")
-    return 0
-
-
-def prompt_ids(tok, text: str, chat: bool) -> list[int]:
-    """Raw text is tokenized as is (BOS where the GGUF asks); --chat renders it as one user message through the
-    model's chat template (or the format its vocabulary implies when the file has none), as llama.cpp's server does."""
-    if not chat:
-        return tok.encode(text, add_special=True, parse_special=True)
-    from luce_runtime.chat import encode_chat
-
-    return encode_chat(tok, [{"role": "user", "content": text}])
-
-
-def print_generation(tok, ids: list[int], tokens, as_json: bool, label: str,
-                     extra: Callable[[], dict[str, Any]] | None = None) -> int:
-    """Stream tokens as text (valid UTF-8 at every step), or print {"prompt_ids", "ids", "text"} with --json;
-    extra() adds its fields once the generation is done (the JSON's keys, or one more stderr line)."""
-    from luce_runtime.tokenizer import StreamDecoder
-
-    start, out = time.perf_counter(), []
-    stream = StreamDecoder(tok, strip_leading_space=False)
-    for token in tokens:
-        out.append(token)
-        if not as_json:
-            print(stream.feed(token), end="", flush=True)
-    elapsed = time.perf_counter() - start
-    more = extra() if extra else {}
-    if as_json:
-        print(json.dumps({"prompt_ids": ids, "ids": out, "text": tok.decode(out, strip_leading_space=False), **more}))
-    else:
-        print(stream.flush())
-        print(f"[{label}: {len(ids)} prompt + {len(out)} generated tokens in {elapsed:.2f} s, "
-              f"{len(out) / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
-        for key, value in more.items():
-            print(f"[{key}: {json.dumps(value)}]", file=sys.stderr)
     return 0
 
 
@@ -351,39 +328,6 @@ def cmd_pack(args: argparse.Namespace) -> int:
     return 0
 
 
-def sampling_params(args: argparse.Namespace):
-    from luce_runtime.sampler import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.n,
-                          stop=tuple(args.stop or ()))
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from luce_runtime.engine import Engine, EngineOptions
-
-    params = sampling_params(args)
-    engine = Engine(args.artifact, EngineOptions(max_batch=1, max_context=args.ctx))
-    tok = engine.tokenizer
-    ids = prompt_ids(tok, args.prompt, args.chat)
-    if not (args.spec or args.draft):
-        return print_generation(tok, ids, engine.generate(ids, params), args.json, "runtime")
-    decoder = speculative_decoder(engine, args)
-    return print_generation(tok, ids, decoder.generate(ids, params), args.json, f"runtime, {decoder.drafter.name}",
-                            extra=lambda: {"spec": decoder.stats.to_dict()})
-
-
-def speculative_decoder(engine, args: argparse.Namespace):
-    """--spec ngram or --draft DRAFT_ART on a loaded target engine (the draft model gets the target's context)."""
-    from luce_runtime.engine import Engine, EngineOptions
-    from luce_runtime.speculative import DraftModel, NgramDrafter, SpeculativeDecoder
-
-    if args.draft:
-        draft = Engine(args.draft, EngineOptions(max_batch=1, max_context=engine.max_context))
-        return SpeculativeDecoder(engine, DraftModel(draft, engine), draft_max=args.draft_max)
-    return SpeculativeDecoder(engine, NgramDrafter(), draft_max=args.draft_max)
-
-
 def compile_into_cache(model: str, target: str, purpose: str) -> Path:
     """MODEL compiled for `target` into the cache's folder for `purpose` (bench, serve): the cache's own copy, replaced
     when an earlier run left one."""
@@ -456,41 +400,13 @@ def serve_path(model: str, target: str) -> Path:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    path = serve_path(args.artifact, args.target)
+    args.artifact = serve_path(args.artifact, args.target)
     if args.draft:
         args.draft = serve_path(args.draft, args.target)
-    from luce_runtime.serve import ServeOptions, serve  # after compiling: the runtime loads TVM's runtime library only
+    # after compiling: the runtime loads TVM's runtime library only
+    from luce_runtime.cli import cmd_serve as serve_artifact
 
-    print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    serve(ServeOptions(artifact=path, host=args.host, port=args.port, api_key=args.api_key,
-                       max_batch=args.max_batch, max_context=args.ctx, prefix_cache=args.prefix_cache,
-                       max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * 2**20),
-                       spec=args.spec, draft=args.draft, draft_max=args.draft_max))
-    return 0
-
-
-def add_sampling_args(s: argparse.ArgumentParser) -> None:
-    s.add_argument("-n", type=int, default=64, help="tokens to generate")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--repeat-penalty", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--stop", action="append", help="stop when this string is generated (repeatable)")
-
-
-def add_spec_args(s: argparse.ArgumentParser) -> None:
-    spec = s.add_mutually_exclusive_group()
-    spec.add_argument("--spec", choices=["ngram"], help="speculative decoding with prompt lookup (no draft model)")
-    spec.add_argument("--draft", metavar="DRAFT_ART",
-                      help="speculative decoding with this draft artifact (same vocabulary as ART)")
-    s.add_argument("--draft-max", type=int, default=8, help="most tokens drafted per step (default 8)")
-
-
-def add_threads_arg(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--threads", type=int, metavar="N",
-                   help="CPU threads for the kernels (default: TVM_NUM_THREADS, else one per physical core)")
+    return serve_artifact(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -579,14 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_pack)
 
     s = sub.add_parser("run", help="generate text from a compiled artifact with the thin runtime")
-    s.add_argument("artifact", help="an artifact directory or packed file")
-    s.add_argument("-p", "--prompt", required=True)
-    s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    s.add_argument("--ctx", type=int, default=0, help="context length to allocate (default: model's, ≤ 4096)")
-    s.add_argument("--json", action="store_true", help='print {"prompt_ids", "ids", "text"} (and "spec")')
-    add_sampling_args(s)
-    add_spec_args(s)
-    add_threads_arg(s)
+    add_run_args(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("bench", help="prefill/decode tok/s and roofline fraction of an artifact (or a GGUF)")
@@ -601,21 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve an artifact (or a GGUF) over OpenAI- and Anthropic-compatible HTTP")
     s.add_argument("artifact", help="an artifact directory or packed file, a .gguf path or a known model name")
     s.add_argument("--target", default="cpu", help="compile target when ARTIFACT is a GGUF")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    # the environment variable keeps the key out of the process list (`ps` shows every user the command line)
-    s.add_argument("--api-key", default=os.environ.get("LUCE_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1/* (default: the LUCE_API_KEY "
-                        "environment variable, which other users cannot see in `ps` as they can a command line)")
-    s.add_argument("--max-batch", type=int, default=0,
-                   help="sequences decoded together (default: as many as a quarter of the free memory holds)")
-    s.add_argument("--ctx", type=int, default=0, help="context per sequence (default: model's, ≤ 4096)")
-    s.add_argument("--prefix-cache", type=int, default=4, help="cached prompt prefixes (0: no prefix reuse)")
-    s.add_argument("--max-waiting", type=int, default=0,
-                   help="requests queued for a batch slot before the server answers 429 (default: 4 x max-batch)")
-    s.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (default 4): 413 above")
-    add_spec_args(s)
-    add_threads_arg(s)
+    add_serve_args(s)
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("plan", help="the megakernel's decode-step task graph and per-SM plan, with the cost "
@@ -639,24 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "threads", None) is not None:  # before any kernel starts TVM's thread pool
-        from luce_runtime.threads import claim_cores
-
-        try:
-            claim_cores(args.threads)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    try:
-        return args.func(args)
-    except LuceError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NotImplementedError as e:
-        print(f"not supported: {e}", file=sys.stderr)
-        return 2
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
