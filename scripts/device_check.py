@@ -54,8 +54,6 @@ REL_TOL_Q8 = 0.1
 # of every F16/BF16 matvec input; the float64 oracle moved 1.3-1.6e-3 on tiny models when those inputs were rounded
 # so (2026-12-04). The oracle check emulates the rounding and keeps REL_TOL.
 REL_TOL_TF32 = 1e-2
-# TVM's python package less what only the compiler needs (libtvm_compiler.so alone is 248 MB)
-TVM_SKIP = ("lib/libtvm_compiler.so", "3rdparty", "src", "include", "web", "__pycache__")
 
 
 # ---- prepare (build machine) --------------------------------------------------------------------------------------
@@ -164,11 +162,12 @@ def make_bundle(bundle: Path) -> None:
     """The TVM runtime package as .tgz, plus wheels for the GPU machine's Python 3.12 (apache-tvm-ffi, gguf)."""
     import tvm
 
+    from luce_compile.runtime_wheel import compiler_only  # the luce-runtime wheel's selection, less its Python part
+
     bundle.mkdir(parents=True, exist_ok=True)
     pkg = Path(tvm.__file__).parent
     with tarfile.open(bundle / "tvm-runtime.tgz", "w:gz") as tar:
-        tar.add(pkg, arcname="tvm", filter=lambda t: None if any(
-            t.name.removeprefix("tvm/").startswith(s) or f"/{s}" in t.name for s in TVM_SKIP) else t)
+        tar.add(pkg, arcname="tvm", filter=lambda t: None if compiler_only(t.name) else t)
     platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28)] + ["--platform=manylinux2014_x86_64"]
     for req in ("apache-tvm-ffi==0.1.14.post1", "gguf==0.19.*"):
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
