@@ -426,15 +426,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_gemms(args: argparse.Namespace) -> int:
-    """Every rule-default GEMM of a tuning bundle (`luce-compile tune ... --bundle`) on fresh random weights (gguf-py's
-    quantizer, repacked as the build repacks) and activations, at a few row counts: each branch of the batch
-    dispatch against float64 numpy, plain and with float16 operands (the tensor cores' rounding, exactly)."""
+    """Every rule-default GEMM of a tuning bundle (`luce-compile tune ... --bundle`; with --all every candidate) on
+    fresh random weights (the project's quantizer, gguf/quants.py, repacked as the build repacks) and activations,
+    at a few row counts: each branch of the batch dispatch against float64 numpy, plain and with float16 operands
+    (the tensor cores' rounding, exactly)."""
     _load_runtime()
     import tvm
     from gguf import GGMLQuantizationType
-    from gguf import quants as gguf_quants
     from luce_runtime.tune_bench import read_index
 
+    from luce_compile.gguf.quants import dequantize, quantize
     from luce_compile.lower.quant_layout import repack
 
     bundle = Path(args.bundle)
@@ -443,17 +444,13 @@ def check_gemms(args: argparse.Namespace) -> int:
     device, rng, rows = tvm.cuda(0), np.random.default_rng(args.seed), []
     for cand in index["candidates"]:
         w = workloads[cand["key"]]
-        if not cand.get("default") or "library" not in cand or w["rule"] != "gpu.quant_gemm":
+        if not (cand.get("default") or args.all) or "library" not in cand or w["rule"] != "gpu.quant_gemm":
             continue
         qtype = GGMLQuantizationType[w["weight_type"]]
         n_in, n_out = w["args"][0]["shape"][1], w["args"][-1]["shape"][1]
         w_float = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
-        try:
-            raw = gguf_quants.quantize(w_float, qtype)
-        except NotImplementedError:  # gguf-py quantizes only some types (no K-quants): those are checked in models
-            print(json.dumps({"function": cand["function"], "skipped": f"gguf-py cannot quantize {qtype.name}"}))
-            continue
-        wq = gguf_quants.dequantize(raw, qtype).reshape(n_out, n_in).astype(np.float64)
+        raw = quantize(w_float, qtype).reshape(n_out, -1)
+        wq = dequantize(raw, qtype).reshape(n_out, n_in).astype(np.float64)
         planes = [tvm.runtime.tensor(np.ascontiguousarray(v), device) for v in repack(raw, qtype).values()]
         fn = tvm.runtime.load_module(str((bundle / cand["library"]).resolve()))[cand["function"]]
         for batch in args.rows:
@@ -463,8 +460,8 @@ def check_gemms(args: argparse.Namespace) -> int:
             got = out.numpy()
             plain = x.astype(np.float64) @ wq.T
             half = _half(x.astype(np.float64)) @ _half(wq).T
-            rows.append({"function": cand["function"], "rows": batch, "vs_plain": _rel(got, plain),
-                         "vs_half": _rel(got, half)})
+            rows.append({"function": cand["function"], "knobs": cand.get("knobs"), "rows": batch,
+                         "vs_plain": _rel(got, plain), "vs_half": _rel(got, half)})
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
@@ -646,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("gemm", help="GPU machine: a tuning bundle's default GEMMs against numpy, per batch branch")
     k.add_argument("bundle")
     k.add_argument("--rows", type=int, nargs="+", default=[4, 32, 512])
+    k.add_argument("--all", action="store_true", help="every candidate of the bundle, not only the rule defaults")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--out")
     k.set_defaults(func=check_gemms)

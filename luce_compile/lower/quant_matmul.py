@@ -33,6 +33,9 @@ FLOAT_DTYPES = ("float32", "float16")
 # attr of a float32 dynamic-batch matmul carrying its float16 twin (the same signature): the GPU schedule runs the
 # twin on tensor cores above the low-batch buckets and the float32 function below (schedules/gpu/quant_gemm.py)
 TENSOR_CORE_TWIN = "luce.tensor_core_twin"
+# attr of the twin naming its GGML weight type: the hand tensor-core kernel (schedules/gpu/mma_gemm.py) is generated
+# from the type, not from the twin's body
+GGML_TYPE_ATTR = "luce.ggml_type"
 
 
 def _f32(value: tirx.Expr) -> tirx.Expr:
@@ -220,7 +223,7 @@ def with_tensor_core_twin(func: tirx.PrimFunc, ggml_type: GGMLQuantizationType |
     """func (quant_matmul's dynamic-batch form) with its float16 twin attached as TENSOR_CORE_TWIN."""
     twin = quant_matmul(ggml_type, n_out, n_in, x_dtype=x_dtype, out_dtype=out_dtype, compute_dtype="float16",
                         name=f"{func.attrs['global_symbol']}_half")
-    return func.with_attr(TENSOR_CORE_TWIN, twin)
+    return func.with_attr(TENSOR_CORE_TWIN, twin.with_attr(GGML_TYPE_ATTR, as_ggml_type(ggml_type).name))
 
 
 def quant_embedding(

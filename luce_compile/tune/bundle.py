@@ -93,6 +93,24 @@ def build_bundle(workloads: list[Workload], info: TargetInfo, model: str, out: P
     return index
 
 
+def bundle_at_extents(src: Path, out: Path, extents: dict[str, int], model: str) -> dict[str, Any]:
+    """A copy of the bundle `src` whose workloads are timed at other symbolic extents (e.g. 2,048 rows instead of
+    512): the same libraries (a kernel of a symbolic batch serves every batch), new call arguments, a new id."""
+    index = json.loads((src / "index.json").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(src / "lib", out / "lib")
+    for w in index["workloads"]:
+        w["measured_at"] = {s: extents.get(s, v) for s, v in w["measured_at"].items()}
+        w["call_args"] = [{**a, "shape": [w["measured_at"].get(d, d) if isinstance(d, str) else d
+                                          for d in spec["shape"]]} for a, spec in zip(w["call_args"], w["args"],
+                                                                                      strict=True)]
+    index.update(model=model, created=datetime.now(UTC).isoformat(timespec="seconds"))
+    index.pop("id", None)
+    index["id"] = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()[:16]
+    (out / "index.json").write_text(json.dumps(index, indent=1))
+    return index
+
+
 def ingest(results_path: Path, logs_dir: Path) -> tuple[Path, list[dict[str, Any]]]:
     """Record a tune_bench results file: every candidate into the trials log, and per workload the best of all its
     candidates timed so far (every round's) into the log. Returns (the log, the records written)."""

@@ -14,8 +14,10 @@ kernels (tirx.HoistIfThenElseExprWithBlock): each branch is its own kernel, chos
 (none is lowered today) keeps Matmul: LowBatchGEMV takes only a symbolic batch.
 
 Tensor cores (precision f16, CUDA): the function carries a float16 twin (quant_matmul.TENSOR_CORE_TWIN); above the
-buckets the twin runs, scheduled by tensor_gemm.TensorCoreGEMM with this rule's knobs (its tile), instead of the
-float32 SIMT Matmul. The buckets keep float32, so decoding a few sequences together stays exact.
+buckets the twin's computation runs on tensor cores instead of the float32 SIMT Matmul: by default the hand
+mma.sync kernel of mma_gemm.py (knob kernel=1, its tile the knobs tile_m × tile_n, 0 = chosen from the shape), or
+the twin scheduled by tensor_gemm.TensorCoreGEMM at dlight's tile (kernel=0, WMMA), kept as the measured baseline and
+for K that mma_gemm does not take. The buckets keep float32, so decoding a few sequences together stays exact.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from typing import ClassVar
 
 import tvm_ffi.structural
 from luce_schedules.cpu.quant_matmul import match_matmul
-from luce_schedules.gpu.base import GPURule
+from luce_schedules.gpu import mma_gemm
+from luce_schedules.gpu.base import GPURule, sm_count
 from luce_schedules.gpu.tensor_gemm import TensorCoreGEMM
 from tvm import IRModule, ir, s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
-from luce_compile.lower.quant_matmul import TENSOR_CORE_TWIN
+from luce_compile.lower.quant_matmul import GGML_TYPE_ATTR, TENSOR_CORE_TWIN
 
 # (largest batch, LowBatchGEMV bucket), smallest first; a batch above the last goes to Matmul
 LOW_BATCH: tuple[tuple[int, int], ...] = ((2, 2), (8, 4))
@@ -46,9 +49,11 @@ class Dispatched:
 
 class QuantGEMM(GPURule):
     name = "gpu.quant_gemm"
-    # the tensor-core tile, for functions with a float16 twin (others have nothing to tune yet)
-    DEFAULTS: ClassVar[dict[str, int]] = dict(TensorCoreGEMM.DEFAULTS)
-    SPACE: ClassVar[dict[str, tuple[int, ...]]] = dict(TensorCoreGEMM.SPACE)
+    # the tensor-core kernel and its tile, for functions with a float16 twin (others have nothing to tune yet):
+    # kernel 1 = mma_gemm (tile 0 = mma_gemm.default_tile), 0 = dlight's WMMA tile (TensorCoreGEMM's defaults)
+    DEFAULTS: ClassVar[dict[str, int]] = {"kernel": 1, "tile_m": 0, "tile_n": 0, "tile_k": 0}
+    SPACE: ClassVar[dict[str, tuple[int, ...]]] = {"kernel": (0, 1), "tile_m": mma_gemm.TILE_M,
+                                                   "tile_n": mma_gemm.TILE_N, "tile_k": mma_gemm.TILE_K[1:]}
 
     # A tuned tile runs up to this multiple of the rows it was measured at, the default tile above: tiles tuned at
     # 512 rows won 1.09-1.25x there and lost 0.89-0.90x at 2048 on the H200 (results/h200/2026-12-01-tuned-vs-
@@ -91,20 +96,34 @@ class QuantGEMM(GPURule):
 
 
 def tensor_core_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, target: Target,
-                     tile: dict[str, int]) -> Dispatched | None:
-    """The twin scheduled on tensor cores, its body rebound to func's parameters (the same signature), so that
-    dispatch_on_batch can put it beside schedules of func itself; None where the tile does not apply."""
-    sch = TensorCoreGEMM().apply(twin, target, tile)
+                     knobs: dict[str, int]) -> Dispatched | None:
+    """The twin's computation on tensor cores, with func's parameters (the same signature), so that
+    dispatch_on_batch can put it beside schedules of func itself: mma_gemm's kernel (knobs["kernel"] 1) or the twin
+    scheduled by TensorCoreGEMM (0, or a K mma_gemm does not take); None where neither applies."""
+    n_in, n_out = (int(twin.params[i].shape[1]) for i in (0, -1))
+    qtype = str(twin.attrs[GGML_TYPE_ATTR]) if GGML_TYPE_ATTR in twin.attrs else None
+    if knobs.get("kernel", 1) == 1 and qtype is not None and mma_gemm.supports(qtype, n_in):
+        tile_m, tile_n, tile_k = mma_gemm.default_tile(n_out, sm_count(target, 132))
+        x_dtype, out_dtype = (str(twin.params[i].dtype) for i in (0, -1))
+        kernel = mma_gemm.mma_gemm(qtype, n_out, n_in, x_dtype=x_dtype, out_dtype=out_dtype,
+                                   tile_m=knobs.get("tile_m") or tile_m, tile_n=knobs.get("tile_n") or tile_n,
+                                   tile_k=knobs.get("tile_k") or tile_k)
+        return Dispatched(IRModule({"main": func.with_body(_rebound(kernel, func))}))
+    sch = TensorCoreGEMM().apply(twin, target, TensorCoreGEMM.DEFAULTS)
     if sch is None:
         return None
-    pairs = list(zip(twin.params, func.params, strict=True))
+    return Dispatched(IRModule({"main": func.with_body(_rebound(sch.mod["main"], func))}))
+
+
+def _rebound(other: tirx.PrimFunc, func: tirx.PrimFunc) -> tirx.Stmt:
+    """other's body over func's parameters and shape variables (the two have the same signature)."""
+    pairs = list(zip(other.params, func.params, strict=True))
     pairs += [(a, b) for p, q in pairs for a, b in zip(p.shape, q.shape, strict=True) if isinstance(a, tirx.Var)]
 
     def rebind(var: ir.expr.Var) -> ir.expr.Var:
         return next((new for old, new in pairs if var.same_as(old)), var)
 
-    body = tvm_ffi.structural.structural_map(sch.mod["main"].body, (ir.expr.Var, rebind))
-    return Dispatched(IRModule({"main": func.with_body(body)}))
+    return tvm_ffi.structural.structural_map(other.body, (ir.expr.Var, rebind))
 
 
 def dispatch_on_batch(func: tirx.PrimFunc, batch: tirx.Var, low: dict[int, s_tir.Schedule | Dispatched],

@@ -74,19 +74,25 @@ def _cuda_source(func: tirx.PrimFunc) -> str:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("qtype", ["Q4_1", "BF16"])
-def test_twin_runs_on_tensor_cores_above_the_buckets(qtype):
+@pytest.mark.parametrize("kernel", [1, 0])
+def test_twin_runs_on_tensor_cores_above_the_buckets(qtype, kernel):
     func = with_tensor_core_twin(quant_matmul(qtype, 256, 512), qtype, 256, 512)
-    (out,) = QuantGEMM().apply(func, TARGET)
+    (out,) = QuantGEMM().apply(func, TARGET, {"kernel": kernel})
     scheduled = out.mod["main"]
     assert TENSOR_CORE_TWIN not in scheduled.attrs  # the twin is consumed: nothing downstream sees it
     assert list(scheduled.params) == list(func.params)  # the twin's body was rebound to func's own buffers
     branches = _branches(scheduled)
     assert [limit for limit, _ in branches] == [limit for limit, _ in LOW_BATCH]
     low, above = branches[-1][1].split("else:", 1)
-    assert "wmma" not in "".join(text for _, text in branches[:-1]) + low  # the buckets stay float32 SIMT
-    assert "wmma.matrix_a" in above and "x_half" in above
+    low_text = "".join(text for _, text in branches[:-1]) + low
+    assert "wmma" not in low_text and "T.ptx" not in low_text  # the buckets stay float32 SIMT
     source = _cuda_source(scheduled)
-    assert "nvcuda::wmma::mma_sync" in source
+    if kernel == 1:  # the hand kernel (mma_gemm.py): ldmatrix + mma.sync from padded shared rows
+        assert "T.ptx.mma(" in above and "T.ptx.ldmatrix(" in above
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source and "nvcuda::wmma" not in source
+    else:  # dlight's WMMA tile, the baseline
+        assert "wmma.matrix_a" in above and "x_half" in above
+        assert "nvcuda::wmma::mma_sync" in source
     kernels = re.findall(r"__global__[^;{]*\{", source)  # definitions (each is declared first too)
     assert len(kernels) == len(LOW_BATCH) + 1  # one kernel per branch, chosen on the host
 
@@ -94,14 +100,14 @@ def test_twin_runs_on_tensor_cores_above_the_buckets(qtype):
 @pytest.mark.unit
 def test_a_tuned_tile_runs_up_to_twice_its_measured_rows_the_default_above():
     func = with_tensor_core_twin(quant_matmul("Q4_1", 256, 512), "Q4_1", 256, 512)
-    tuned = {"warps_m": 2, "warps_n": 2, "frags_m": 2, "frags_n": 1, "k_frags": 4, "vector": 4}
+    tuned = {"kernel": 1, "tile_m": 32, "tile_n": 64}
     (out,) = QuantGEMM().apply_measured(func, TARGET, tuned, {"batch": 512})
     branches = _branches(out.mod["main"])
     assert [limit for limit, _ in branches] == [limit for limit, _ in LOW_BATCH] + [2 * 512]
     tuned_text, default_text = branches[-1][1].split("else:", 1)
-    # the tuned tile (64 rows: the batch padded to 64) below the limit, dlight's 128-row tile above it
-    assert "(batch + T.int64(63))" in tuned_text and "(batch + T.int64(127))" not in tuned_text
-    assert "(batch + T.int64(127))" in default_text and "(batch + T.int64(63))" not in default_text
+    # the tuned tile (32 rows a block) below the limit, the default (64 × 64 for 256 features) above it
+    assert "+ 31) // 32" in tuned_text and "+ 63) // 64" not in tuned_text
+    assert "+ 63) // 64" in default_text and "+ 31) // 32" not in default_text
     # the rule's own defaults as a record, or a record measured nowhere: one tensor-core branch, as before
     for knobs, measured in ((QuantGEMM().knobs(), {"batch": 512}), (tuned, {})):
         (out,) = QuantGEMM().apply_measured(func, TARGET, knobs, measured)
