@@ -47,6 +47,10 @@ class EngineError(LuceError, ValueError):
     """A request the engine cannot serve as asked (too long, bad sequence id, n ≤ 0)."""
 
 
+class NonFiniteLogitsError(EngineError):
+    """A step's logits held NaN or inf (Engine._check_finite): the step ran, nothing it produced is a token."""
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     max_batch: int = 8  # sequences live at once (decode batch, forks, cached prefixes)
@@ -614,7 +618,29 @@ class Engine:
             self._live[sid] += c
             if sid not in reserved:
                 self._kv.defer(sid, c)
+        self._check_finite(seq_ids, lengths, counts, out, ids=not logits, masked=allowed is not None)
         return out
+
+    def _check_finite(self, seq_ids: Sequence[int], lengths: Sequence[int], counts: Sequence[int], out: np.ndarray,
+                      ids: bool = False, masked: bool = False) -> None:
+        """Refuse a step whose logits are not finite, naming the sequence and position, before a NaN becomes a
+        token: the device argmax of a NaN row is no index (it returned 2**31 - 1 for a 7B of random weights whose
+        activations overflowed), and numpy's argmax of one is the first NaN's. out: the step's logits (rows, V) or
+        greedy ids (rows,), rows in sequence order, counts[i] of them for seq_ids[i] from position lengths[i]. Only
+        each row's largest logit is read (NaN propagates through max); a masked row's -1 (no token allowed) is the
+        grammar's, not this."""
+        if ids:
+            bad = np.nonzero((out >= self.vocab_size) | ((out < 0) & (not masked)))[0]
+        else:
+            bad = np.nonzero(~np.isfinite(np.max(out, axis=-1)))[0] if out.size else []
+        if len(bad) == 0:
+            return
+        rows = [(sid, n + j) for sid, n, c in zip(seq_ids, lengths, counts, strict=True) for j in range(c)]
+        where = ", ".join(f"sequence {sid} at position {pos}" for sid, pos in (rows[int(r)] for r in bad[:4]))
+        raise NonFiniteLogitsError(
+            f"engine: the logits of {len(bad)} of {len(rows)} rows are not finite (NaN or inf): {where}. The model's "
+            "activations overflowed float32 (damaged or random weights), or a kernel is wrong: compare with "
+            "`luce-compile compile ... --precision f32` and the per-op path (`bench --no-megakernel`).")
 
     def _page_ids(self, seq_id: int, length: int) -> list[int]:
         """The page ids holding a sequence's first `length` positions: read once, then one page more at each page
@@ -704,8 +730,12 @@ class Engine:
                 self._undo_append(sid, n)
             raise
         self._kv.end()
+        starts = [self._live[sid] for sid in seq_ids]
         for sid, n in zip(seq_ids, lens, strict=True):
             self._live[sid] += n
+        # the rows returned: every fed token's, or each sequence's last (a prefill's, a decode's one)
+        self._check_finite(seq_ids, starts if every_row else [a + n - 1 for a, n in zip(starts, lens, strict=True)],
+                           lens if every_row else [1] * len(lens), logits)
         return logits
 
     def _undo_append(self, seq_id: int, n: int) -> None:

@@ -223,3 +223,40 @@ def test_the_engine_keeps_the_megakernel_only_where_it_measured_faster(engine, m
     engine._choose_decode_paths(context=8, steps=1)  # a tie is no gain: the per-op path stays
     assert engine.megakernel is None and "slower at every batch size" in engine.decode_path
     assert engine_module._ranges({1, 2, 3, 5, 7, 8}) == "1-3, 5, 7-8"
+
+
+def test_non_finite_logits_are_reported_never_taken_as_a_token(tiny, engine_of, rng):
+    """A step whose logits hold NaN (here: one token's embedding row poisoned, in a model whose LM head is not the
+    embedding) is an error naming the sequence and position, on decode, decode_greedy and prefill alike; a 7B of
+    random weights once passed the device argmax of a NaN row (2**31 - 1) on as the next token."""
+    from luce_runtime.engine import NonFiniteLogitsError
+
+    engine = engine_of(tiny("tiny-qwen2"), max_batch=4, max_context=128, prefill_chunk=16)
+
+    bad = 7
+    names = [p["name"] for p in engine.artifact.manifest["weights"]["params"]]
+    poisoned = 0
+    for name, tensor in zip(names, engine.params, strict=True):
+        values = tensor.numpy()
+        if name.startswith("token_embd") and values.dtype.kind == "f" and values.ndim == 2:
+            values[bad] = np.nan  # the row's scales (a quantized embedding) or values
+            tensor.copyfrom(values)
+            poisoned += 1
+    assert poisoned
+
+    def fresh_pair() -> list[int]:  # a NaN key stays in its sequence's pages: each check takes new sequences
+        for seq in engine.sequences():
+            engine.remove_sequence(seq)
+        seqs = [engine.add_sequence() for _ in range(2)]
+        engine.prefill(seqs, [[t if t != bad else bad + 1 for t in prompt(rng, 9, engine.vocab_size)] for _ in seqs])
+        return seqs
+
+    seqs = fresh_pair()
+    with pytest.raises(NonFiniteLogitsError, match=rf"1 of 2 rows .*: sequence {seqs[1]} at position 9\."):
+        engine.decode(seqs, [3, bad])
+    seqs = fresh_pair()
+    with pytest.raises(NonFiniteLogitsError, match=rf"1 of 2 rows .*: sequence {seqs[0]} at position 9\."):
+        engine.decode_greedy(seqs, [bad, 3])
+    fresh = fresh_pair()[0]
+    with pytest.raises(NonFiniteLogitsError, match=rf"sequence {fresh} at position 13\."):
+        engine.prefill([fresh], [[3, 4, 5, 6, bad]])  # its last row, after the 9 tokens it holds
