@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # in the words they read (emit_cuda.quantize_q8); here so that the runtime side (the checks' oracle) needs no
 # compiler import
 Q8_ORDER = {"Q4_0": "nibbles", "Q4_1": "nibbles", "Q5_0": "nibbles", "Q5_1": "nibbles", "Q8_0": "natural",
-            "Q4_K": "nibbles"}
+            "Q4_K": "nibbles", "Q5_K": "nibbles", "Q6_K": "nibbles"}
 # float_mma: the weight types whose matvecs run on tf32 tensor cores, which hold them exactly (10 mantissa bits and
 # float32's exponent range); their inputs are rounded to tf32 (the oracle emulates it: graph/rounding.tf32)
 MMA_FLOAT_TYPES = ("F16", "BF16")

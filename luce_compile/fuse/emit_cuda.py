@@ -60,8 +60,9 @@ MMA_MIN_CHUNKS = 8  # float_mma: the fewest chunks a warp's slice of K takes
 MMA_TILES = 4  # float_mma: (matmul, 16-row tile) fragments a warp accumulates at once; more tiles take rounds
 
 
-# the 8-bit path's types stored unsigned with an offset (w = d·(q − offset)): the dot starts at −offset·Σq_x
-Q8_OFFSET = {"Q4_0": 8, "Q5_0": 16}
+# the 8-bit path's types stored unsigned with an offset (w = d·(q − offset)): the dot starts at −offset·Σq_x (Q6_K's
+# per 16 values, each sub-block's sum then scaled by its int8 scale)
+Q8_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
 
 
 def _fifth_bits(qh: tirx.Expr, gg) -> tuple[tirx.Expr, tirx.Expr]:
@@ -74,6 +75,19 @@ def _fifth_bits(qh: tirx.Expr, gg) -> tuple[tirx.Expr, tirx.Expr]:
         return ((v & u(1)) << u(4)) | ((v & u(4)) << u(10)) | ((v & u(16)) << u(16)) | ((v & u(64)) << u(22))
 
     return spread(x), spread(x >> u(1))
+
+
+def _sixth_bits(qh: tirx.Expr, shift) -> tuple[tirx.Expr, tirx.Expr]:
+    """A Q6_K granule's two high bits (qh >> shift: bits 2i of element i of the granule's 8) for its two nibble
+    words: the even elements 2i go to bits 4-5 of byte i of the low-nibble word, the odd ones of the high one."""
+    u = lambda v: tirx.const(v, "uint32")  # noqa: E731
+    x = qh >> (u(shift) if isinstance(shift, int) else shift.astype("uint32"))
+
+    def spread(v: tirx.Expr) -> tirx.Expr:  # bit pairs at 0, 4, 8, 12 → 4, 12, 20, 28
+        return ((v & u(0x3)) << u(4)) | ((v & u(0x30)) << u(8)) | ((v & u(0x300)) << u(12)) | \
+            ((v & u(0x3000)) << u(16))
+
+    return spread(x), spread(x >> u(2))
 
 
 def dp4a(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
@@ -1116,14 +1130,17 @@ class MegakernelEmitter:
 
     @staticmethod
     def _q8_block_scales(planes, ggml_type: str, layer, row, blk) -> tuple[tirx.Expr, tirx.Expr | None]:
-        """A 32-value block's (d_w, m_w) as float32, w = d_w·q + m_w (m_w None: Q4_0/Q8_0 have no minimum). A Q4_K
-        sub-block is a Q4_1 block with d_w = d·sc and m_w = −dmin·mn (llama.cpp's vec_dot_q4_K_q8_1; both
-        products exact in float32)."""
-        if ggml_type == "Q4_K":
+        """A 32-value block's (d_w, m_w) as float32, w = d_w·q + m_w (m_w None: Q4_0/Q8_0/Q6_K have no minimum). A
+        Q4_K/Q5_K sub-block is a Q4_1/Q5_1 block with d_w = d·sc and m_w = −dmin·mn (llama.cpp's vec_dot_q4_K_q8_1;
+        both products exact in float32). Q6_K's d_w is its super-block's d: the passes scale each 16 values' integer
+        sum by their int8 scale (llama.cpp's vec_dot_q6_K_q8_1)."""
+        if ggml_type in ("Q4_K", "Q5_K"):
             sb = blk // 8  # the 256-value super-block
             d = planes["d"][layer, row, sb].astype(F32) * exact_int_to_float(planes["sc"][layer, row, blk])
             m = planes["dmin"][layer, row, sb].astype(F32) * exact_int_to_float(planes["mn"][layer, row, blk])
             return d, f32(0) - m
+        if ggml_type == "Q6_K":  # the int8 scale of each 16 values multiplies the integer sums (the passes)
+            return planes["d"][layer, row, blk // 8].astype(F32), None
         mw = planes["m"][layer, row, blk].astype(F32) if ggml_type in ("Q4_1", "Q5_1") else None
         return planes["d"][layer, row, blk].astype(F32), mw
 
@@ -1136,7 +1153,7 @@ class MegakernelEmitter:
         if not self.q8 or st.merged >= 0 or self.q8_batch * self._q8_words(k_in) > self.shared_floats * 3 // 4:
             return None
         types = {t for unit in st.units for t in self._weight_types(unit)}
-        if self.q8_mma and types & {"Q5_0", "Q5_1"}:  # the tensor-core body does not assemble their fifth bits
+        if self.q8_mma and types & {"Q5_0", "Q5_1", "Q5_K", "Q6_K"}:  # the tensor-core body takes no high bits
             return None
         orders = {Q8_ORDER.get(t) for t in types}
         return orders.pop() if len(orders) == 1 and None not in orders else None
@@ -1238,7 +1255,10 @@ class MegakernelEmitter:
                     qs = planes["qs"][layer, row, g]
                     mask = tirx.const(0x0F0F0F0F, "uint32")
                     w = [qs & mask, (qs >> tirx.const(4, "uint32")) & mask]
-                    if "qh" in planes:  # Q5: each quant's fifth bit into its byte's bit 4
+                    if types[m_i] == "Q6_K":  # its two high bits into bits 4-5 of each quant's byte
+                        high = _sixth_bits(planes["qh"][layer, row, g // 2], (g % 2) * 16)
+                        w = [a | e for a, e in zip(w, high, strict=True)]
+                    elif "qh" in planes:  # Q5: each quant's fifth bit into its byte's bit 4
                         w = [a | e for a, e in zip(w, _fifth_bits(planes["qh"][layer, row, blk], g % 4),
                                                    strict=True)]
                     w = [tirx.reinterpret("int32", v) for v in w]
@@ -1250,13 +1270,15 @@ class MegakernelEmitter:
                     off = Q8_OFFSET.get(types[m_i])
                     start = i32(-off) * xsum[b] if off else i32(0)
                     total = dp4a(wl[1], xw[2 * b + 1], dp4a(wl[0], xw[2 * b], start))
+                    if types[m_i] == "Q6_K":  # a granule lies in one sub-block of 16
+                        total = total * planes["sc"][layer, row, g // 2].astype("int32")
                     self._q8_accumulate(acc, a, total, dw, mw, b, blk, k_in, lanes_per_block=4)
 
     def _q8_block_pass(self, op, unit, rows: int, r0, hi, blk, granules: int, k_in: int, acc) -> None:
         """Block `blk` (32 values) of `rows` rows of each matmul against every sequence's 8-bit activations: the
         block's quants in one or two 16-byte loads, eight dp4a a (row, sequence), then d_w·(d_x·Σ) [+ m_w·s_x]."""
         nb = self.nb
-        xw, xsum = self.local("int32", 8 * nb), self.local("int32", nb)
+        xw, xsum = self.local("int32", 8 * nb), self.local("int32", 2 * nb)
         wq, wi = self.local("uint32", 4), self.local("int32", 8)
         types = self._weight_types(unit)
         ones = i32(0x01010101)
@@ -1264,11 +1286,12 @@ class MegakernelEmitter:
             for h in range(2):
                 for gg in range(4):
                     self.store(xw, b * 8 + h * 4 + gg, self.smem_i[(b * 2 + h) * granules + blk * 4 + gg])
-            if any(t in Q8_OFFSET for t in types):  # Σq_x, for the types stored with an offset
-                total = i32(0)
-                for w in range(8):
-                    total = dp4a(xw[b * 8 + w], ones, total)
-                self.store(xsum, b, total)
+            if any(t in Q8_OFFSET for t in types):  # Σq_x of each half (16 values), for the types with an offset
+                for half in range(2):
+                    total = i32(0)
+                    for gg in (2 * half, 2 * half + 1):
+                        total = dp4a(xw[b * 8 + 4 + gg], ones, dp4a(xw[b * 8 + gg], ones, total))
+                    self.store(xsum, 2 * b + half, total)
         layer = self.col(P.LAYER)
         mask, four = tirx.const(0x0F0F0F0F, "uint32"), tirx.const(4, "uint32")
         for m_i, m in enumerate(unit.matmuls):
@@ -1284,21 +1307,31 @@ class MegakernelEmitter:
                 else:  # one word per granule: the low nibbles are its even features, the high ones its odd
                     B.buffer_store(wq, planes["qs"].vload([layer, row, blk * 4], "uint32x4"),
                                    [tirx.Ramp(i32(0), i32(1), 4)])
-                    qh = planes["qh"][layer, row, blk] if "qh" in planes else None  # Q5: the fifth bits
+                    six = types[m_i] == "Q6_K"  # two high bits an element, a word per 16 (else Q5: one, per 32)
+                    qh = [planes["qh"][layer, row, 2 * blk + i] for i in range(2)] if six else \
+                        [planes["qh"][layer, row, blk]] if "qh" in planes else None
                     for gg in range(4):
                         w = [wq[gg] & mask, (wq[gg] >> four) & mask]
-                        if qh is not None:
-                            w = [a | e for a, e in zip(w, _fifth_bits(qh, gg), strict=True)]
+                        if six:
+                            w = [a | e for a, e in zip(w, _sixth_bits(qh[gg // 2], 16 * (gg % 2)), strict=True)]
+                        elif qh is not None:
+                            w = [a | e for a, e in zip(w, _fifth_bits(qh[0], gg), strict=True)]
                         self.store(wi, 2 * gg, tirx.reinterpret("int32", w[0]))
                         self.store(wi, 2 * gg + 1, tirx.reinterpret("int32", w[1]))
                     pairs = [(wi[2 * gg], wi[2 * gg + 1]) for gg in range(4)]
                 dw, mw = self._q8_block_scales(planes, types[m_i], layer, row, blk)
+                off = Q8_OFFSET.get(types[m_i])
                 for b in range(nb):
                     a = (m_i * rows + r) * nb + b
-                    off = Q8_OFFSET.get(types[m_i])
-                    total = i32(-off) * xsum[b] if off else i32(0)
+                    # one integer sum a half of 16 values (Q6_K scales each by its own int8 scale)
+                    halves = [i32(-off) * xsum[2 * b + h] if off else i32(0) for h in range(2)]
                     for gg, (w0, w1) in enumerate(pairs):
-                        total = dp4a(w1, xw[b * 8 + 4 + gg], dp4a(w0, xw[b * 8 + gg], total))
+                        halves[gg // 2] = dp4a(w1, xw[b * 8 + 4 + gg], dp4a(w0, xw[b * 8 + gg], halves[gg // 2]))
+                    if types[m_i] == "Q6_K":
+                        total = halves[0] * planes["sc"][layer, row, 2 * blk].astype("int32") + \
+                            halves[1] * planes["sc"][layer, row, 2 * blk + 1].astype("int32")
+                    else:
+                        total = halves[0] + halves[1]
                     self._q8_accumulate(acc, a, total, dw, mw, b, blk, k_in, lanes_per_block=1)
 
     def _each(self, total: int, body) -> None:

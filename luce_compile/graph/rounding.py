@@ -8,7 +8,8 @@ reads a table indexed by the input rounded to fp16 (ggml-cpu/vec.h, GGML_GELU_FP
 those roundings to the oracle, for the weight types it is given (all of them by default), and the megakernel's
 tf32 rounding of the inputs of F16/BF16 matvecs on tensor cores (float_mma) for the types given as `tf32_types`.
 The megakernel's 8-bit matvecs round as llama.cpp's CUDA mmvq does, q8_1 blocks of 32 for every type, K-quants too
-(`GPU_Q8_1_TYPES`: Q4_K's d·sc and −dmin·mn per 32 values are a Q4_1 block's d and m), where the CPU takes q8_K.
+(`GPU_Q8_1_TYPES`: Q4_K's and Q5_K's d·sc and −dmin·mn per 32 values are a Q4_1/Q5_1 block's d and m; Q6_K, with no
+minimum, takes their q8_0 values), where the CPU takes q8_K.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ ACTIVATION_ROUNDING = {
     "Q6_K": q8_k,
 }
 Q8_1_TYPES = ("Q4_1", "Q5_1")  # Q8_1 activations: q8_0's values plus s = fp16(d · Σq) against the block minimum
-GPU_Q8_1_TYPES = ("Q4_K",)  # with gpu_q8_1: q8_1 activations against these types' per-32 minimum (the megakernel)
+GPU_Q8_1_TYPES = ("Q4_K", "Q5_K")  # with gpu_q8_1: q8_1 activations against their per-32 minimum (the megakernel)
+GPU_Q8_0_TYPES = ("Q6_K",)  # with gpu_q8_1: q8_1 blocks of 32 whose sums no minimum takes, i.e. q8_0's values
 
 
 class GgmlRounding(Oracle):
@@ -88,6 +90,7 @@ class GgmlRounding(Oracle):
         self.types = None if types is None else frozenset(types)
         self.tf32_types = frozenset(tf32_types)
         self.gelu_table = gelu_table
+        self.gpu_q8_1 = gpu_q8_1
         self.q8_1_types = Q8_1_TYPES + (GPU_Q8_1_TYPES if gpu_q8_1 else ())
 
     def _block_minimums(self, name: str) -> np.ndarray:
@@ -107,7 +110,7 @@ class GgmlRounding(Oracle):
         if self.types is not None and kind not in self.types:
             return super()._matmul(op, x)
         if kind not in self.q8_1_types:
-            rounding = ACTIVATION_ROUNDING.get(kind)
+            rounding = q8_0 if self.gpu_q8_1 and kind in GPU_Q8_0_TYPES else ACTIVATION_ROUNDING.get(kind)
             return super()._matmul(op, rounding(x) if rounding else x)
         # q8_1 · q4_1 = Σ_blocks d_w·d_x·Σ q_w·q_x + m_w·s_x, with s_x = f16(d_x · Σ q_x) from the float32 d_x
         q, d = q8_blocks(x)

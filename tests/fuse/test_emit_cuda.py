@@ -108,15 +108,20 @@ def test_q8_activations_give_integer_dots_where_the_weight_type_has_them(quant, 
 
 def test_q4_k_matvecs_take_8_bit_activations_as_q4_1_blocks():
     """Q4_K on the 8-bit path: its qs plane is Q4_0's nibble layout, and a sub-block of 32 is a Q4_1 block with
-    d·sc and −dmin·mn as its scale and minimum (llama.cpp's vec_dot_q4_K_q8_1); a stage that mixes in a type
-    without an integer body (Q6_K, as a Q4_K_M file's attn_v and ffn_down in some layers) keeps float32 inputs."""
+    d·sc and −dmin·mn as its scale and minimum (llama.cpp's vec_dot_q4_K_q8_1); Q6_K (a Q4_K_M file's attn_v and
+    ffn_down in some layers) and Q5_K take the same path, with their high bits; a stage that mixes in a type without
+    an integer body (F16) keeps float32 inputs."""
     import dataclasses
 
     from luce_compile.fuse.build import MegakernelOptions
 
     spec = dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=512, quant="Q4_K")
-    mixed = dataclasses.replace(spec, quant_overrides={"ffn_down.weight": "Q6_K"})
-    for model, q8_stages in ((spec, {"qkv", "gate_up", "down"}), (mixed, {"qkv", "gate_up"})):
+    # n_ff 1,024: the down projection takes a lane per 32-value block (q8_by_block), the others per granule
+    q4_k_m = dataclasses.replace(spec, n_ff=1024, quant_overrides={"ffn_down.weight": "Q6_K",
+                                                                   "attn_v.weight": "Q6_K", "ffn_gate.weight": "Q5_K"})
+    mixed = dataclasses.replace(spec, quant_overrides={"ffn_down.weight": "F16"})
+    for model, q8_stages in ((spec, {"qkv", "gate_up", "down"}), (q4_k_m, {"qkv", "gate_up", "down"}),
+                             (mixed, {"qkv", "gate_up"})):
         graph, _ = open_graph(cached_synthetic(model))
         prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16)
         source = cuda_source(emit_megakernel(prog, options=MegakernelOptions(q8_activations=True)))
@@ -127,6 +132,9 @@ def test_q4_k_matvecs_take_8_bit_activations_as_q4_1_blocks():
             "ffn_down" in w for w in o.weights))
         body = source.split(f"_ptr_4[0] == {down})")[-1].split("_ptr_4[0] == ")[0]
         assert ("__dp4a" in body) == ("down" in q8_stages), model.quant_overrides
+        if model is q4_k_m:  # Q6_K's int8 scales multiply the integer sums; its two high bits are read
+            assert "_sc_ptr[" in body and "_qh_ptr[" in body
+            continue
         # on integer tensor cores (q8_mma) the same blocks take the same scales
         mma = cuda_source(emit_megakernel(prog, options=MegakernelOptions(q8_activations=True, q8_mma=True)))
         assert "mma.sync.aligned.m16n8k32" in mma and "_dmin_ptr[" in mma.split("mma.sync.aligned.m16n8k32")[-1]
@@ -303,3 +311,35 @@ def test_q5_fifth_bits_land_in_their_quants_bytes(rng):
     got = out[0].numpy().view(np.uint8).reshape(n, 4, 2, 4)  # (row, granule, even/odd, byte i)
     want = out[1].numpy().reshape(n, 4, 4, 2).transpose(0, 1, 3, 2)  # element 8gg + 2i + h
     assert np.array_equal(got, want) and want.max() > 15
+
+
+def test_q6_k_high_bits_land_in_their_quants_bytes(rng):
+    """The 8-bit path's Q6_K words: granule g's low-nibble word with the two high bits of its even elements in bits
+    4-5 of each byte, the high-nibble word with its odd elements', must be the Q6_K quants as dequant_expr reads them
+    (quant_matmul.stored_quant, 0..63 before the offset 32), for each granule of two sub-blocks of 16."""
+    import tvm
+    from tvm import te, tirx
+
+    from luce_compile.fuse.emit_cuda import _sixth_bits
+    from luce_compile.lower.quant_matmul import stored_quant
+
+    n = 64
+    qs = te.placeholder((n, 4), "uint32", name="qs")  # 32 values per row: 4 granule words
+    qh = te.placeholder((n, 2), "uint32", name="qh")  # two bits an element, a word per 16
+    mask = tirx.const(0x0F0F0F0F, "uint32")
+
+    def word(i, g, h):
+        nib = [qs[i, g] & mask, (qs[i, g] >> tirx.const(4, "uint32")) & mask]
+        high = _sixth_bits(qh[i, g // 2], (g % 2) * 16)  # a granule index the kernel computes (a TIR expression)
+        return tirx.Select(h == 0, nib[0] | high[0], nib[1] | high[1])
+
+    words = te.compute((n, 4, 2), word, name="words")
+    quants = te.compute((n, 32), lambda i, k: stored_quant("Q6_K", {"qs": qs, "qh": qh}, i, k), name="quants")
+    func = tvm.compile(te.create_prim_func([qs, qh, words, quants]), target="llvm")
+    a = rng.integers(0, 2**32, (n, 4), dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, (n, 2), dtype=np.uint64).astype(np.uint32)
+    out = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in (((n, 4, 2), np.uint32), ((n, 32), np.int32))]
+    func(tvm.runtime.tensor(a), tvm.runtime.tensor(b), *out)
+    got = out[0].numpy().view(np.uint8).reshape(n, 4, 2, 4)  # (row, granule, even/odd, byte i)
+    want = out[1].numpy().reshape(n, 4, 4, 2).transpose(0, 1, 3, 2)  # element 8g + 2i + h
+    assert np.array_equal(got, want) and want.max() > 47

@@ -1,6 +1,6 @@
-"""The emulating oracle's type filter: the megakernel's q8_activations round only the inputs of Q4_0/1, Q5_0/1, Q8_0
-and Q4_K matmuls, and its float_mma (--megakernel-tf32) only those of F16/BF16 ones, so its reference must leave every
-other matmul exact."""
+"""The emulating oracle's type filter: the megakernel's q8_activations round only the inputs of quantized matmuls,
+and its float_mma (--megakernel-tf32) only those of F16/BF16 ones, so its reference must leave every other matmul
+exact; and the 8-bit path's integer arithmetic is that oracle's matmul."""
 
 from __future__ import annotations
 
@@ -92,3 +92,42 @@ def test_q4_k_sub_blocks_are_q4_1_blocks_for_the_gpus_8_bit_dot_products():
     for rounded in (gpu, cpu):
         assert 1e-5 < np.abs(rounded - plain).max() / np.abs(plain).max() < 0.2
     assert not np.array_equal(gpu, cpu)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K"])
+def test_the_megakernels_integer_sums_are_the_gpu_roundings_matmul(qtype, rng):
+    """The 8-bit path's arithmetic, written out in numpy from the kernels' planes as emit_cuda computes it (integer
+    sums of stored quants times q8 activations, a Q5_K sub-block of 32 as a Q5_1 block with d·sc and −dmin·mn
+    against s_x, a Q6_K half of 16 scaled by its int8 scale, offset 32), must be the emulating oracle's matmul
+    (GgmlRounding(gpu_q8_1=True)), which the device checks hold the megakernel to."""
+    from luce_compile.graph.ir import OpKind
+    from luce_compile.graph.rounding import f16
+    from luce_compile.lower.quant_layout import repack
+
+    gguf = cached_synthetic(dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=512, quant=qtype))
+    oracle = GgmlRounding(gguf, types=(qtype,), gpu_q8_1=True)
+    op = next(o for o in oracle.graph.ops if o.kind == OpKind.MATMUL and "ffn_down" in o.weights["weight"])
+    raw = oracle.gguf.raw(op.weights["weight"])
+    planes = {k: v.astype(np.int64) if v.dtype != np.float16 else v.astype(np.float64)
+              for k, v in repack(raw, qtype).items()}
+    n_out, n_in = raw.shape[0], planes["qs"].shape[1] * 8
+    k = np.arange(n_in)
+    q = (planes["qs"][:, k // 8] >> (4 * (k % 8))) & 0xF
+    x = rng.standard_normal((3, n_in)) * 2
+    qx, dx = q8_blocks(x)  # (3, blocks, 32), the float32 scale
+    qx, dx = qx.astype(np.int64), f16(dx[..., 0])  # the kernel reads d_x as stored (fp16)
+    blocks = n_in // 32
+    if qtype == "Q6_K":
+        q = (q | (((planes["qh"][:, k // 16] >> (2 * (k % 16))) & 3) << 4)) - 32
+        halves = np.einsum("ohi,bhi->boh", q.reshape(n_out, -1, 16), qx.reshape(3, -1, 16))  # (3, out, K/16)
+        ints = (halves * planes["sc"][None]).reshape(3, n_out, blocks, 2).sum(-1)  # Σ_h sc_h · Σ (q − 32)·q_x
+        y = np.einsum("bon,bn,on->bo", ints, dx, np.repeat(planes["d"], 8, axis=-1))
+    else:
+        q = q | (((planes["qh"][:, k // 32] >> (k % 32)) & 1) << 4)
+        ints = np.einsum("oni,bni->bon", q.reshape(n_out, blocks, 32), qx)
+        d = np.repeat(planes["d"], 8, axis=-1) * planes["sc"]
+        m = -np.repeat(planes["dmin"], 8, axis=-1) * planes["mn"]
+        s = f16(q8_blocks(x)[1][..., 0] * qx.sum(-1))  # s_x = fp16(d_x · Σ q_x), from the float32 d_x
+        y = np.einsum("bon,bn,on->bo", ints, dx, d) + s @ m.T
+    want = oracle._matmul(op, x)
+    assert np.abs(y - want).max() <= 1e-9 * np.abs(want).max()
