@@ -5,11 +5,13 @@ serve a CPU artifact compiled here, packed or not, as `luce-compile run` does.""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
 import tomllib
+import types
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,6 +67,23 @@ def test_the_wheel_leaves_out_the_compiler_and_keeps_the_runtime():
         assert not compiler_only(name, python=True), name
     # the GPU bundle keeps the compiler's Python: the device scripts import the repository's compiler modules
     assert not compiler_only("tvm/relax/__init__.py") and compiler_only("tvm/lib/libtvm_compiler.so")
+
+
+@pytest.mark.unit
+def test_the_wheels_tvm_is_compared_with_the_artifacts(monkeypatch: pytest.MonkeyPatch, caplog):
+    """The wheel's TVM has no apache-tvm metadata: the version check reads the loaded module's."""
+    import importlib.metadata
+
+    from luce_runtime import artifact
+
+    def no_metadata(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(artifact.importlib.metadata, "version", no_metadata)
+    monkeypatch.setitem(sys.modules, "tvm", types.SimpleNamespace(__version__="0.27.0.post1"))
+    with caplog.at_level(logging.WARNING, logger=artifact.__name__):
+        artifact._warn_tvm_version({"tvm_version": "0.26.0"})
+    assert "built with TVM 0.26.0, this runtime has TVM 0.27.0.post1" in caplog.text
 
 
 @pytest.fixture(scope="module")

@@ -335,7 +335,11 @@ def _warn_tvm_version(manifest: dict[str, Any]) -> None:
     try:
         here = importlib.metadata.version("apache-tvm")
     except importlib.metadata.PackageNotFoundError:
-        return  # a TVM runtime built from source: nothing to compare with
+        # the luce-runtime wheel carries TVM's runtime files without apache-tvm's metadata; TVM is imported by then
+        # (the engine loads it first). Not imported here: the import would pick the compiler library where it exists
+        here = getattr(sys.modules.get("tvm"), "__version__", None)
+    if here is None:
+        return  # a TVM runtime built from source, or none loaded yet: nothing to compare with
     built = manifest.get("tvm_version")
     if built and built != here:
         log.warning("artifact: built with TVM %s, this runtime has TVM %s; if loading the module fails, "
