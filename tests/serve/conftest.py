@@ -21,6 +21,10 @@ class Server:
     url: str  # http://127.0.0.1:PORT
     model: str
     proc: subprocess.Popen
+    log: Path | None = None  # its stderr: the access log
+
+    def log_lines(self) -> list[str]:
+        return self.log.read_text(errors="replace").splitlines() if self.log else []
 
     def get(self, path: str) -> dict | str:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
@@ -49,9 +53,21 @@ def smol_artifact(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) 
     return compile_model(smollm2_path, "cpu", tmp_path_factory.mktemp("serve") / "smol.cpu", precision="f32")
 
 
+ALIAS = "gpt-4o-mini"  # the shared server's --alias
+
+
 @pytest.fixture(scope="session")
-def server(smol_artifact: Path) -> Server:
-    args = ["serve", str(smol_artifact), "--api-key", API_KEY, "--max-batch", "8", "--ctx", "512"]
+def server(smol_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    args = ["serve", str(smol_artifact), "--api-key", API_KEY, "--max-batch", "8", "--ctx", "512", "--alias", ALIAS]
+    log = tmp_path_factory.mktemp("serve-log") / "stderr.log"
+    with serve_process(args, log=log) as (url, proc, health):
+        yield Server(url, health["model"], proc, log)
+
+
+@pytest.fixture(scope="session")
+def strict_server(smol_artifact: Path) -> Server:
+    """The same server under --strict: unknown fields and model names, and max_tokens past the context, refused."""
+    args = ["serve", str(smol_artifact), "--api-key", API_KEY, "--max-batch", "2", "--ctx", "512", "--strict"]
     with serve_process(args) as (url, proc, health):
         yield Server(url, health["model"], proc)
 

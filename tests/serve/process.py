@@ -7,10 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -20,17 +22,27 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_process(args: list[str], timeout: float = 120) -> Iterator[tuple[str, subprocess.Popen, dict]]:
+def serve_process(args: list[str], timeout: float = 120,
+                  log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen, dict]]:
     """`luce-compile serve ARGS --port P` on a free port until /health answers: (url, the process, /health's JSON);
-    stopped (terminated, then killed after 20 s) on exit."""
+    stopped (terminated, then killed after 20 s) on exit. Its stderr (the access log: a line per request) goes to
+    `log`, or a temporary file: a pipe nobody reads would fill and block the server."""
     port = free_port()
+    err = open(log, "wb") if log is not None else tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
     proc = subprocess.Popen([sys.executable, "-m", "luce_compile.cli", *args, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+                            stdout=subprocess.DEVNULL, stderr=err, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
+
+    def tail() -> str:
+        err.flush()
+        with open(err.fileno(), "rb", closefd=False) as f:
+            f.seek(0)
+            return f.read().decode(errors="replace")[-2000:]
+
     try:
         deadline = time.monotonic() + timeout
         while True:
-            assert proc.poll() is None, f"serve exited: {proc.stderr.read().decode()[-2000:]}"
+            assert proc.poll() is None, f"serve exited: {tail()}"
             try:
                 health = json.loads(urllib.request.urlopen(url + "/health", timeout=2).read())
                 break
@@ -45,3 +57,4 @@ def serve_process(args: list[str], timeout: float = 120) -> Iterator[tuple[str, 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        err.close()

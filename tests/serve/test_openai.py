@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.serve.conftest import ALIAS
+
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -12,7 +14,8 @@ COUNT = [{"role": "user", "content": "Count from 1 to 20."}]
 
 def test_models_and_health(server, oai):
     ids = [m.id for m in oai.models.list()]
-    assert ids == [server.model]
+    assert ids == [server.model, ALIAS]  # the model's own id, then the server's --alias
+    assert oai.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=1).model == server.model
     health = server.get("/health")
     assert health["status"] == "ok" and health["scheduler"]["kv_pages_total"] > 0
 

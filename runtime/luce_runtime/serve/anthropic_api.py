@@ -1,19 +1,27 @@
 """Anthropic routes: /v1/messages (JSON, or the SSE events message_start … message_stop) and count_tokens, with
-tools: `tool_use` / `tool_result` content blocks, and `input_json_delta` events while a call's input streams."""
+tools: `tool_use` / `tool_result` content blocks, and `input_json_delta` events while a call's input streams; a
+thinking model's reasoning as `thinking` blocks when the request turns thinking on.
+
+What Claude Code sends is taken as it comes: `role: "system"` turns join the system prompt, server tools (web
+search, ...) are dropped, `thinking`, `output_config` (its `format` is held by the grammar) and
+`context_management` are accepted.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from luce_runtime.serve.app import Service, collect, events, new_id, parse_body, sampling, sse
+from luce_runtime.serve.app import Service, collect, new_id, parse_body, sampling, sse, stream_events
 from luce_runtime.serve.protocol import (
     MAX_STOP_ANTHROPIC,
     AnthropicText,
+    AnthropicThinking,
     AnthropicToolResult,
     AnthropicToolUse,
     ApiError,
@@ -24,18 +32,35 @@ from luce_runtime.serve.scheduler import Event
 from luce_runtime.serve.structured import Op, OutputPlan, StreamSplitter, output_plan, split_output
 from luce_runtime.tools import Tool, prepare_chat
 
+log = logging.getLogger(__name__)
 router = APIRouter()
+# Claude Code's first system block: a per-request hash ("x-anthropic-billing-header: cc_version=...; cch=...;"). At
+# the prompt's very start it would make every request's prompt new to the prefix cache; it tells the model nothing.
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def _text(content: str | list[Any]) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content if isinstance(b, AnthropicText))
+    """A content's text blocks, one per line (as llama.cpp's server joins text parts)."""
+    return content if isinstance(content, str) else "\n".join(b.text for b in content if isinstance(b, AnthropicText))
+
+
+def _system(body: CountTokensRequest) -> str:
+    """The system prompt: `system` and then every `role: "system"` turn, in order, one block a line; the billing
+    header block left out."""
+    blocks = [body.system] if isinstance(body.system, str) else [b.text for b in body.system or []]
+    blocks += [_text(m.content) for m in body.messages if m.role == "system"]
+    return "\n".join(b for b in blocks if b and not b.startswith(BILLING_HEADER))
 
 
 def _openai_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     """Anthropic turns as the OpenAI-shaped messages the chat templates and prepare_chat take: tool_use blocks
-    become an assistant turn's tool_calls, each tool_result block a `tool` message (before the turn's text)."""
-    out = [{"role": "system", "content": _text(body.system)}] if body.system else []
+    become an assistant turn's tool_calls, each tool_result block a `tool` message (before the turn's text), thinking
+    blocks its reasoning_content (the templates of thinking models read it)."""
+    system = _system(body)
+    out = [{"role": "system", "content": system}] if system else []
     for m in body.messages:
+        if m.role == "system":
+            continue
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -47,15 +72,35 @@ def _openai_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
         text = _text(m.content)
         calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                  for b in m.content if isinstance(b, AnthropicToolUse)]
+        thought = "\n".join(b.thinking for b in m.content if isinstance(b, AnthropicThinking))
+        turn = {"reasoning_content": thought} if thought else {}
         if calls:
-            out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+            out.append({"role": "assistant", "content": text or None, "tool_calls": calls, **turn})
         elif text or not any(isinstance(b, AnthropicToolResult) for b in m.content):
-            out.append({"role": m.role, "content": text})
+            out.append({"role": m.role, "content": text, **turn})
+    return out
+
+
+def _tools(body: CountTokensRequest) -> list[Tool]:
+    """The client tools; server tools (web_search_20250305, code_execution, ...) are dropped with a log line: the
+    model is not offered them, and a tool_choice that names one is refused."""
+    out = []
+    for i, t in enumerate(body.tools or []):
+        if t.type not in (None, "custom"):
+            log.info("messages: dropped the server tool %r of type %r: this server runs client tools only", t.name,
+                     t.type)
+            if body.tool_choice is not None and body.tool_choice.name == t.name:
+                raise ApiError(400, f"tool_choice names {t.name!r}, a server tool of type {t.type!r}, which this "
+                                    "server cannot run.", param="tool_choice.name")
+            continue
+        if t.input_schema is None:
+            raise ApiError(400, f"tools.{i}.input_schema is required for a custom tool.", param=f"tools.{i}")
+        out.append(Tool(t.name, t.description or "", t.input_schema))
     return out
 
 
 def _plan(svc: Service, body: CountTokensRequest) -> OutputPlan:
-    tools = [Tool(t.name, t.description or "", t.input_schema) for t in body.tools or []]
+    tools = _tools(body)
     tc = body.tool_choice
     choice: Any = None
     parallel = not (tc and tc.disable_parallel_tool_use)
@@ -66,12 +111,22 @@ def _plan(svc: Service, body: CountTokensRequest) -> OutputPlan:
             choice = ("tool", tc.name)
         else:
             choice = {"any": "required"}.get(tc.type, tc.type)
-    return output_plan(svc, tools, choice, parallel, None)
+    fmt = body.output_config.format if body.output_config else None
+    return output_plan(svc, tools, choice, parallel, None if fmt is None else fmt.schema_,
+                       format_param="output_config.format")
+
+
+def _thinking(body: CountTokensRequest) -> bool:
+    """Anthropic's default is no thinking; "enabled" and "adaptive" (Claude Code's) turn it on."""
+    return body.thinking is not None and body.thinking.type != "disabled"
 
 
 async def _prompt(svc: Service, body: CountTokensRequest, plan: OutputPlan) -> list[int]:
     svc.check_model(body.model)
-    return await svc.encode_chat(*prepare_chat(svc.tool_format, _openai_messages(body), plan.offered))
+    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, _openai_messages(body), plan.offered),
+                                   thinking=_thinking(body))
+    plan.reasoning = svc.reasoning_mode(prompt)
+    return prompt
 
 
 @router.post("/v1/messages/count_tokens")
@@ -97,16 +152,19 @@ async def messages(request: Request):
     prompt = await _prompt(svc, body, plan)
     limit = svc.check_budget(len(prompt), body.max_tokens, "max_tokens")
     params = sampling(svc, max_tokens=limit, stop=body.stop_sequences, max_stop=MAX_STOP_ANTHROPIC,
-                      stop_param="stop_sequences", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
+                      stop_param="stop_sequences", temperature=body.temperature, top_p=body.top_p,
+                      top_k=body.top_k)
     queue, reqs = svc.submit(prompt, params, constraints=await plan.constraints(svc, 1),
                              speculative=body.speculative)
     message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": svc.model_id}
     if body.stream:
-        return StreamingResponse(_stream(events(queue, reqs), message, len(prompt), plan),
+        return StreamingResponse(_stream(stream_events(queue, reqs), message, len(prompt), plan),
                                  media_type="text/event-stream")
     text, last = await collect(queue, reqs, request)
     out = split_output(plan, text)
-    content: list[dict[str, Any]] = [{"type": "text", "text": out.content}] if out.content or not out.calls else []
+    content: list[dict[str, Any]] = [{"type": "thinking", "thinking": out.reasoning, "signature": ""}] \
+        if out.reasoning else []
+    content += [{"type": "text", "text": out.content}] if out.content or not out.calls else []
     content += [{"type": "tool_use", "id": c.id.replace("call_", "toolu_"), "name": c.name,
                  "input": json.loads(c.arguments)} for c in out.calls]
     return {**message, "content": content, "stop_reason": _stop_reason(last, bool(out.calls)),
@@ -115,11 +173,12 @@ async def messages(request: Request):
 
 
 class _Blocks:
-    """Anthropic's content blocks over a stream of Ops: a text block opens on the first text, a tool_use block on
-    a call's start (closing whatever block was open), with increasing indices."""
+    """Anthropic's content blocks over a stream of Ops: a thinking block opens on the first reasoning, a text block
+    on the first text, a tool_use block on a call's start (closing whatever block was open), with increasing
+    indices."""
 
     def __init__(self) -> None:
-        self.index, self.open = -1, None  # the open block: "text" | "tool_use" | None
+        self.index, self.open = -1, None  # the open block: "thinking" | "text" | "tool_use" | None
 
     def _close(self) -> list[str]:
         if self.open is None:
@@ -136,7 +195,12 @@ class _Blocks:
     def ops(self, ops: list[Op]) -> list[str]:
         out: list[str] = []
         for op in ops:
-            if op.kind == "content" and op.text:
+            if op.kind == "reasoning" and op.text:
+                if self.open != "thinking":
+                    out += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(sse({"type": "content_block_delta", "index": self.index,
+                                "delta": {"type": "thinking_delta", "thinking": op.text}}, "content_block_delta"))
+            elif op.kind == "content" and op.text:
                 if self.open != "text":
                     out += self._start("text", {"type": "text", "text": ""})
                 out.append(sse({"type": "content_block_delta", "index": self.index,
@@ -167,6 +231,9 @@ async def _stream(evs: AsyncIterator[Event], message: dict[str, Any], prompt_len
     splitter, blocks = StreamSplitter(plan), _Blocks()
     try:
         async for ev in evs:
+            if ev.kind == "ping":  # Anthropic's keep-alive event
+                yield sse({"type": "ping"}, "ping")
+                continue
             if ev.kind == "delta":
                 for part in blocks.ops(splitter.feed(ev.text)):
                     yield part

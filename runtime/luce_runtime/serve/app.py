@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from luce_runtime.engine import Engine, EngineOptions, kv_bytes_per_token, max_b
 from luce_runtime.errors import LuceError
 from luce_runtime.grammar import Constraint, GrammarBackend
 from luce_runtime.sampler import SamplingParams, SamplingParamsError
+from luce_runtime.serve import access, reasoning
 from luce_runtime.serve.metrics import render_metrics
 from luce_runtime.serve.protocol import MAX_STOP_CHARS, UNSUPPORTED, ApiError, anthropic_error, openai_error
 from luce_runtime.serve.scheduler import Event, GenRequest, Scheduler
@@ -62,6 +64,18 @@ class ServeOptions:
     spec: str | None = None  # "ngram": speculative decoding by prompt lookup
     draft: str | Path | None = None  # a draft artifact (same vocabulary): speculative decoding with it
     draft_max: int = 8  # most tokens drafted per step
+    # True: refuse what a lenient server adjusts (unknown fields 400, unknown model names 404, max_tokens past the
+    # context 400); False (default): ignore unknown fields (debug log), answer any model name, clamp max_tokens
+    strict: bool = False
+    aliases: tuple[str, ...] = ()  # more model ids this server answers to (llama-server's --alias)
+    # sampling for requests that do not set it (llama-server's --temp, ...); None: the GGUF's recommendation
+    # (general.sampling.*), else the API's default (temperature 1, the rest off)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    log_format: str = "text"  # the access log's lines: "text" or "json"
 
 
 def _max_batch_from_memory(options: ServeOptions) -> int:
@@ -88,9 +102,13 @@ class Service:
         self.max_context = self.engine.max_context
         source = self.engine.artifact.manifest["source"]["file_name"]
         self.model_id = options.model_name or source.removesuffix(".gguf")
+        self.model_ids = list(dict.fromkeys((self.model_id, *options.aliases)))
+        self._unknown_models: set[str] = set()  # names already logged as answered by this model
         self.scheduler = Scheduler(self.engine, options.max_batch, prefix_cache=options.prefix_cache,
                                    speculation=_speculation(options, self.engine))
         self.tool_format = tool_format(self.tokenizer.chat_template)
+        self.thinks = reasoning.thinks(self.tokenizer.chat_template)  # its template writes <think> blocks
+        self.sampling_defaults = _sampling_defaults(options, self.engine.artifact.tokenizer_metadata())
         # the grammar backend's token trie (0.15 s for SmolLM2's 49k tokens, 0.5 s for Qwen's 152k) is built now,
         # not by the first request that asks for structured output
         GrammarBackend.of(self.tokenizer)
@@ -109,9 +127,19 @@ class Service:
                  options.max_body_bytes, self.max_prompt_chars)
 
     def check_model(self, model: str) -> None:
-        if model != self.model_id:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_id}' "
-                                "(see GET /v1/models).", param="model", code="model_not_found")
+        """A model name this server does not know: 404 under --strict; otherwise answered by the one model it
+        serves, as llama-server does (clients send their own defaults: Claude Code asks for claude-* models), and
+        logged once per name."""
+        if model in self.model_ids:
+            return
+        if self.options.strict:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                                f"{', '.join(repr(m) for m in self.model_ids)} (see GET /v1/models).",
+                           param="model", code="model_not_found")
+        if model not in self._unknown_models and len(self._unknown_models) < 64:  # bounded: names are the client's
+            self._unknown_models.add(model)
+            log.info("serve: model '%s' is not served; answering with '%s' (name it with --alias)", model,
+                     self.model_id)
 
     def check_chars(self, chars: int, param: str) -> None:
         """A cheap bound before tokenizing: a prompt of this many characters surely exceeds the context."""
@@ -126,11 +154,20 @@ class Service:
             return await asyncio.to_thread(fn, *args)
 
     async def encode_chat(self, messages: list[dict[str, Any]], extra: dict[str, Any] | None = None,
-                          param: str = "messages") -> list[int]:
+                          param: str = "messages", thinking: bool | None = None) -> list[int]:
         """The chat prompt's tokens (as chat.encode_chat; `extra` goes to the template, e.g. tools), bounded by
-        characters before rendering and again before tokenizing, both off the event loop."""
+        characters before rendering and again before tokenizing, both off the event loop. `thinking` turns a
+        thinking model's reasoning on or off (the template's enable_thinking); None: the template's default."""
         self.check_chars(sum(_chars(m.get("content")) for m in messages), param)
+        if thinking is not None and self.thinks:
+            extra = {**(extra or {}), "enable_thinking": thinking}
         return await self.tokenize(self._encode_chat, messages, extra or {}, param)
+
+    def reasoning_mode(self, prompt: list[int]) -> reasoning.Mode:
+        """Where a reply to `prompt` may hold its <think> block (reasoning.mode)."""
+        if not self.thinks:
+            return "off"
+        return reasoning.mode(self.tokenizer.chat_template, self.tokenizer.decode(prompt[-4:], special=True))
 
     def _encode_chat(self, messages: list[dict[str, Any]], extra: dict[str, Any], param: str) -> list[int]:
         text = render_prompt(self.tokenizer, messages, **extra)
@@ -151,9 +188,15 @@ class Service:
             raise ApiError(400, f"{param} must be at least 1, got {max_tokens}.", param=param,
                            code="invalid_value")
         if prompt_len + max_tokens > self.max_context:
-            raise ApiError(400, f"This model's maximum context length is {self.max_context} tokens; the prompt "
-                                f"({prompt_len}) plus {param} ({max_tokens}) exceed it. Lower {param}.",
-                           param=param, code="context_length_exceeded")
+            if self.options.strict:
+                raise ApiError(400, f"This model's maximum context length is {self.max_context} tokens; the prompt "
+                                    f"({prompt_len}) plus {param} ({max_tokens}) exceed it. Lower {param}.",
+                               param=param, code="context_length_exceeded")
+            # agents ask for more than any local context holds (Claude Code: 32000): generate what fits; the
+            # answer ends with the API's length reason when it is reached
+            log.debug("serve: %s %d clamped to %d (the context's room after %d prompt tokens)", param, max_tokens,
+                      self.max_context - prompt_len, prompt_len)
+            return self.max_context - prompt_len
         return max_tokens
 
     def submit(self, prompt: list[int], params: SamplingParams, n: int = 1, top_logprobs: int | None = None,
@@ -176,6 +219,32 @@ class Service:
                                 "batch slot. Retry after the time in the Retry-After header.",
                            type_="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         return queue, reqs
+
+
+# SamplingParams field ← (ServeOptions field, the GGUF key llama.cpp writes the model's recommendation under)
+_SAMPLING_KEYS = {"temperature": ("temperature", "general.sampling.temp"), "top_p": ("top_p", "general.sampling.top_p"),
+                  "top_k": ("top_k", "general.sampling.top_k"), "min_p": ("min_p", "general.sampling.min_p"),
+                  "repetition_penalty": ("repeat_penalty", "general.sampling.penalty_repeat")}
+
+
+def _sampling_defaults(options: ServeOptions, metadata: dict[str, Any]) -> dict[str, Any]:
+    """The sampling a request gets for what it leaves out: serve's flags first, then the GGUF's recommended keys
+    (carried in the artifact's tokenizer.json); logged once, since agents never send a temperature."""
+    out: dict[str, Any] = {}
+    for name, (flag, key) in _SAMPLING_KEYS.items():
+        value = getattr(options, flag)
+        if value is None and key in metadata:
+            value = metadata[key]
+        if value is not None:
+            out[name] = int(value) if name == "top_k" else float(value)
+    try:
+        SamplingParams(**out)
+    except SamplingParamsError as e:
+        raise LuceError(f"serve: the default sampling is invalid ({e}); fix the --temperature/--top-p/--top-k/"
+                        "--min-p/--repeat-penalty flags.") from None
+    log.info("serve: requests that set no sampling get %s",
+             ", ".join(f"{k}={v}" for k, v in out.items()) or "the API's defaults (temperature 1)")
+    return out
 
 
 def _speculation(options: ServeOptions, engine: Engine) -> Speculation | None:
@@ -201,6 +270,7 @@ def _chars(content: str | list[dict[str, Any]] | None) -> int:
 
 def sampling(service: Service, *, max_tokens: int, stop: Sequence[str] | str | None, max_stop: int,
              stop_param: str, **kw: Any) -> SamplingParams:
+    """The request's SamplingParams: what it sets (kw values that are not None) over the server's defaults."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > max_stop:
         raise ApiError(400, f"At most {max_stop} stop sequences are allowed, got {len(stops)}.", param=stop_param)
@@ -209,8 +279,9 @@ def sampling(service: Service, *, max_tokens: int, stop: Sequence[str] | str | N
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise ApiError(400, f"Stop sequences may be at most {MAX_STOP_CHARS} characters long, got "
                             f"{max(len(s) for s in stops)}.", param=stop_param)
+    given = {k: v for k, v in kw.items() if v is not None}
     try:
-        return SamplingParams(max_tokens=max_tokens, stop=tuple(stops), **kw)
+        return SamplingParams(max_tokens=max_tokens, stop=tuple(stops), **{**service.sampling_defaults, **given})
     except SamplingParamsError as e:
         raise ApiError(400, str(e)) from None
 
@@ -243,14 +314,16 @@ _PARSE_IN_THREAD_BYTES = 64 * 2**10
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body validated as `model`; every failure is a 400 naming the field (413 when too large)."""
-    raw = await read_body(request, request.app.state.service.options.max_body_bytes)
+    """The JSON body validated as `model`; every failure is a 400 naming the field (413 when too large). Fields the
+    model does not know are dropped with a debug log line, or refused under --strict."""
+    options = request.app.state.service.options
+    raw = await read_body(request, options.max_body_bytes)
     if len(raw) > _PARSE_IN_THREAD_BYTES:
-        return await asyncio.to_thread(_parse, raw, model)
-    return _parse(raw, model)
+        return await asyncio.to_thread(_parse, raw, model, options.strict)
+    return _parse(raw, model, options.strict)
 
 
-def _parse(raw: bytes, model: type[M]) -> M:
+def _parse(raw: bytes, model: type[M], strict: bool = True) -> M:
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -261,8 +334,12 @@ def _parse(raw: bytes, model: type[M]) -> M:
         if data.get(name) not in (None, False, [], {}):
             raise ApiError(400, f"The parameter '{name}' is not supported by this server.", param=name,
                            code="unsupported_parameter")
+    ignored: set[str] | None = None if strict else set()
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data, context={"ignored": ignored})
+        if ignored:
+            log.debug("serve: ignored unknown fields %s", ", ".join(sorted(ignored)))
+        return body
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
@@ -274,6 +351,9 @@ def _parse(raw: bytes, model: type[M]) -> M:
 
 # how often a non-streaming request checks that its client is still there (a streamed one learns it from the send)
 DISCONNECT_POLL_S = 0.25
+# a stream with nothing to say for this long (a long prompt prefilling, a full queue) sends a keep-alive: Codex and
+# OpenCode drop a connection after ~300 s of silence and send the request again
+KEEPALIVE_S = 10.0
 
 
 async def _cancel_when_gone(request: Request, reqs: list[GenRequest]) -> None:
@@ -288,19 +368,32 @@ async def _cancel_when_gone(request: Request, reqs: list[GenRequest]) -> None:
         r.cancel()
 
 
-async def events(queue: asyncio.Queue, reqs: list[GenRequest], request: Request | None = None) -> AsyncIterator[Event]:
+async def events(queue: asyncio.Queue, reqs: list[GenRequest], request: Request | None = None,
+                 keepalive: float | None = None) -> AsyncIterator[Event]:
     """Events of reqs until each one is done; cancels whatever is unfinished when the consumer goes away.
 
     With `request` (a non-streaming response, which sends nothing until the end) a watcher cancels reqs as soon as
-    the client disconnects; the scheduler then ends them with a 'done' event and frees their KV pages.
+    the client disconnects; the scheduler then ends them with a 'done' event and frees their KV pages. With
+    `keepalive` (streams) a 'ping' event comes after that many seconds without another. The access log's record
+    learns the tokens and the first token's time here.
     """
     open_ = len(reqs)
     watcher = asyncio.create_task(_cancel_when_gone(request, reqs)) if request is not None else None
+    record = access.current()
     try:
         while open_:
-            ev: Event = await queue.get()
+            try:
+                ev: Event = await asyncio.wait_for(queue.get(), keepalive)
+            except TimeoutError:
+                yield Event("ping")
+                continue
             if ev.kind == "error":
                 raise ApiError(500, ev.text, type_="server_error")
+            if record is not None:
+                record.first_token = record.first_token or time.perf_counter()
+                if ev.kind == "done":
+                    record.prompt_tokens = ev.prompt_tokens
+                    record.completion_tokens += ev.completion_tokens
             if ev.kind == "done":
                 open_ -= 1
             yield ev
@@ -309,6 +402,11 @@ async def events(queue: asyncio.Queue, reqs: list[GenRequest], request: Request 
             watcher.cancel()
         for r in reqs:
             r.cancel()
+
+
+def stream_events(queue: asyncio.Queue, reqs: list[GenRequest]) -> AsyncIterator[Event]:
+    """A streamed response's events, with a 'ping' after KEEPALIVE_S of silence (each API sends its keep-alive)."""
+    return events(queue, reqs, keepalive=KEEPALIVE_S)
 
 
 async def collect(queue: asyncio.Queue, reqs: list[GenRequest], request: Request) -> tuple[str, Event | None]:
@@ -336,6 +434,11 @@ def _is_anthropic(request: Request) -> bool:
 
 
 def _error_response(request: Request, e: ApiError) -> JSONResponse:
+    record = access.current()
+    if record is not None:
+        record.error = e.message
+    if e.status >= 500:
+        log.warning("serve: %s %s answered %d: %s", request.method, request.url.path, e.status, e.message)
     body = anthropic_error(e) if _is_anthropic(request) else openai_error(e)
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
@@ -405,6 +508,7 @@ def create_app(options: ServeOptions, service: Service | None = None) -> FastAPI
     _install_errors(app)
     if options.api_key:
         app.add_middleware(_ApiKey, api_key=options.api_key)
+    app.add_middleware(access.AccessLog)  # the outermost: it sees the 401s too
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
@@ -425,6 +529,7 @@ def serve(options: ServeOptions) -> None:
     """Run the server under uvicorn until interrupted."""
     import uvicorn
 
+    access.configure(options.log_format)
     app = create_app(options)
     log.info("serve: %s on http://%s:%d", app.state.service.model_id, options.host, options.port)
     uvicorn.run(app, host=options.host, port=options.port, log_level="warning")

@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from luce_runtime.grammar import Constraint
 from luce_runtime.sampler import TokenLogprobs
-from luce_runtime.serve.app import Service, events, new_id, parse_body, sampling, sse
+from luce_runtime.serve.app import Service, events, new_id, parse_body, sampling, sse, stream_events
 from luce_runtime.serve.protocol import (
     MAX_STOP_OPENAI,
     ApiError,
@@ -34,8 +34,8 @@ def _service(request: Request) -> Service:
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     svc = _service(request)
-    return {"object": "list", "data": [{"id": svc.model_id, "object": "model", "created": 0,
-                                        "owned_by": "luce-compile", "max_model_len": svc.max_context}]}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "luce-compile",
+                                        "max_model_len": svc.max_context} for name in svc.model_ids]}
 
 
 def _piece(svc: Service, token: int) -> str:
@@ -59,7 +59,8 @@ def _prepare(svc: Service, body: ChatCompletionRequest | CompletionRequest, prom
              constraints: list[Constraint] | None = None):
     limit = svc.check_budget(len(prompt), max_tokens, max_param)
     params = sampling(svc, max_tokens=limit, stop=body.stop, max_stop=MAX_STOP_OPENAI, stop_param="stop",
-                      temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                      repetition_penalty=body.repetition_penalty, seed=body.seed,
                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
     return svc.submit(prompt, params, body.n, top_logprobs, constraints or (), speculative=body.speculative)
 
@@ -84,6 +85,18 @@ def _chat_plan(svc: Service, body: ChatCompletionRequest) -> OutputPlan:
     return output_plan(svc, tools, choice, body.parallel_tool_calls, _response_schema(body.response_format))
 
 
+def _thinking(body: ChatCompletionRequest) -> bool | None:
+    """A thinking model's thinking on or off, as vLLM and llama.cpp take it: chat_template_kwargs.enable_thinking,
+    or reasoning_effort "none"; None: the template's default."""
+    kwargs = body.chat_template_kwargs or {}
+    if isinstance(kwargs.get("enable_thinking"), bool):
+        return kwargs["enable_thinking"]
+    return False if body.reasoning_effort == "none" else None
+
+
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: every client's parser skips it
+
+
 def _openai_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
@@ -99,7 +112,8 @@ async def chat_completions(request: Request):
     messages = [m.model_dump(exclude_none=True, by_alias=True) for m in body.messages]
     for m in messages:  # the templates know "system"; OpenAI's newer name for it is "developer"
         m["role"] = "system" if m["role"] == "developer" else m["role"]
-    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, messages, plan.offered))
+    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, messages, plan.offered), thinking=_thinking(body))
+    plan.reasoning = svc.reasoning_mode(prompt)
     constraints = await plan.constraints(svc, body.n)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -108,7 +122,7 @@ async def chat_completions(request: Request):
     meta = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": svc.model_id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _chat_stream(svc, events(queue, reqs), meta, body.n, include_usage, k is not None, plan)
+        stream = _chat_stream(svc, stream_events(queue, reqs), meta, body.n, include_usage, k is not None, plan)
         return StreamingResponse(_guard(stream), media_type="text/event-stream")
     texts = [""] * body.n
     choices: list[dict[str, Any]] = [{"index": i, "message": {"role": "assistant", "content": ""},
@@ -127,6 +141,8 @@ async def chat_completions(request: Request):
     for c, text in zip(choices, texts, strict=True):
         out = split_output(plan, text)
         c["message"]["content"] = out.content if out.content or not out.calls else None
+        if out.reasoning:
+            c["message"]["reasoning_content"] = out.reasoning  # DeepSeek's field, as vLLM and llama.cpp return it
         if out.calls:
             c["message"]["tool_calls"] = _openai_calls(out.calls)
             c["finish_reason"] = "tool_calls" if c["finish_reason"] == "stop" else c["finish_reason"]
@@ -154,8 +170,9 @@ async def _chat_stream(svc: Service, evs: AsyncIterator[Event], meta: dict[str, 
     def deltas(i: int, ops: list[Op], lp: dict[str, Any] | None) -> list[str]:
         out = []
         for op in ops:
-            if op.kind == "content":
-                out.append(chunk([{"index": i, "delta": {"content": op.text}, "logprobs": lp, "finish_reason": None}]))
+            if op.kind in ("content", "reasoning"):
+                field = "content" if op.kind == "content" else "reasoning_content"
+                out.append(chunk([{"index": i, "delta": {field: op.text}, "logprobs": lp, "finish_reason": None}]))
                 lp = None
             elif (tool := _tool_delta(op)) is not None:
                 out.append(chunk([{"index": i, "delta": {"tool_calls": [tool]}, "logprobs": None,
@@ -168,6 +185,9 @@ async def _chat_stream(svc: Service, evs: AsyncIterator[Event], meta: dict[str, 
                       "finish_reason": None}])
     prompt = completion = 0
     async for ev in evs:
+        if ev.kind == "ping":
+            yield KEEP_ALIVE
+            continue
         s = splitters[ev.index]
         if ev.kind == "delta":
             lp = {"content": [_chat_logprob(svc, ev.logprob)]} if with_logprobs and ev.logprob else None
@@ -232,7 +252,8 @@ async def completions(request: Request):
     with_lp = body.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_guard(_completion_stream(svc, events(queue, reqs), meta, include_usage, with_lp)),
+        return StreamingResponse(_guard(_completion_stream(svc, stream_events(queue, reqs), meta, include_usage,
+                                                           with_lp)),
                                  media_type="text/event-stream")
     texts, lps = [""] * body.n, [[] for _ in range(body.n)]
     finish: list[str | None] = [None] * body.n
@@ -257,7 +278,9 @@ async def _completion_stream(svc: Service, evs: AsyncIterator[Event], meta: dict
     prompt = completion = 0
     offsets: dict[int, int] = {}
     async for ev in evs:
-        if ev.kind == "delta":
+        if ev.kind == "ping":
+            yield KEEP_ALIVE
+        elif ev.kind == "delta":
             lp = _completion_logprobs(svc, [ev.logprob], offsets.get(ev.index, 0)) if with_lp and ev.logprob else None
             offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
             yield sse(chunk([{"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": None}]))

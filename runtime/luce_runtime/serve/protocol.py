@@ -1,17 +1,23 @@
 """Request models of the OpenAI and Anthropic APIs (the subset served), and both APIs' error bodies.
 
-Requests are validated strictly (a string where a number belongs is a 400, not a silent conversion) and refuse
-unknown fields, so a client never believes a parameter took effect when it did not. Parameters that are part of the
-APIs but not served (logit_bias, the legacy functions, ...) are named in UNSUPPORTED and refused with their name.
+Requests are validated strictly (a string where a number belongs is a 400, not a silent conversion). Fields a model
+does not know are dropped and noted for the server's debug log (real clients send fields of newer API versions:
+Claude Code, Codex, OpenCode), or refused with their name when the server runs with --strict: the validation
+context decides (`context={"ignored": set()}` drops). Parameters that are part of the APIs but would change the answer
+if ignored (logit_bias, the legacy functions, ...) are named in UNSUPPORTED and refused with their name either way.
 The Responses API's input items are checked in responses_api (their shapes vary by type; the SDK sends back the
 output items it received, with fields a request model would have to list one by one).
 """
 
 from __future__ import annotations
 
+import logging
+from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+log = logging.getLogger(__name__)
 
 # OpenAI documents at most 4 stop sequences; Anthropic no limit, so ours is a bound on per-token stop matching work
 MAX_STOP_OPENAI = 4
@@ -22,10 +28,10 @@ MAX_STOP_ANTHROPIC = 16
 MAX_STOP_CHARS = 256
 MAX_N = 8  # choices per request: each one is a live sequence
 
-# API parameters we know but do not implement: refused with 400 and the parameter's name rather than ignored
+# API parameters we know but do not implement, whose answer would differ if they were ignored: refused with 400 and
+# the parameter's name. Hints that change no text (prediction, container, metadata, ...) are accepted and ignored.
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix", "echo", "best_of", "audio", "modalities",
-               "prediction", "thinking", "container", "output_config", "conversation",
-               "background", "reasoning")
+               "conversation", "background")
 # a tool's name as both APIs restrict it (it is also written into the prompt and the grammar)
 TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
 
@@ -57,6 +63,25 @@ def anthropic_error(e: ApiError) -> dict[str, Any]:
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unknown(cls, data: Any, info: ValidationInfo) -> Any:
+        """Without --strict (the validation context holds an `ignored` set) fields this model does not know are
+        dropped and named in that set, for the server's debug log; with it they stay and are refused."""
+        ignored = (info.context or {}).get("ignored")
+        if ignored is None or not isinstance(data, dict):
+            return data
+        known = _known_fields(cls)
+        if all(k in known for k in data):
+            return data
+        ignored.update(f"{cls.__name__}.{k}" for k in data if k not in known)
+        return {k: v for k, v in data.items() if k in known}
+
+
+@cache
+def _known_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(f.alias or name for name, f in model.model_fields.items())
+
 
 # ---- OpenAI ------------------------------------------------------------------------------------------------------
 class TextPart(_Strict):
@@ -81,6 +106,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking, as this server returned it
     # what the SDK sends back when a client appends the response's message object as it came
     refusal: str | None = None
     annotations: list[Any] | None = None
@@ -128,8 +154,13 @@ class StreamOptions(_Strict):
 class _OpenAISampling(_Strict):
     model: str
     max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    # None: the server's default (serve --temperature, ..., the GGUF's recommendation, else the API's: 1, 1, off)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    # llama.cpp's and vLLM's extensions of the OpenAI API
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -145,7 +176,13 @@ class _OpenAISampling(_Strict):
     logit_bias: Any = None
     audio: Any = None
     modalities: Any = None
+    # hints that change no text
     prediction: Any = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -157,6 +194,8 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: str | None = None  # "none" turns a thinking model's thinking off
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and llama.cpp's: e.g. {"enable_thinking": false}
 
 
 class CompletionRequest(_OpenAISampling):
@@ -194,16 +233,34 @@ class AnthropicToolResult(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
+class AnthropicThinking(_Strict):  # an assistant turn's thinking, sent back as this server returned it
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicRedactedThinking(_Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+AnthropicBlock = Annotated[AnthropicText | AnthropicToolUse | AnthropicToolResult | AnthropicThinking |
+                           AnthropicRedactedThinking, Field(discriminator="type")]
+
+
 class AnthropicMessage(_Strict):
-    role: Literal["user", "assistant"]
-    content: str | list[Annotated[AnthropicText | AnthropicToolUse | AnthropicToolResult, Field(discriminator="type")]]
+    # "system": Claude Code sends skill and agent listings as system turns; they join the system prompt, in order
+    role: Literal["user", "assistant", "system"]
+    content: str | list[AnthropicBlock]
 
 
 class AnthropicTool(_Strict):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None
+    input_schema: dict[str, Any] | None = None  # required of custom tools (anthropic_api checks it)
+    # None or "custom": a client tool; a server tool's type (web_search_20250305, ...): dropped (anthropic_api)
+    type: str | None = None
     cache_control: dict[str, Any] | None = None
     strict: bool | None = None
 
@@ -214,23 +271,43 @@ class AnthropicToolChoice(_Strict):
     disable_parallel_tool_use: bool | None = None
 
 
+class AnthropicThinkingConfig(_Strict):
+    type: str  # "enabled", "adaptive" (Claude Code's default), "disabled"
+    budget_tokens: int | None = None  # a hint to the model; not enforced here
+    display: str | None = None
+
+
+class AnthropicOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class AnthropicOutputConfig(_Strict):
+    effort: str | None = None  # low/medium/high: a hint to the model; not enforced here
+    format: AnthropicOutputFormat | None = None  # structured output: held to the schema by the grammar
+
+
 class CountTokensRequest(_Strict):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[AnthropicText] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: Any = None
+    thinking: AnthropicThinkingConfig | None = None
+    output_config: AnthropicOutputConfig | None = None
+    # hints that change no text: accepted and ignored
     container: Any = None
-    output_config: Any = None
+    context_management: Any = None
+    mcp_servers: Any = None
 
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int
     stop_sequences: list[str] | None = None
-    temperature: float = Field(1.0, ge=0, le=1)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    # None: the server's default (see _OpenAISampling)
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
     stream: bool = False
     speculative: bool = True  # luce extension: false keeps this request out of speculative decoding
     # the current Anthropic API has no temperature/top_p/top_k (older clients send them; they are served); these
@@ -248,6 +325,28 @@ class MessagesRequest(CountTokensRequest):
 # ---- OpenAI Responses --------------------------------------------------------------------------------------------
 class ResponsesTool(FunctionDef):  # chat's function definition, flattened beside its type
     type: Literal["function"]
+
+
+def runnable_tools(tools: list[Any]) -> list[Any]:
+    """A Responses request's tools as the function tools this server runs: a `namespace` tool (Codex groups its
+    multi-agent functions so) gives its functions, other types (web_search, file_search, mcp, ...) are dropped with
+    a log line: the model is not offered them, so it answers without them."""
+    out: list[Any] = []
+    for tool in tools:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace" and isinstance(tool.get("tools"), list):
+            out += runnable_tools(tool["tools"])
+        elif kind == "function" or not isinstance(tool, dict):
+            out.append(tool)  # validated as a ResponsesTool
+        else:
+            log.info("responses: dropped a tool of type %r: this server runs function tools only", kind)
+    return out
+
+
+class ResponsesReasoning(_Strict):
+    effort: str | None = None  # "none" (or "minimal") turns a thinking model's thinking off
+    summary: str | None = None  # "auto", "concise", "detailed": the thinking comes back as a reasoning item
+    generate_summary: str | None = None
 
 
 class ResponsesNamedChoice(NamedFunction):
@@ -272,8 +371,8 @@ class ResponsesRequest(_Strict):
     input: str | list[dict[str, Any]]  # items: checked in responses_api
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2)  # None: the server's default (see _OpenAISampling)
+    top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedChoice | None = None
@@ -291,7 +390,15 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     speculative: bool = True  # luce extension: false keeps this request out of speculative decoding
+    reasoning: ResponsesReasoning | None = None
+    client_metadata: dict[str, Any] | None = None  # Codex's session ids: change no text
     # refused by name (UNSUPPORTED)
     conversation: Any = None
     background: Any = None
-    reasoning: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _runnable_tools(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("tools"), list):
+            return {**data, "tools": runnable_tools(data["tools"])}
+        return data

@@ -1,6 +1,9 @@
 """OpenAI Responses API: POST /v1/responses (JSON, or its typed stream events), as the `openai` SDK's
 `client.responses` sends and reads it: input items (messages, function_call, function_call_output), instructions,
-function tools, tool_choice, text.format (json_object / json_schema, grammar-constrained), streaming events.
+function tools, tool_choice, text.format (json_object / json_schema, grammar-constrained), streaming events. A
+thinking model's reasoning comes back as a `reasoning` item: its summary when the request asks for one
+(`reasoning.summary`, as Codex does), else its `reasoning_text` content; reasoning items sent back are skipped.
+Tools of types the server cannot run are dropped and `namespace` tools flattened (protocol.runnable_tools).
 
 Responses are stored unless the request says `store: false` (OpenAI's default), in memory and for this server's
 life only, the newest STORED_RESPONSES of them: `previous_response_id` continues one (its conversation, its
@@ -19,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from luce_runtime.serve.app import Service, collect, events, new_id, parse_body, sampling, sse
+from luce_runtime.serve.app import Service, collect, new_id, parse_body, sampling, sse, stream_events
 from luce_runtime.serve.protocol import ApiError, ResponsesFormat, ResponsesRequest
 from luce_runtime.serve.scheduler import Event
 from luce_runtime.serve.structured import ANY_JSON, Op, OutputPlan, StreamSplitter, output_plan, split_output
@@ -94,14 +97,16 @@ def _item_message(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -
             out[-1]["tool_calls"] = [call]
         else:
             out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "reasoning":  # thoughts of an earlier turn: the templates of thinking models drop them anyway
+        return
     elif kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise ApiError(400, f"{where}: a function_call_output item needs its call_id.", param=where)
         out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _part_text(item.get("output", ""),
                                                                                             where)})
     else:
-        raise ApiError(400, f"{where}: input items of type {kind!r} are not supported (message, function_call and "
-                            "function_call_output are).", param=where)
+        raise ApiError(400, f"{where}: input items of type {kind!r} are not supported (message, function_call, "
+                            "function_call_output and reasoning are).", param=where)
 
 
 def _messages(body: ResponsesRequest, before: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -153,6 +158,11 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             status == "completed" else []}
 
 
+def _reasoning_item(item_id: str, text: str, summary: bool) -> dict[str, Any]:
+    part = [{"type": "summary_text" if summary else "reasoning_text", "text": text}] if text else []
+    return {"type": "reasoning", "id": item_id, "summary": part if summary else [], "content": [] if summary else part}
+
+
 def _call_item(call: ToolCall, status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": call.id.replace("call_", "fc_"), "call_id": call.id, "name": call.name,
             "arguments": call.arguments, "status": status}
@@ -177,7 +187,11 @@ async def responses(request: Request):
     before = [] if body.previous_response_id is None else store.get(body.previous_response_id,
                                                                      "previous_response_id")[1]
     messages = _messages(body, before)
-    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, messages, plan.offered), param="input")
+    effort = body.reasoning.effort if body.reasoning else None
+    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, messages, plan.offered), param="input",
+                                   thinking=False if effort == "none" else None)
+    plan.reasoning = svc.reasoning_mode(prompt)
+    summary = bool(body.reasoning and (body.reasoning.summary or body.reasoning.generate_summary))
     limit = svc.check_budget(len(prompt), body.max_output_tokens, "max_output_tokens")
     params = sampling(svc, max_tokens=limit, stop=None, max_stop=0, stop_param="stop",
                       temperature=body.temperature, top_p=body.top_p)
@@ -187,7 +201,9 @@ async def responses(request: Request):
             "instructions": body.instructions, "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
                             else body.tool_choice.model_dump()) or "auto",
-            "parallel_tool_calls": body.parallel_tool_calls, "temperature": body.temperature, "top_p": body.top_p,
+            "parallel_tool_calls": body.parallel_tool_calls, "temperature": params.temperature,
+            "top_p": params.top_p, "reasoning": {"effort": effort, "summary": body.reasoning.summary
+                                                 if body.reasoning else None},
             "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
             "store": body.store is not False, "previous_response_id": body.previous_response_id,
             "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
@@ -199,11 +215,12 @@ async def responses(request: Request):
             store.put(final, _conversation(messages, body.instructions, final["output"]))
 
     if body.stream:
-        return StreamingResponse(_stream(events(queue, reqs), base, len(prompt), plan, keep),
+        return StreamingResponse(_stream(stream_events(queue, reqs), base, len(prompt), plan, keep, summary),
                                  media_type="text/event-stream")
     text, last = await collect(queue, reqs, request)
     out = split_output(plan, text)
-    output = [_message_item(new_id("msg_"), out.content, "completed")] if out.content or not out.calls else []
+    output = [_reasoning_item(new_id("rs_"), out.reasoning, summary)] if out.reasoning else []
+    output += [_message_item(new_id("msg_"), out.content, "completed")] if out.content or not out.calls else []
     output += [_call_item(c, "completed") for c in out.calls]
     final = _finished(base, output, last, len(prompt))
     keep(final)
@@ -225,11 +242,45 @@ class _Items:
     """The Responses stream's events over Ops: an output item (a message or a function call) opens, its content
     streams, it closes with its final form; every event carries the next sequence number."""
 
-    def __init__(self) -> None:
+    def __init__(self, summary: bool = False) -> None:
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # finished items
         self.msg_id: str | None = None  # the open message item
         self.text = ""
+        self.summary = summary  # reasoning streams as a summary (else as reasoning_text)
+        self.rs_id: str | None = None  # the open reasoning item
+        self.thought = ""
+
+    def _reasoning(self, text: str) -> list[str]:
+        i, out = len(self.output), []
+        where = {"summary_index": 0} if self.summary else {"content_index": 0}
+        kind = "response.reasoning_summary_text" if self.summary else "response.reasoning_text"
+        if self.rs_id is None:
+            self.rs_id = new_id("rs_")
+            out.append(self.event("response.output_item.added", output_index=i,
+                                  item=_reasoning_item(self.rs_id, "", self.summary)))
+            if self.summary:
+                out.append(self.event("response.reasoning_summary_part.added", item_id=self.rs_id, output_index=i,
+                                      summary_index=0, part={"type": "summary_text", "text": ""}))
+        self.thought += text
+        return out + [self.event(f"{kind}.delta", item_id=self.rs_id, output_index=i, **where, delta=text)]
+
+    def _close_reasoning(self) -> list[str]:
+        if self.rs_id is None:
+            return []
+        i, rid, item = len(self.output), self.rs_id, _reasoning_item(self.rs_id, self.thought, self.summary)
+        out = []
+        if self.summary:
+            out += [self.event("response.reasoning_summary_text.done", item_id=rid, output_index=i, summary_index=0,
+                               text=self.thought),
+                    self.event("response.reasoning_summary_part.done", item_id=rid, output_index=i,
+                               summary_index=0, part={"type": "summary_text", "text": self.thought})]
+        else:
+            out.append(self.event("response.reasoning_text.done", item_id=rid, output_index=i, content_index=0,
+                                  text=self.thought))
+        self.output.append(item)
+        self.rs_id, self.thought = None, ""
+        return out + [self.event("response.output_item.done", output_index=i, item=item)]
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
@@ -258,6 +309,10 @@ class _Items:
     def ops(self, ops: list[Op]) -> list[str]:
         out: list[str] = []
         for op in ops:
+            if op.kind == "reasoning":
+                out += self._reasoning(op.text)
+                continue
+            out += self._close_reasoning()
             i = len(self.output)
             if op.kind == "content" and op.text:
                 if self.msg_id is None:
@@ -282,18 +337,22 @@ class _Items:
         return out
 
     def end(self) -> list[str]:
-        if not self.output and self.msg_id is None:  # an empty reply is one empty message
-            return self._open_message() + self._close_message()
-        return self._close_message()
+        out = self._close_reasoning()
+        if self.msg_id is None and all(o["type"] == "reasoning" for o in self.output):
+            return out + self._open_message() + self._close_message()  # no answer is one empty message
+        return out + self._close_message()
 
 
-async def _stream(evs: AsyncIterator[Event], base: dict[str, Any], prompt_len: int,
-                  plan: OutputPlan, keep) -> AsyncIterator[str]:  # noqa: ANN001  (keep: the final response → None)
-    items, splitter = _Items(), StreamSplitter(plan)
+async def _stream(evs: AsyncIterator[Event], base: dict[str, Any], prompt_len: int, plan: OutputPlan,
+                  keep, summary: bool) -> AsyncIterator[str]:  # noqa: ANN001  (keep: the final response → None)
+    items, splitter = _Items(summary), StreamSplitter(plan)
     yield items.event("response.created", response=base)
     yield items.event("response.in_progress", response=base)
     try:
         async for ev in evs:
+            if ev.kind == "ping":
+                yield ": keep-alive\n\n"  # an SSE comment: the Responses stream has no ping event
+                continue
             if ev.kind == "delta":
                 for part in items.ops(splitter.feed(ev.text)):
                     yield part

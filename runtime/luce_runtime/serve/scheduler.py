@@ -41,6 +41,7 @@ from luce_runtime.engine import Engine
 from luce_runtime.grammar import Constraint
 from luce_runtime.sampler import Sampler, SamplingParams, TokenLogprobs, find_stop, logprobs
 from luce_runtime.serve import speculation
+from luce_runtime.serve.access import log_progress
 from luce_runtime.serve.metrics import Histogram
 from luce_runtime.serve.speculation import RequestSpec, Speculation
 from luce_runtime.speculative import Draft, judge
@@ -48,6 +49,9 @@ from luce_runtime.tokenizer import StreamDecoder
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# a prompt that takes several prefill steps logs its progress at most this often (agents' prompts of 10-20K tokens
+# prefill for minutes on a CPU: the log shows that the server works on them)
+PROGRESS_S = 5.0
 
 
 @dataclass
@@ -91,6 +95,8 @@ class GenRequest:
     decoder: StreamDecoder | None = None
     forking: bool = False  # waits for its leader's prefill, then forks the leader's pages
     spec: RequestSpec | None = None  # its drafter while it speculates
+    prefill_start: tuple[float, int] | None = None  # when its prefill began, at which prompt position
+    progress_logged: float = 0.0  # when its prefill progress was last logged
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -293,9 +299,13 @@ class Scheduler:
         if not batch:
             return
         self.counters.prefill_calls += 1
+        now = time.perf_counter()
+        for r, _ in batch:
+            r.prefill_start = r.prefill_start or (now, r.pos)
         for (r, take), row in self._isolated(batch, lambda b: self.engine.prefill([r.seq for r, _ in b],
                                                                                    [t for _, t in b])):
             r.pos += len(take)
+            self._log_progress(r)
             if r.pos == len(r.prompt):
                 self.counters.prompt_tokens += len(r.prompt)
                 self._remember_prefix(r)
@@ -303,6 +313,17 @@ class Scheduler:
                 for f in (r, *followers):
                     self.counters.ttft.observe(time.perf_counter() - f.submitted)
                     self._deliver(f, row)  # the prompt's last logits row is every choice's first distribution
+
+    def _log_progress(self, r: GenRequest) -> None:
+        """A line in the access log every PROGRESS_S while a prompt of several chunks prefills, and when it ends."""
+        now = time.perf_counter()
+        (t0, pos0), n = r.prefill_start, len(r.prompt)
+        if n - pos0 <= self.engine.prefill_chunk or (r.pos < n and now - r.progress_logged < PROGRESS_S):
+            return
+        r.progress_logged = now
+        rate = (r.pos - pos0) / max(now - t0, 1e-9)
+        log_progress(f"prefill {r.pos}/{n} tokens ({r.pos - pos0} computed at {rate:.0f} tok/s, {pos0} reused)",
+                     prefill_tokens=r.pos, prompt_tokens=n, reused_tokens=pos0, tok_s=round(rate, 1))
 
     def _fork_followers(self, r: GenRequest) -> list[GenRequest]:
         """The choices waiting on r's prefill, each now a fork of r's prompt pages (shared, copy-on-write)."""

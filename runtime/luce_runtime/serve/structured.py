@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from luce_runtime.grammar import Constraint, GrammarBackend, GrammarError, json_object_grammar, json_schema_grammar
 from luce_runtime.serve.protocol import ApiError
+from luce_runtime.serve.reasoning import Mode, ReasoningSplitter
 from luce_runtime.tools import Tool, ToolCall, ToolCallParser, ToolFormat, tool_grammar
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class OutputPlan:
     fmt: ToolFormat | None = None
     bare: bool = False  # a reply that is a call's JSON alone counts as that call (auto mode without a schema)
     param: str = "response_format"  # what a grammar that does not compile is blamed on
+    reasoning: Mode = "off"  # a thinking model's reply: where its <think> block may be (Service.reasoning_mode)
 
     async def constraints(self, svc: Service, n: int) -> list[Constraint]:
         """n fresh grammar states (off the event loop: a large schema compiles for milliseconds)."""
@@ -102,12 +104,17 @@ class SplitOutput:
     content: str
     calls: list[ToolCall]
     invalid: list[str]
+    reasoning: str = ""  # a thinking model's thoughts (reasoning.py)
 
 
 def split_output(plan: OutputPlan, text: str) -> SplitOutput:
+    thoughts = ReasoningSplitter(plan.reasoning)
+    parts = thoughts.feed(text) + thoughts.finish()
+    reasoning = "".join(t for kind, t in parts if kind == "reasoning").strip()
+    text = "".join(t for kind, t in parts if kind == "content")
     parser = plan.parser()
     if parser is None:
-        return SplitOutput(text, [], [])
+        return SplitOutput(text, [], [], reasoning)
     content, calls, invalid = [], [], []
     for ev in parser.feed(text) + parser.finish():
         if ev.kind == "text":
@@ -119,15 +126,16 @@ def split_output(plan: OutputPlan, text: str) -> SplitOutput:
             invalid.append(ev.call.arguments)
     for c in calls:
         c.id = new_call_id()
-    return SplitOutput("".join(content).strip() if calls else "".join(content), calls, invalid)
+    return SplitOutput("".join(content).strip() if calls else "".join(content), calls, invalid, reasoning)
 
 
 @dataclass
 class Op:
-    """One thing to stream: content text, a call that starts (its id and name), argument text, a call that is
-    complete, or a call that started streaming and then proved invalid (the client has its partial arguments)."""
+    """One thing to stream: reasoning text, content text, a call that starts (its id and name), argument text, a
+    call that is complete, or a call that started streaming and then proved invalid (the client has its partial
+    arguments)."""
 
-    kind: Literal["content", "call", "args", "done", "broken"]
+    kind: Literal["reasoning", "content", "call", "args", "done", "broken"]
     text: str = ""
     call: ToolCall | None = None
 
@@ -137,18 +145,29 @@ class StreamSplitter:
     start (the index every API's stream uses), each with its id from the start."""
 
     def __init__(self, plan: OutputPlan):
+        self.thoughts = ReasoningSplitter(plan.reasoning)
         self.parser = plan.parser()
         self.calls: list[ToolCall] = []  # complete and valid
         self._open: dict[int, ToolCall] = {}  # parser index → the call being streamed
         self._started = 0
 
     def feed(self, text: str) -> list[Op]:
-        if self.parser is None:
-            return [Op("content", text)] if text else []
-        return self._ops(self.parser.feed(text))
+        return self._parts(self.thoughts.feed(text))
 
     def finish(self) -> list[Op]:
-        return self._ops(self.parser.finish()) if self.parser is not None else []
+        ops = self._parts(self.thoughts.finish())
+        return ops + (self._ops(self.parser.finish()) if self.parser is not None else [])
+
+    def _parts(self, parts: list[tuple[str, str]]) -> list[Op]:
+        ops: list[Op] = []
+        for kind, text in parts:
+            if kind == "reasoning":
+                ops.append(Op("reasoning", text))
+            elif self.parser is None:
+                ops.append(Op("content", text))
+            else:
+                ops += self._ops(self.parser.feed(text))
+        return ops
 
     def _start(self, index: int, name: str) -> tuple[ToolCall, Op]:
         call = self._open[index] = ToolCall(self._started, name, "", new_call_id())
