@@ -232,9 +232,10 @@ def _weights(gguf: GGUFFile, params: list[tuple[str, tuple[int, ...], str]]) -> 
 
 
 def _tokenizer_metadata(gguf: GGUFFile) -> dict:
-    # llama.cpp sets some special-token attributes by model name, so the name travels with the tokenizer keys
+    # llama.cpp sets some special-token attributes by model name, so the name travels with the tokenizer keys; the
+    # model's recommended sampling (general.sampling.*) too: serve applies it to requests that set none
     return {k: v for k, v in gguf.metadata.items()
-            if k.startswith("tokenizer.") or k in ("general.name", "general.architecture")}
+            if k.startswith(("tokenizer.", "general.sampling.")) or k in ("general.name", "general.architecture")}
 
 
 KEEP_CACHED = 24  # artifacts kept in the build cache (each is roughly the size of its GGUF)

@@ -167,3 +167,14 @@ def test_sampling_defaults_flags_over_gguf_keys():
     assert _sampling_defaults(ServeOptions("a"), {}) == {}
     with pytest.raises(LuceError, match="--temperature"):
         _sampling_defaults(ServeOptions("a", temperature=-1), {})
+
+
+def test_compiled_artifacts_carry_the_gguf_sampling_keys():
+    from types import SimpleNamespace
+
+    from luce_compile.codegen.compile import _tokenizer_metadata
+
+    gguf = {"general.sampling.temp": 0.7, "general.sampling.top_k": 20, "tokenizer.ggml.model": "gpt2",
+            "general.name": "m", "llama.block_count": 2, "general.license": "mit"}
+    assert _tokenizer_metadata(SimpleNamespace(metadata=gguf)) == {
+        "general.sampling.temp": 0.7, "general.sampling.top_k": 20, "tokenizer.ggml.model": "gpt2", "general.name": "m"}
