@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from luce_compile.runtime_wheel import compiler_only
+from luce_compile.runtime_wheel import compiler_only, tvm_package, tvm_platform
 from tests.serve.process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +55,16 @@ def test_the_runtime_wheel_pins_what_the_root_pins():
     root, runtime = deps(ROOT / "pyproject.toml"), deps(ROOT / "runtime" / "pyproject.toml")
     assert set(root) - set(runtime) == {"apache-tvm", "gguf"}
     assert {name: root.get(name) for name in runtime} == runtime
+
+
+@pytest.mark.unit
+def test_readme_installs_the_wheel_the_script_writes():
+    from luce_runtime import __version__
+
+    wheel = f"luce_runtime-{__version__}-py3-none-{tvm_platform(tvm_package())}.whl"
+    readme = (ROOT / "README.md").read_text()
+    assert "bash scripts/build_runtime_wheel.sh" in readme
+    assert f"pip install {wheel} && venv/bin/luce-runtime serve" in readme, f"README should install {wheel}"
 
 
 @pytest.mark.unit
