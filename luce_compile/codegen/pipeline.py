@@ -118,6 +118,28 @@ def thread_extents(func: tirx.PrimFunc) -> dict[str, int]:
     return found
 
 
+def kernel_threads(func: tirx.PrimFunc) -> list[int]:
+    """Threads per block of each kernel a function launches (its outermost thread-bound nests; a batch dispatch
+    holds one per branch, each with its own block shape), 0 where an extent is symbolic."""
+    counts: list[int] = []
+
+    def is_launch(node) -> bool:
+        if isinstance(node, tirx.AttrStmt):
+            return node.attr_key == "thread_extent"
+        return node.kind == tirx.ForKind.THREAD_BINDING and node.thread_binding is not None
+
+    def on_node(node, visitor) -> None:
+        if not is_launch(node):
+            visitor.default_visit(node)
+            return
+        inner = thread_extents(tirx.PrimFunc([], node))
+        threads = [v for tag, v in inner.items() if tag.startswith("threadIdx")]
+        counts.append(0 if -1 in threads else _product(threads))
+
+    structural_visit(func.body, [(tirx.For, on_node), (tirx.AttrStmt, on_node)])
+    return counts
+
+
 def check_gpu_scheduled(target: tvm.target.Target) -> tvm.transform.Pass:
     """A pass that raises UnscheduledError unless every PrimFunc is bound to GPU threads within the target's limit."""
     limit = int(target.attrs["max_num_threads"])
@@ -132,9 +154,9 @@ def check_gpu_scheduled(target: tvm.target.Target) -> tvm.transform.Pass:
             if not any(tag.startswith(("threadIdx", "blockIdx")) for tag in extents):
                 unbound.append(gv.name_hint)
                 continue
-            threads = [v for tag, v in extents.items() if tag.startswith("threadIdx")]
-            if -1 not in threads and _product(threads) > limit:
-                too_wide.append(f"{gv.name_hint} ({_product(threads)} threads)")
+            widest = max(kernel_threads(func), default=0)
+            if widest > limit:
+                too_wide.append(f"{gv.name_hint} ({widest} threads)")
         if unbound:
             raise UnscheduledError(
                 f"build: {len(unbound)} TIR function(s) are not scheduled for the GPU ({target.kind.name}): "
