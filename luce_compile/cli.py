@@ -453,14 +453,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-megakernel", action="store_true",
                    help="CUDA targets: build without the decode megakernels (one persistent kernel per decode step "
                         "of 1-8 sequences, which the engine otherwise runs); every step takes the per-op kernels")
-    s.add_argument("--megakernel-q8", action="store_true",
-                   help="CUDA targets: the megakernels' Q4_0/1, Q5_0/1, Q8_0, Q4_K matvecs quantize their "
-                        "input to 8-bit blocks and use integer dot products, as llama.cpp's mmvq does (decode steps "
-                        "2-39%% shorter on the H200's benchmark models; logits move by that rounding, not within "
-                        "1e-4)")
-    s.add_argument("--megakernel-tf32", action="store_true",
-                   help="CUDA targets: the megakernels' F16/BF16 matvecs run on tf32 tensor cores (weights exact, "
-                        "inputs rounded to 10 mantissa bits, float32 sums); logits move by that rounding (~2e-3)")
+    s.add_argument("--megakernel-q8", action="store_const", const=True, default=None,
+                   help="CUDA targets, on by default with --precision auto/f16 (this flag is an alias kept for "
+                        "old scripts; --precision f32 turns it off): the megakernels' quantized matvecs quantize "
+                        "their input to 8-bit blocks and use integer dot products, as llama.cpp's mmvq does (decode "
+                        "steps 2-42%% shorter on the H200's benchmark models; logits move by that rounding, ~1e-2)")
+    s.add_argument("--megakernel-tf32", action="store_const", const=True, default=None,
+                   help="CUDA targets, on by default with --precision auto/f16 (an alias, as --megakernel-q8): the "
+                        "megakernels' F16/BF16 matvecs run on tf32 tensor cores (weights exact, inputs rounded to "
+                        "10 mantissa bits, float32 sums); logits move by that rounding (~2e-3)")
     logs = s.add_mutually_exclusive_group()
     logs.add_argument("--tune-logs", type=Path, metavar="DIR",
                       help="tuning records to take kernel knobs from: DIR/<target>/*.jsonl (default: the shipped "

@@ -71,20 +71,24 @@ def prepare(args: argparse.Namespace) -> None:
                              precision=args.precision, megakernel=not args.no_megakernel,
                              megakernel_q8=args.megakernel_q8, megakernel_tf32=args.megakernel_tf32)
     build_s = time.perf_counter() - start
-    precision = json.loads((artifact / "manifest.json").read_text())["kernels"]["precision"]
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    precision = manifest["kernels"]["precision"]
+    # what the build chose (the fast build rounds by default, --precision f32 is exact): the reference follows it
+    options = manifest.get("megakernel", {}).get("options", {})
+    megakernel_q8, megakernel_tf32 = bool(options.get("q8_activations")), bool(options.get("float_mma"))
     (artifact / "weights.bin").unlink()  # rebuilt there from the GGUF: it would not fit the 64 MiB transfer
     prompt = [int(t) for t in np.random.default_rng(args.seed).integers(1, 49152, args.prompt_len)]
     # precision f16: matmuls of more rows than the last low-batch bucket run on tensor cores
     from luce_compile.fuse.build import MMA_FLOAT_TYPES, Q8_ORDER
 
-    q8 = tuple(Q8_ORDER) if args.megakernel_q8 else ()  # the megakernel decodes, rounding as llama.cpp
-    tf32 = MMA_FLOAT_TYPES if args.megakernel_tf32 else ()  # and its F16/BF16 inputs to tf32
+    q8 = tuple(Q8_ORDER) if megakernel_q8 else ()  # the megakernel decodes, rounding as llama.cpp
+    tf32 = MMA_FLOAT_TYPES if megakernel_tf32 else ()  # and its F16/BF16 inputs to tf32
     ids, logits = _oracle_trace(gguf, prompt, args.steps, half_above=LOW_BATCH[-1][0] if precision == "f16" else None,
                                 q8_types=q8, q8_decode_only=True, tf32_types=tf32)
     np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
     (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name, "target": args.target,
-                                               "megakernel_q8": args.megakernel_q8,
-                                               "megakernel_tf32": args.megakernel_tf32,
+                                               "megakernel_q8": megakernel_q8,
+                                               "megakernel_tf32": megakernel_tf32,
                                                "precision": precision, "build_seconds": round(build_s, 1)}))
     if args.bundle:
         make_bundle(Path(args.bundle))
@@ -627,10 +631,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-megakernel", action="store_true", help="build without the decode megakernels (compile's "
                    "--no-megakernel): a Q4_K_M mix's per-layer weight types make a 13 MB megakernel source that nvcc "
                    "takes over 10 minutes to compile")
-    p.add_argument("--megakernel-q8", action="store_true", help="compile's --megakernel-q8; the reference rounds "
-                   "the decode steps' matmul inputs as the megakernel does")
-    p.add_argument("--megakernel-tf32", action="store_true", help="compile's --megakernel-tf32; the reference rounds "
-                   "the decode steps' F16/BF16 matmul inputs to tf32 as the megakernel does")
+    p.add_argument("--megakernel-q8", action="store_const", const=True, default=None,
+                   help="compile's --megakernel-q8 (the default with precision auto/f16); the reference rounds as "
+                   "the manifest says the build's megakernels do")
+    p.add_argument("--megakernel-tf32", action="store_const", const=True, default=None,
+                   help="compile's --megakernel-tf32 (likewise)")
     p.add_argument("--precision", choices=("auto", "f16", "f32"), default="auto",
                    help="as compile's: auto is f16 (tensor-core prefill) on CUDA; the reference emulates it")
     p.set_defaults(func=prepare)

@@ -67,11 +67,13 @@ def main() -> int:
                    "(run.sh's UNTUNED: tuned vs untuned in one run); artifacts only, no reference, no weights")
     p.add_argument("--no-megakernel", action="store_true", help="compile the workloads without decode megakernels "
                    "(device_check.py prepare --no-megakernel)")
-    p.add_argument("--megakernel-q8", action="store_true", help="the megakernels' Q4_0/1, Q5_0/1, Q8_0, "
-                   "Q4_K matvecs with 8-bit activations (compile --megakernel-q8); the references round the decode "
-                   "steps as they do")
-    p.add_argument("--megakernel-tf32", action="store_true", help="the megakernels' F16/BF16 matvecs on tf32 tensor "
-                   "cores (compile --megakernel-tf32); the references round their inputs as they do")
+    p.add_argument("--precision", choices=("auto", "f32"), default="auto", help="compile's: auto is the default "
+                   "build (tensor-core prefill, the megakernels' 8-bit and tf32 matvecs), f32 the exact one; the "
+                   "references round as the build does (device_check.py prepare reads the manifest)")
+    p.add_argument("--megakernel-q8", action="store_true", help="an alias kept for old commands: the default build "
+                   "has it")
+    p.add_argument("--megakernel-tf32", action="store_true", help="an alias kept for old commands: the default "
+                   "build has it")
     args = p.parse_args()
     if args.untuned:
         return prepare_untuned(args.workloads, args.target, args.untuned)
@@ -81,7 +83,7 @@ def main() -> int:
         bundle = ["--bundle", str(args.dir / "bundle")] if i == 0 else []
         subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "prepare", "--preset", w,
                         "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16",
-                        *bundle, *(["--no-megakernel"] if args.no_megakernel else []),
+                        "--precision", args.precision, *bundle, *(["--no-megakernel"] if args.no_megakernel else []),
                         *(["--megakernel-q8"] if args.megakernel_q8 else []),
                         *(["--megakernel-tf32"] if args.megakernel_tf32 else [])], check=True)
     tgz = pack_llama_cpp(extract_llama_cpp(find_sdist(), args.work), args.dir / "peer" / "llama.cpp.tgz")

@@ -161,11 +161,19 @@ def _fmt(v: float | None, spec: str = ",.0f") -> str:
     return format(v, spec) if v is not None else "n/a"
 
 
+def gpu_label(meta: dict[str, Any]) -> str:
+    """The GPU the run measured on, short ("H100", "H200"), from nvidia-smi's name in gpu.csv: the device tool lends
+    either, and a table must not call an H100 run "H200"."""
+    name = str(meta.get("gpu", "")).split(",")[0]
+    return next((w for w in name.replace("NVIDIA", "").split() if w[:1].isalpha() and any(c.isdigit() for c in w)),
+                name.strip() or "GPU")
+
+
 def markdown(doc: dict[str, Any]) -> str:
     meta, res = doc["meta"], doc["results"]
     runs = meta.get("runs", [])
     same = "same run" if len(runs) <= 1 else f"{len(runs)} runs on the same machine kind"
-    lines = [f"# H200: luce-compile vs llama.cpp CUDA vs torch, {same} ({meta['date']})", "",
+    lines = [f"# {gpu_label(meta)}: luce-compile vs llama.cpp CUDA vs torch, {same} ({meta['date']})", "",
              f"{meta['gpu']}; torch {meta['torch']} (CUDA {meta['cuda']}); llama.cpp as vendored by "
              f"llama-cpp-python {meta['llama_cpp_python']} (built there: CUDA arch 90, FA on, f16 KV); "
              f"luce-compile {meta['luce_compile']} (TVM {meta['tvm']}, {meta.get('build', BUILD_BEFORE_TUNING)}, "
@@ -319,7 +327,8 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
         ax.tick_params(axis="x", labelrotation=15)
     meta = doc["meta"]
     runs = len(meta.get("runs", [])) or 1
-    fig.suptitle(f"H200, {'one run' if runs == 1 else f'{runs} runs'} ({meta['date'][:16]}): luce-compile "
+    fig.suptitle(f"{gpu_label(meta)}, {'one run' if runs == 1 else f'{runs} runs'} ({meta['date'][:16]}): "
+                 "luce-compile "
                  f"({meta.get('build', BUILD_BEFORE_TUNING)}) vs llama.cpp CUDA vs torch bf16", fontsize=9)
     return save(fig, out)
 
@@ -334,9 +343,10 @@ def build_description(*runs: Path) -> str:
     text = "; ".join(words.get(p, p) for p in precisions)
     if tuned:
         text += f"; {sum(t['tuned'] for t in tuned)} kernels tuned, {sum(t['default'] for t in tuned)} default"
-    if any((s or {}).get("spec", {}).get("megakernel_q8") for s in specs):  # prepare.py --megakernel-q8
-        text += "; the megakernels' Q4_0/Q4_1/Q8_0 matvecs with llama.cpp's 8-bit activations (--megakernel-q8)"
-    if any((s or {}).get("spec", {}).get("megakernel_tf32") for s in specs):  # prepare.py --megakernel-tf32
+    # the default build's since 2026-12-06 (the flags' names kept: test_records reads the tolerance from them)
+    if any((s or {}).get("spec", {}).get("megakernel_q8") for s in specs):
+        text += "; the megakernels' quantized matvecs with llama.cpp's 8-bit activations (--megakernel-q8)"
+    if any((s or {}).get("spec", {}).get("megakernel_tf32") for s in specs):
         text += "; the megakernels' F16/BF16 matvecs on tf32 tensor cores (--megakernel-tf32)"
     return text
 

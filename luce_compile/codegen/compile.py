@@ -69,7 +69,7 @@ def compiler_fingerprint() -> str:
 def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, use_cache: bool = True,
                   overwrite: bool = False, progress: Progress | None = None, precision: str = "auto",
                   tune_logs: Path | None = None, use_tune_logs: bool = True, megakernel: bool = True,
-                  megakernel_q8: bool = False, megakernel_tf32: bool = False) -> Path:
+                  megakernel_q8: bool | None = None, megakernel_tf32: bool | None = None) -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
     An existing out_dir is replaced only if it is an artifact and `overwrite` is set (the CLI's --force); anything
@@ -81,10 +81,12 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     nothing is searched here. The manifest's kernels.tuning says what each kernel got. On CUDA targets the decode
     step is also built as megakernels (fuse/build.py; the engine runs them for batches up to 8), unless
     `megakernel` is off (--no-megakernel); the manifest's "megakernel" section says why a build has none.
-    `megakernel_q8` (--megakernel-q8): the megakernels' Q4_0/1, Q5_0/1, Q8_0, Q4_K matvecs take llama.cpp's 8-bit
-    activations and integer dot products (MegakernelOptions.q8_activations); the per-op kernels keep float activations.
-    `megakernel_tf32` (--megakernel-tf32): the megakernels' F16/BF16 matvecs run on tf32 tensor cores, their
-    inputs rounded to tf32 (MegakernelOptions.float_mma).
+    `megakernel_q8`: the megakernels' quantized matvecs (every type but F32/F16/BF16) take llama.cpp's 8-bit
+    activations and integer dot products (MegakernelOptions.q8_activations); the per-op kernels keep float
+    activations. `megakernel_tf32`: the megakernels' F16/BF16 matvecs run on tf32 tensor cores, their inputs rounded
+    to tf32 (MegakernelOptions.float_mma). Both default (None) to on where the precision resolves to f16 (CUDA's
+    auto: the fast build, as llama.cpp's CUDA backend rounds by default) and off with f32, the exact build the
+    oracle checks; the manifest's megakernel options record the choice.
     """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -97,6 +99,9 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     say("hashing the model")
     gguf_sha = file_sha256(gguf_path)
     precision = resolve_precision(precision, info.tvm_target())  # refuses int8 where it cannot run, before work
+    fast = precision == "f16"  # the GPU's default build: the megakernels round as llama.cpp's CUDA kernels do
+    megakernel_q8 = fast if megakernel_q8 is None else megakernel_q8
+    megakernel_tf32 = fast if megakernel_tf32 is None else megakernel_tf32
     tuning = load_tuning(info, tune_logs, use_tune_logs)
     # the records are part of the key: new records (or --no-tune-logs) make a new build, never a stale reuse
     key = (f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}-{tuning.digest()}"

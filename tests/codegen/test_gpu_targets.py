@@ -204,6 +204,8 @@ def test_cuda_artifacts_carry_the_decode_megakernels(name, built, tiny_gguf):
         return
     mk = manifest["megakernel"]
     assert mk["batches"] == [1, 2, 4, 8] and {mk["module"], mk["tables"]} <= set(manifest["files"])
+    # the default build is the fast one: 8-bit and tf32 matvecs, recorded in the manifest (f32 is the exact build)
+    assert manifest["kernels"]["precision"] == "f16" and mk["options"]["q8_activations"] and mk["options"]["float_mma"]
     (binary,) = check_library(artifact / mk["module"], info).binaries
     assert {f"{kernel_name(b)}_kernel" for b in mk["batches"]} <= set(binary.kernels[info.name])
     graph, _ = open_graph(tiny_gguf)
