@@ -38,22 +38,17 @@ from pathlib import Path
 
 import numpy as np
 
+from luce_compile.checks import (  # the bars and comparisons every check against the oracle shares
+    BATCH_TOL,
+    REL_TOL,
+    REL_TOL_F16,
+    REL_TOL_Q8,
+    REL_TOL_TF32,
+    near_tie,
+)
+from luce_compile.checks import rel_err as _rel
+
 ROOT = Path(__file__).resolve().parent.parent
-REL_TOL, NEAR_TIE, BATCH_TOL = 1e-3, 0.05, 1e-4
-# precision f16 against the emulating oracle. Measured 1.3-1.5e-3 on the four H200 workloads (2026-12-01); no tighter
-# bound means anything at the model level: rounding to float16 is discontinuous, and the oracle's own logits move
-# 3.3e-3 when its inputs are perturbed by 1e-6 before the rounding (SmolLM2 shape, random weights). The kernels
-# alone are held to 1e-5 of the emulation (`gemm` below: at most 1.2e-5 measured, k = 8192).
-REL_TOL_F16 = 1e-2
-# --megakernel-q8's decode against the oracle with the rounding emulated, and against the per-op path (float
-# activations): float32 arithmetic puts some activations on the other side of an 8-bit rounding boundary than
-# float64 does, each such flip moving later logits by ~1e-2 (scripts/megakernel_check.py: Q8_REL_TOL); the per-op
-# path differs by the rounding itself (4-5e-2 on tiny models). A wrong dot product is O(1) off.
-REL_TOL_Q8 = 0.1
-# --megakernel-tf32's decode against the per-op path (float32 inputs): tf32 keeps 10 of float32's 23 mantissa bits
-# of every F16/BF16 matvec input; the float64 oracle moved 1.3-1.6e-3 on tiny models when those inputs were rounded
-# so (2026-12-04). The oracle check emulates the rounding and keeps REL_TOL.
-REL_TOL_TF32 = 1e-2
 
 
 # ---- prepare (build machine) --------------------------------------------------------------------------------------
@@ -229,17 +224,6 @@ def generate_gguf(folder: Path, path: Path) -> None:
     tokenizer = {k: v for k, v in keys.items() if k.startswith("tokenizer.")}
     synthetic.tokenizer_metadata = lambda: tokenizer
     synthetic.write_synthetic(synthetic.preset(spec["preset"]), path)
-
-
-def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got.astype(np.float64) - want).max() / np.abs(want).max())
-
-
-def near_tie(row: np.ndarray, tol: float = 0.0) -> bool:
-    """The best two logits of a reference row closer than NEAR_TIE, or than `tol` of the row's largest (the
-    check's tolerance): its greedy id is not a fair check."""
-    gap = float(np.diff(np.partition(row, -2)[-2:])[0])
-    return gap < NEAR_TIE or gap < tol * float(np.abs(row).max())
 
 
 def check_oracle(engine, ref, tol: float = REL_TOL) -> dict:

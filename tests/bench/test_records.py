@@ -19,15 +19,13 @@ from typing import Any
 
 import pytest
 
+from luce_compile.checks import BATCH_TOL, REL_TOL, REL_TOL_F16, REL_TOL_Q8, REL_TOL_TF32
 from tests.bench._load import load_benchmark_module
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 REPORTS = sorted(RESULTS.glob("h200-*.json"))
 DEVICE_CHECKS = sorted(p for p in (RESULTS / "h200").glob("*.json") if p.stem.split("-")[-1] in
                        ("tiny", "smollm2", "gemma3"))
-REL_TOL, REL_TOL_F16, BATCH_TOL = 1e-3, 1e-2, 1e-4  # scripts/device_check.py's bars (f16: tensor-core prefill)
-REL_TOL_Q8 = 0.1  # device_check's bar for a build whose megakernel takes 8-bit activations (--megakernel-q8)
-REL_TOL_TF32 = 1e-2  # its bar for the megakernel against the per-op path where F16/BF16 inputs round to tf32
 
 
 def _positive(value: Any) -> bool:

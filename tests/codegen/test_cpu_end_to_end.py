@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from luce_compile.checks import BATCH_TOL
 from luce_compile.synthetic import N_VOCAB, SyntheticSpec
 from tests.codegen._reference import check_against_oracle, engine_logits, oracle_trace, rel_err
 
@@ -166,7 +167,6 @@ def test_chunked_prefill_equals_one_shot(tiny, oracle_of, engine_of, rng, monkey
 
 
 # ---- batched decode ------------------------------------------------------------------------------------------------
-BATCH_TOL = 1e-4  # a sequence's logits in a batch against alone: other kernels (GEMM vs GEMV), float32 rounding only
 
 
 def _greedy_alone(engine, prompt: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
