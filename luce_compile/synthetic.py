@@ -12,6 +12,10 @@ model reads them, after gemma3's sqrt(n_embd) scale), so the tied LM head does n
 so that the logits have a spread (std ≈ 4) like trained models'; q and k are scaled up so that attention is
 peaked (see ATTENTION_SHARPNESS).
 
+Real-size models (issue 36: 7-14B, their real vocabularies) pad SmolLM2's vocabulary to `n_vocab` with unused tokens,
+and with `direct_blocks` write their quantized weights as random blocks of the same std (synthetic_blocks), made by a
+thread per core: a 14B in well under a minute instead of hours of quantizing in numpy.
+
 Usage: `python -m luce_compile.synthetic PRESET OUT.gguf` (PRESET: one of PRESETS).
 """
 
@@ -21,10 +25,13 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import struct
 import sys
 import zlib
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +42,7 @@ from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGU
 from luce_compile.errors import GGUFError, UnsupportedError
 from luce_compile.gguf.quants import quantize
 from luce_compile.gguf.reader import SUPPORTED_TYPES, read_gguf
+from luce_compile.synthetic_blocks import FILLERS, random_blocks
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,10 @@ ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 TOKENIZER_SOURCE = "smollm2-135m"
 N_VOCAB = 49152  # SmolLM2's vocabulary: every synthetic model uses its tokenizer
 SPEC_KEY = "luce.synthetic.spec"  # the spec as JSON, so a file says how it was made
+TOKEN_TYPE_UNUSED = 5  # llama_token_type: what llama.cpp's converter gives the padding tokens of a vocabulary
+# fields added after files and results were recorded: to_json leaves them out at their defaults, so the JSON in
+# every earlier file (SPEC_KEY) and the cache names made from it keep their bytes
+_OMIT_AT_DEFAULT = {"omit_at_default": True}
 
 _FILE_TYPES = {
     "F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16, "BF16": LlamaFileType.MOSTLY_BF16,
@@ -74,6 +86,11 @@ class SyntheticSpec:
     sliding_window_pattern: int = 6  # gemma3: every n-th layer is global
     final_logit_softcap: float = 0.0  # gemma3: 0 = off
     seed: int = 0
+    # rows of token_embd/output; above SmolLM2's 49152 its vocabulary is padded with unused tokens "[PAD<id>]"
+    n_vocab: int = field(default=N_VOCAB, metadata=_OMIT_AT_DEFAULT)
+    # quantized 2-D weights as random blocks with set scales (synthetic_blocks), not quantized normal values:
+    # ~100x faster, for models of billions of weights
+    direct_blocks: bool = field(default=False, metadata=_OMIT_AT_DEFAULT)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quant_overrides", dict(self.quant_overrides))  # not shared with the caller
@@ -81,6 +98,9 @@ class SyntheticSpec:
             raise UnsupportedError(f"synthetic: architecture {self.arch!r} is not supported ({', '.join(ARCHS)}).")
         if min(self.n_layer, self.n_embd, self.n_head, self.n_head_kv, self.head_size, self.n_ff) <= 0:
             raise GGUFError(f"synthetic: every size must be positive: {self}.")
+        if self.n_vocab < N_VOCAB:
+            raise GGUFError(f"synthetic: n_vocab {self.n_vocab} is below the {N_VOCAB} tokens of SmolLM2's tokenizer, "
+                            "which every synthetic model uses; it can only be padded.")
         if self.n_head % self.n_head_kv:
             raise GGUFError(f"synthetic: n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}.")
         if self.arch == "qwen2" and self.head_size * self.n_head != self.n_embd:
@@ -99,14 +119,22 @@ class SyntheticSpec:
         return hash(self.to_json())
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        values = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get("omit_at_default") and values[f.name] == f.default:
+                del values[f.name]
+        return json.dumps(values, sort_keys=True)
 
 
-def _q4_k_m_overrides(n_layer: int, attn_v: tuple[str, str], ffn_down: tuple[str, str],
+def _q4_k_m_overrides(n_layer: int, attn_v: tuple[str, str], ffn_down: tuple[str, str], by_name: bool = False,
                       **fixed: str) -> dict[str, str]:
     """A Q4_K_M file's quant mix: llama.cpp's use_more_bits layers (first and last eighth, every third between) get
-    the first type of attn_v and ffn_down, the other layers the second; `fixed` names whole tensors (token_embd=…)."""
-    more_bits = [i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2 for i in range(n_layer)]
+    the first type of attn_v and ffn_down, the other layers the second; `fixed` names whole tensors (token_embd=…).
+    llama-quantize counts the layers in the order of the source file's tensors: `by_name` for a file whose tensors
+    were sorted by name (blk.0, blk.1, blk.10, …), as in Qwen's official GGUFs (read from Qwen2.5-Coder-0.5B's)."""
+    order = sorted(range(n_layer), key=str) if by_name else list(range(n_layer))
+    more_bits = [c < n_layer // 8 or c >= 7 * n_layer // 8 or (c - n_layer // 8) % 3 == 2
+                 for c in sorted(range(n_layer), key=order.__getitem__)]  # the counter's value at each layer
     overrides = {f"{name}.weight": t for name, t in fixed.items()}
     for i, more in enumerate(more_bits):
         overrides[f"blk.{i}.attn_v.weight"] = attn_v[0] if more else attn_v[1]
@@ -151,6 +179,36 @@ PRESETS: dict[str, SyntheticSpec] = {
                                  n_ff=2048, n_ctx=32768, rope_base=1e6, rms_eps=1e-6, sliding_window=512,
                                  quant="Q5_0", quant_overrides=_gemma3_270m_overrides()),
 }
+# What users download (issue 36): the shapes of the models' config.json, their real vocabulary sizes (SmolLM2's
+# tokenizer padded) and llama.cpp's Q4_K_M mix (llama-quant.cpp: token_embd keeps the base type Q4_K, output Q6_K,
+# attn_v and ffn_down Q6_K on the use_more_bits layers, counted by name in Qwen's official files), written as direct
+# blocks. Llama 3.1's rope_freqs.weight (its long-context RoPE scaling) is left out: it does not change the work of
+# a step, and is not lowered yet.
+_Q4_K_M = {"quant": "Q4_K", "tied_output": False, "direct_blocks": True}
+_QWEN = {"arch": "qwen2", "n_ctx": 32768, "rope_base": 1e6, "rms_eps": 1e-6}
+_MORE_BITS_Q6_K = (("Q6_K", "Q4_K"), ("Q6_K", "Q4_K"))  # attn_v, ffn_down
+PRESETS |= {
+    "llama-3.1-8b": SyntheticSpec(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_ctx=131072,
+                                  rope_base=5e5, n_vocab=128256, **_Q4_K_M,
+                                  quant_overrides=_q4_k_m_overrides(32, *_MORE_BITS_Q6_K, output="Q6_K")),
+    "qwen2.5-7b": SyntheticSpec(n_layer=28, n_embd=3584, n_head=28, n_head_kv=4, n_ff=18944, n_vocab=152064,
+                                **_QWEN, **_Q4_K_M,
+                                quant_overrides=_q4_k_m_overrides(28, *_MORE_BITS_Q6_K, by_name=True, output="Q6_K")),
+    "qwen3-8b": SyntheticSpec(arch="qwen3", n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,
+                              n_ff=12288, n_ctx=40960, rope_base=1e6, rms_eps=1e-6, quant="Q8_0", tied_output=False,
+                              n_vocab=151936, direct_blocks=True),
+    "qwen2.5-14b": SyntheticSpec(n_layer=48, n_embd=5120, n_head=40, n_head_kv=8, n_ff=13824, n_vocab=152064,
+                                 **_QWEN, **_Q4_K_M,
+                                 quant_overrides=_q4_k_m_overrides(48, *_MORE_BITS_Q6_K, by_name=True, output="Q6_K")),
+    # the issue-14 pair as the real files are: their vocabulary of 151936 rows, and the more-bits layers of their
+    # name-sorted tensors (the presets above keep SmolLM2's 49152 and the layers in numeric order)
+    "qwen2.5-coder-1.5b-vocab": dataclasses.replace(
+        PRESETS["qwen2.5-coder-1.5b"], n_vocab=151936, direct_blocks=True,
+        quant_overrides=_q4_k_m_overrides(28, *_MORE_BITS_Q6_K, by_name=True, output="Q6_K")),
+    "qwen2.5-coder-0.5b-vocab": dataclasses.replace(
+        PRESETS["qwen2.5-coder-0.5b"], n_vocab=151936, direct_blocks=True,
+        quant_overrides=_q4_k_m_overrides(24, ("Q8_0", "Q5_0"), ("Q6_K", "Q4_K"), by_name=True, output="Q8_0")),
+}
 
 
 def preset(name: str) -> SyntheticSpec:
@@ -164,7 +222,7 @@ def preset(name: str) -> SyntheticSpec:
 def tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor llama.cpp's loader reads for this architecture, numpy shape (out, in), in file order."""
     q_out, kv_out = spec.n_head * spec.head_size, spec.n_head_kv * spec.head_size
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (N_VOCAB, spec.n_embd)}
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, spec.n_embd)}
     for i in range(spec.n_layer):
         b = f"blk.{i}."
         shapes |= {b + "attn_norm.weight": (spec.n_embd,), b + "attn_q.weight": (q_out, spec.n_embd),
@@ -182,7 +240,7 @@ def tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
             shapes[b + "post_ffw_norm.weight"] = (spec.n_embd,)
     shapes["output_norm.weight"] = (spec.n_embd,)
     if not spec.tied_output:
-        shapes["output.weight"] = (N_VOCAB, spec.n_embd)
+        shapes["output.weight"] = (spec.n_vocab, spec.n_embd)
     return shapes
 
 
@@ -221,14 +279,22 @@ def tensor_values(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.
     if name == "output_norm.weight":  # logits = (normed h * this) @ head.T: aim for a logit std of 4
         head_std = _embedding_std(spec) if spec.tied_output else 1 / np.sqrt(spec.n_embd)
         return np.float32(4 / (head_std * np.sqrt(spec.n_embd))) * (1 + 0.1 * noise)
-    sharpen = np.float32(np.sqrt(ATTENTION_SHARPNESS) if name.endswith(_QK_TENSORS) else 1.0)
     if name.endswith("norm.weight"):
-        return (1 + 0.1 * noise) * sharpen
+        return (1 + 0.1 * noise) * _sharpen(name)
     if name.endswith(".bias"):
         return 0.2 * noise
+    return noise * weight_std(spec, name, shape)
+
+
+def _sharpen(name: str) -> np.float32:
+    return np.float32(np.sqrt(ATTENTION_SHARPNESS) if name.endswith(_QK_TENSORS) else 1.0)
+
+
+def weight_std(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.float32:
+    """The std of a 2-D weight's values: the embedding's, else sharpen/sqrt(fan_in) for a matrix (out, in)."""
     if name == "token_embd.weight":
-        return noise * np.float32(_embedding_std(spec))
-    return noise * (sharpen / np.float32(np.sqrt(shape[-1])))  # a matrix (out, in): std 1/sqrt(fan_in)
+        return np.float32(_embedding_std(spec))
+    return _sharpen(name) / np.float32(np.sqrt(shape[-1]))
 
 
 def _embedding_std(spec: SyntheticSpec) -> float:
@@ -304,7 +370,7 @@ def _write_metadata(w: GGUFWriter, spec: SyntheticSpec) -> None:
         w.add_key_length(spec.head_size)  # the converters write these when config.json has head_dim
         w.add_value_length(spec.head_size)
     if spec.arch == "llama":
-        w.add_vocab_size(N_VOCAB)
+        w.add_vocab_size(spec.n_vocab)
         w.add_rope_dimension_count(spec.head_size)
     if spec.sliding_window:
         w.add_sliding_window(spec.sliding_window)
@@ -315,9 +381,51 @@ def _write_metadata(w: GGUFWriter, spec: SyntheticSpec) -> None:
     w.add_file_type(_FILE_TYPES[spec.quant])
     w.add_quantization_version(GGML_QUANT_VERSION)
     w.add_string(SPEC_KEY, spec.to_json())
-    for key, value in tokenizer_metadata().items():
+    for key, value in _padded_tokenizer(spec.n_vocab).items():
         vtype, sub_type = _value_type(value)
         w.add_key_value(key, value, vtype, sub_type)
+
+
+def _padded_tokenizer(n_vocab: int) -> dict[str, Any]:
+    """SmolLM2's tokenizer keys with the vocabulary padded to n_vocab tokens "[PAD<id>]" of type UNUSED, as
+    llama.cpp's converter pads a vocabulary smaller than the embedding (Qwen's 151665 tokens to 151936 rows):
+    neither llama.cpp nor our tokenizer cuts unused tokens out of text, and both detokenize them to nothing. A
+    vocabulary already that long (the keys of a padded file, as the device scripts pass them) stays as it is."""
+    keys = tokenizer_metadata()
+    tokens = keys["tokenizer.ggml.tokens"]
+    if len(tokens) > n_vocab:
+        raise GGUFError(f"synthetic: the tokenizer has {len(tokens)} tokens, more than n_vocab {n_vocab}.")
+    pad = range(len(tokens), n_vocab)
+    if not pad:
+        return keys
+    padded = {**keys, "tokenizer.ggml.tokens": [*tokens, *(f"[PAD{i}]" for i in pad)],
+              "tokenizer.ggml.token_type": [*keys["tokenizer.ggml.token_type"], *[TOKEN_TYPE_UNUSED] * len(pad)]}
+    if "tokenizer.ggml.scores" in keys:
+        padded["tokenizer.ggml.scores"] = [*keys["tokenizer.ggml.scores"], *[0.0] * len(pad)]
+    return padded
+
+
+def _tensor_bytes(spec: SyntheticSpec, name: str, shape: tuple[int, ...], ggml_type: GGMLQuantizationType
+                  ) -> np.ndarray:
+    if spec.direct_blocks and len(shape) == 2 and ggml_type in FILLERS:
+        return random_blocks(_rng(spec, name), ggml_type, shape, float(weight_std(spec, name, shape)))
+    return quantize(tensor_values(spec, name, shape), ggml_type)
+
+
+def _tensor_data(spec: SyntheticSpec, plan: list[tuple[str, tuple[int, ...], GGMLQuantizationType]]
+                 ) -> Iterator[np.ndarray]:
+    """Each tensor's bytes in plan order, made by a thread per core (numpy releases the GIL while it generates and
+    quantizes) at most one tensor per thread ahead of the writer, which bounds the memory. The bytes do not depend
+    on the threads: each tensor has its own seed."""
+    workers = max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="synthetic") as pool:
+        pending: deque = deque()
+        for item in plan:
+            pending.append(pool.submit(_tensor_bytes, spec, *item))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def write_synthetic(spec: SyntheticSpec, path: str | Path) -> Path:
@@ -334,8 +442,8 @@ def write_synthetic(spec: SyntheticSpec, path: str | Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, shape, ggml_type in plan:
-        w.write_tensor_data(quantize(tensor_values(spec, name, shape), ggml_type))
+    for data in _tensor_data(spec, plan):
+        w.write_tensor_data(data)
     w.close()
     tmp.replace(path)
     log.info("wrote synthetic %s model (%d tensors) to %s", spec.arch, len(plan), path)

@@ -81,7 +81,7 @@ def test_specs_are_values():
 def test_every_preset_has_a_valid_plan(name):
     spec = PRESETS[name]
     plan = list(synthetic._plan(spec))
-    assert plan[0][:2] == ("token_embd.weight", (49152, spec.n_embd))
+    assert plan[0][:2] == ("token_embd.weight", (spec.n_vocab, spec.n_embd))
     assert all(t == T.F32 for _, shape, t in plan if len(shape) == 1)
     assert all(shape[-1] % synthetic.GGML_QUANT_SIZES[t][0] == 0 for _, shape, t in plan)
 

@@ -154,7 +154,7 @@ def test_expected_tensors_agree_with_synthetic_writer():
     for name, spec in PRESETS.items():
         c = ModelConfig(arch=spec.arch, n_layer=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head,
                         n_head_kv=spec.n_head_kv, head_dim=spec.head_size, head_dim_v=spec.head_size, n_ff=spec.n_ff,
-                        n_vocab=49152, n_ctx_train=spec.n_ctx, rms_eps=spec.rms_eps, rope_base=spec.rope_base,
+                        n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx, rms_eps=spec.rms_eps, rope_base=spec.rope_base,
                         rope_dim=spec.head_size, rope_layout="neox", attn_bias=spec.arch == "qwen2",
                         qk_norm=spec.arch in ("qwen3", "gemma3"), post_norms=spec.arch == "gemma3",
                         tied_output=spec.tied_output)
