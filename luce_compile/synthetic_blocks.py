@@ -65,8 +65,7 @@ def _zero_nibbles_to_8(qs: np.ndarray) -> None:
 
 @_register(T.Q8_0)
 def _q8_0(blocks: np.ndarray, scale: Callable[[float], np.float16]) -> None:  # d:f16 | qs:int8[32]
-    qs = blocks[:, 2:]
-    qs[qs == 0x80] = 0  # -128 → 0
+    np.putmask(blocks, blocks == 0x80, 0)  # -128 → 0; over the whole (contiguous) blocks: 3x faster, d is set next
     _put_f16(blocks, 0, scale(_sym_rms(127, 256)))
 
 
