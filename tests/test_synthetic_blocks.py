@@ -154,6 +154,16 @@ def test_same_bytes_whatever_the_threads(tmp_path, monkeypatch, direct_file):
     assert SHA256(other) != SHA256(direct_file)
 
 
+@pytest.mark.unit
+def test_same_bytes_from_the_artifacts_tokenizer_keys(tmp_path, monkeypatch, direct_file):
+    """The device scripts rewrite a GGUF from the preset and the artifact's tokenizer.json (the file's tokenizer.*
+    keys, already padded) and check its sha256 against the build's: a padded vocabulary must give the same bytes."""
+    keys = {k: v for k, v in read_gguf(direct_file).metadata.items() if k.startswith("tokenizer.")}
+    keys = json.loads(json.dumps(keys))
+    monkeypatch.setattr(synthetic, "tokenizer_metadata", lambda: keys)
+    assert SHA256(write_synthetic(DIRECT, tmp_path / "again.gguf")) == SHA256(direct_file)
+
+
 # The files the writer made before direct blocks and padded vocabularies (commit 7a7ed92): sha256 of the tiny
 # presets and of a mix of every type, and the cache-name digest of every earlier preset. Changing any of them
 # invalidates recorded results and synthetic files on other machines.
