@@ -51,6 +51,11 @@ from luce_compile.checks import rel_err as _rel
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# what a record of a model prepared without the oracle's reference says in place of that check
+NO_REFERENCE = ("not run: the float64 oracle cannot hold this model on the 24 GiB build machine (prepare "
+                "--no-reference); the batched and megakernel-vs-per-op checks ran")
+
+
 # ---- prepare (build machine) --------------------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> None:
     from luce_schedules.gpu.quant_gemm import LOW_BATCH
@@ -78,12 +83,15 @@ def prepare(args: argparse.Namespace) -> None:
 
     q8 = tuple(Q8_ORDER) if megakernel_q8 else ()  # the megakernel decodes, rounding as llama.cpp
     tf32 = MMA_FLOAT_TYPES if megakernel_tf32 else ()  # and its F16/BF16 inputs to tf32
-    ids, logits = _oracle_trace(gguf, prompt, args.steps, half_above=LOW_BATCH[-1][0] if precision == "f16" else None,
-                                q8_types=q8, q8_decode_only=True, tf32_types=tf32)
-    np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
+    logits = []
+    (out / "reference.npz").unlink(missing_ok=True)  # a re-run without one must not keep an older model's
+    if args.reference:
+        ids, logits = _oracle_trace(gguf, prompt, args.steps, q8_types=q8, q8_decode_only=True, tf32_types=tf32,
+                                    half_above=LOW_BATCH[-1][0] if precision == "f16" else None)
+        np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
     (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name, "target": args.target,
                                                "megakernel_q8": megakernel_q8,
-                                               "megakernel_tf32": megakernel_tf32,
+                                               "megakernel_tf32": megakernel_tf32, "reference": args.reference,
                                                "precision": precision, "build_seconds": round(build_s, 1)}))
     if args.bundle:
         make_bundle(Path(args.bundle))
@@ -395,8 +403,11 @@ def run(args: argparse.Namespace) -> int:
     mk_options = engine.artifact.manifest.get("megakernel", {}).get("options", {})
     q8, tf32 = bool(mk_options.get("q8_activations")), bool(mk_options.get("float_mma"))
     tol = REL_TOL_Q8 if q8 else REL_TOL_F16 if half else REL_TOL
-    checks = {"oracle": check_oracle(engine, np.load(folder / "reference.npz"), tol),
-              "batched": check_batched(engine, joint_prefill=not half)}
+    checks = {"batched": check_batched(engine, joint_prefill=not half)}
+    if result["spec"].get("reference", True):
+        checks["oracle"] = check_oracle(engine, np.load(folder / "reference.npz"), tol)
+    else:  # prepare --no-reference: the checks that need no oracle still run, and the record says what did not
+        result["oracle"] = NO_REFERENCE
     result["decode_path"] = engine.decode_path
     if engine.megakernel is not None:
         per_op = Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=False))
@@ -622,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="compile's --megakernel-tf32 (likewise)")
     p.add_argument("--precision", choices=("auto", "f16", "f32"), default="auto",
                    help="as compile's: auto is f16 (tensor-core prefill) on CUDA; the reference emulates it")
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="no oracle trace (7B and up: the float64 oracle needs ~8 bytes a weight, more than this "
+                   "machine has); `run` then checks batched vs alone and megakernel vs per-op only")
     p.set_defaults(func=prepare)
     r = sub.add_parser("run", help="GPU machine: rebuild weights, check against the reference, time")
     r.add_argument("dir")

@@ -70,6 +70,8 @@ def main() -> int:
     p.add_argument("--precision", choices=("auto", "f32"), default="auto", help="compile's: auto is the default "
                    "build (tensor-core prefill, the megakernels' 8-bit and tf32 matvecs), f32 the exact one; the "
                    "references round as the build does (device_check.py prepare reads the manifest)")
+    p.add_argument("--no-reference", action="store_true", help="no oracle reference (7B and up: the float64 "
+                   "oracle does not fit this machine; device_check prepare --no-reference)")
     p.add_argument("--megakernel-q8", action="store_true", help="an alias kept for old commands: the default build "
                    "has it")
     p.add_argument("--megakernel-tf32", action="store_true", help="an alias kept for old commands: the default "
@@ -84,6 +86,7 @@ def main() -> int:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "prepare", "--preset", w,
                         "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16",
                         "--precision", args.precision, *bundle, *(["--no-megakernel"] if args.no_megakernel else []),
+                        *(["--no-reference"] if args.no_reference else []),
                         *(["--megakernel-q8"] if args.megakernel_q8 else []),
                         *(["--megakernel-tf32"] if args.megakernel_tf32 else [])], check=True)
     tgz = pack_llama_cpp(extract_llama_cpp(find_sdist(), args.work), args.dir / "peer" / "llama.cpp.tgz")
