@@ -88,8 +88,8 @@ class SyntheticSpec:
     seed: int = 0
     # rows of token_embd/output; above SmolLM2's 49152 its vocabulary is padded with unused tokens "[PAD<id>]"
     n_vocab: int = field(default=N_VOCAB, metadata=_OMIT_AT_DEFAULT)
-    # quantized 2-D weights as random blocks with set scales (synthetic_blocks), not quantized normal values:
-    # ~100x faster, for models of billions of weights
+    # quantized 2-D weights as random blocks with set scales (synthetic_blocks), not quantized normal values: for
+    # billions of weights (a 4096² matrix: Q4_K 0.01 s against 4.2 s, Q6_K 80x, Q8_0 18x faster, 2 cores, loaded)
     direct_blocks: bool = field(default=False, metadata=_OMIT_AT_DEFAULT)
 
     def __post_init__(self) -> None:
@@ -132,9 +132,10 @@ def _q4_k_m_overrides(n_layer: int, attn_v: tuple[str, str], ffn_down: tuple[str
     the first type of attn_v and ffn_down, the other layers the second; `fixed` names whole tensors (token_embd=…).
     llama-quantize counts the layers in the order of the source file's tensors: `by_name` for a file whose tensors
     were sorted by name (blk.0, blk.1, blk.10, …), as in Qwen's official GGUFs (read from Qwen2.5-Coder-0.5B's)."""
-    order = sorted(range(n_layer), key=str) if by_name else list(range(n_layer))
+    order = sorted(range(n_layer), key=str) if by_name else range(n_layer)
+    counter = {layer: c for c, layer in enumerate(order)}  # llama-quantize's i_ffn_down when it meets the layer
     more_bits = [c < n_layer // 8 or c >= 7 * n_layer // 8 or (c - n_layer // 8) % 3 == 2
-                 for c in sorted(range(n_layer), key=order.__getitem__)]  # the counter's value at each layer
+                 for c in (counter[i] for i in range(n_layer))]
     overrides = {f"{name}.weight": t for name, t in fixed.items()}
     for i, more in enumerate(more_bits):
         overrides[f"blk.{i}.attn_v.weight"] = attn_v[0] if more else attn_v[1]
