@@ -94,3 +94,37 @@ def test_prefix_reuse_forks_the_shared_system_prompt(make_scheduler):
     assert plain.stats()["prefix_hits"] == 0
     assert 0 < scheduler.stats()["kv_pages_used"] <= scheduler.stats()["kv_prefix_pages"]  # the cached prompts
     assert plain.stats()["kv_pages_used"] == 0
+
+
+def test_a_prompt_cancelled_mid_prefill_is_resumed_by_the_same_request_again(make_scheduler):
+    """Agents drop a connection after minutes without a token and send the request again: what was prefilled is
+    cached as a prefix, so the retry starts where the first one stopped (and answers as a plain run)."""
+    import time
+
+    from luce_runtime.sampler import SamplingParams
+    from luce_runtime.serve.scheduler import GenRequest
+
+    scheduler = make_scheduler(prefix_cache=2)
+    tok = scheduler.engine.tokenizer
+    prompt = tok.encode("Here is a long list of animals: " + ", ".join(["cat", "dog", "horse", "cow"] * 25) + ".")
+    assert 10 * CHUNK < len(prompt) < 240
+
+    async def cancel_mid_prefill() -> int:
+        q: asyncio.Queue = asyncio.Queue()
+        r = GenRequest(prompt, SamplingParams(temperature=0, max_tokens=4), q, asyncio.get_running_loop())
+        scheduler.submit(r)
+        deadline = time.monotonic() + 60
+        while r.pos < 3 * CHUNK and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        r.cancel()
+        while (ev := await asyncio.wait_for(q.get(), 60)).kind == "delta":
+            pass
+        return ev.prompt_tokens if ev.finish_reason else -1
+
+    before = dict(scheduler.stats())
+    assert asyncio.run(cancel_mid_prefill()) == -1  # cancelled, not finished
+    again = run(scheduler, [prompt], 4)
+    after = scheduler.stats()
+    assert after["prefix_hits"] - before["prefix_hits"] == 1
+    assert after["prefix_tokens_reused"] - before["prefix_tokens_reused"] >= 3 * CHUNK
+    assert again == run(make_scheduler(prefix_cache=0), [prompt], 4)

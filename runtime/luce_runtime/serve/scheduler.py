@@ -271,22 +271,24 @@ class Scheduler:
         self.counters.prefix_hits += 1
         self.counters.prefix_tokens_reused += best_len
 
-    def _remember_prefix(self, r: GenRequest) -> None:
+    def _remember_prefix(self, r: GenRequest, n: int) -> None:
+        """Cache r's first n prompt tokens (its whole prompt once prefilled, or what a cancelled request had
+        prefilled: a client that timed out and sends the request again resumes there instead of starting over)."""
         try:  # a cache that cannot take this prompt costs a later request a prefill, never this request its answer
-            self._cache_prefix(r)
+            self._cache_prefix(r, n)
         except Exception:
             log.exception("scheduler: caching the prompt prefix failed")
 
-    def _cache_prefix(self, r: GenRequest) -> None:
-        if not self.prefix_slots or len(r.prompt) < self.page_size:
+    def _cache_prefix(self, r: GenRequest, n: int) -> None:
+        if not self.prefix_slots or n < self.page_size:
             return
-        key = tuple(r.prompt)
+        key = tuple(r.prompt[:n])
         if key in self._prefixes.values():
             return
         if len(self._prefixes) >= self.prefix_slots:
             old, _ = self._prefixes.popitem(last=False)
             self.engine.remove_sequence(old)
-        self._prefixes[self.engine.fork_sequence(r.seq, len(r.prompt))] = key
+        self._prefixes[self.engine.fork_sequence(r.seq, n)] = key
 
     def _prefill_step(self) -> None:
         budget = self.engine.prefill_chunk
@@ -308,7 +310,7 @@ class Scheduler:
             self._log_progress(r)
             if r.pos == len(r.prompt):
                 self.counters.prompt_tokens += len(r.prompt)
-                self._remember_prefix(r)
+                self._remember_prefix(r, len(r.prompt))
                 followers = self._fork_followers(r)  # before r's first token: r may end at once and free its pages
                 for f in (r, *followers):
                     self.counters.ttft.observe(time.perf_counter() - f.submitted)
@@ -525,6 +527,8 @@ class Scheduler:
     def _finish(self, r: GenRequest, *, reason: str | None = None, stop_string: str | None = None,
                 error: str | None = None) -> None:
         speculation.stop(r)  # the draft engine's sequence goes back too
+        if reason is None and error is None and r.seq is not None and 0 < r.pos < len(r.prompt):
+            self._remember_prefix(r, r.pos)  # cancelled mid-prefill: agents send the same prompt again
         if r.seq is not None and r.seq in self.engine.sequences():  # a failed step may have dropped it already
             try:
                 self.engine.remove_sequence(r.seq)
