@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 # ---- unknown fields: dropped and named, or refused under --strict -------------------------------------------------
 def test_unknown_fields_are_dropped_and_named_unless_strict():
-    from luce_runtime.serve.app import _parse
+    from luce_runtime.serve.body import _parse
     from luce_runtime.serve.protocol import ApiError, ChatCompletionRequest
 
     body = {"model": "m", "frobnicate": 1,
@@ -34,7 +34,7 @@ def test_unknown_fields_are_dropped_and_named_unless_strict():
 
 
 def test_refused_parameters_stay_refused_when_lenient():
-    from luce_runtime.serve.app import _parse
+    from luce_runtime.serve.body import _parse
     from luce_runtime.serve.protocol import ApiError, ChatCompletionRequest
 
     raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}).encode()
@@ -44,7 +44,7 @@ def test_refused_parameters_stay_refused_when_lenient():
 
 
 def test_responses_tools_flatten_namespaces_and_drop_what_cannot_run(caplog):
-    from luce_runtime.serve.app import _parse
+    from luce_runtime.serve.body import _parse
     from luce_runtime.serve.protocol import ResponsesRequest
 
     fn = {"type": "function", "name": "shell", "parameters": {"type": "object"}, "strict": False}
@@ -62,7 +62,7 @@ def test_responses_tools_flatten_namespaces_and_drop_what_cannot_run(caplog):
 
 def test_claude_code_request_shape_parses():
     """The keys Claude Code 2.1 sends on every request (notes/agents.md), strict: none of them is unknown."""
-    from luce_runtime.serve.app import _parse
+    from luce_runtime.serve.body import _parse
     from luce_runtime.serve.protocol import MessagesRequest
 
     body = {"model": "claude-sonnet-4-5", "max_tokens": 32000, "stream": True,
@@ -178,3 +178,32 @@ def test_compiled_artifacts_carry_the_gguf_sampling_keys():
             "general.name": "m", "llama.block_count": 2, "general.license": "mit"}
     assert _tokenizer_metadata(SimpleNamespace(metadata=gguf)) == {
         "general.sampling.temp": 0.7, "general.sampling.top_k": 20, "tokenizer.ggml.model": "gpt2", "general.name": "m"}
+
+
+def test_anthropic_keep_alive_also_resets_claude_codes_watchdog(monkeypatch):
+    """Pings, and after QUIET_DELTA_S without another event a message_delta that changes nothing; the real
+    message_delta still ends the message with its stop reason."""
+    from luce_runtime.serve import anthropic_api
+    from luce_runtime.serve.scheduler import Event
+    from luce_runtime.serve.structured import OutputPlan
+
+    monkeypatch.setattr(anthropic_api, "QUIET_DELTA_S", 0.0)
+
+    async def evs():
+        for ev in (Event("ping"), Event("ping"), Event("delta", text="Hi"),
+                   Event("done", finish_reason="stop", completion_tokens=1)):
+            yield ev
+
+    async def collect() -> list[tuple[str, dict]]:
+        out = []
+        async for part in anthropic_api._stream(evs(), {"id": "msg_1"}, 5, OutputPlan(None)):
+            name, data = part.split("\n")[:2]
+            out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+        return out
+
+    events = asyncio.run(collect())
+    names = [n for n, _ in events]
+    assert names[:2] == ["message_start", "ping"] and names.count("ping") == 3
+    deltas = [d for n, d in events if n == "message_delta"]
+    assert len(deltas) == 3 and [d["delta"]["stop_reason"] for d in deltas] == [None, None, "end_turn"]
+    assert names[-1] == "message_stop"

@@ -44,6 +44,12 @@ def test_unknown_fields_and_model_names_are_answered(server):
     assert models == [server.model, ALIAS]
 
 
+def test_head_root_answers(server):  # Claude Code's first request
+    req = urllib.request.Request(server.url + "/", method="HEAD", headers={"authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+
+
 def test_max_tokens_past_the_context_is_clamped(server):
     prompt = [28] * 505  # 7 tokens of room in the 512-token context
     code, r = post(server, "/v1/completions", {"model": server.model, "prompt": prompt, "max_tokens": 32000,
@@ -122,7 +128,7 @@ def test_access_log_has_a_line_per_request_with_4xx_reasons(server):
                                                     "messages": [{"role": "user", "content": "Hi"}]})
     assert code == 200
     time.sleep(0.2)  # the line is written as the response ends
-    lines = [line for line in server.log_lines() if line.startswith("POST /v1/chat/completions")]
+    lines = [line for line in server.log_lines() if " POST /v1/chat/completions " in line]  # after the time
     bad = [line for line in lines if " 400 " in line and "temperature" in line and "error=" in line]
     good = [line for line in lines if " 200 " in line and "prompt=" in line and "ttft=" in line]
     assert bad and good, lines[-5:]

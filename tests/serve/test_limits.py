@@ -116,7 +116,7 @@ def _request(chunks: list[bytes], headers: dict[str, str]):
 
 
 def test_body_over_declared_length_is_refused_before_reading():
-    from luce_runtime.serve.app import read_body
+    from luce_runtime.serve.body import read_body
     from luce_runtime.serve.protocol import ApiError
 
     request, received = _request([b"x" * 10], {"content-length": str(10 * 2**20)})
@@ -127,7 +127,7 @@ def test_body_over_declared_length_is_refused_before_reading():
 
 
 def test_chunked_body_is_capped_while_streaming():
-    from luce_runtime.serve.app import read_body
+    from luce_runtime.serve.body import read_body
     from luce_runtime.serve.protocol import ApiError
 
     request, received = _request([b"x" * 1000] * 50, {})  # no Content-Length: a chunked upload of 50 kB
@@ -140,7 +140,7 @@ def test_chunked_body_is_capped_while_streaming():
 
 
 def test_bad_content_length_is_a_400():
-    from luce_runtime.serve.app import read_body
+    from luce_runtime.serve.body import read_body
     from luce_runtime.serve.protocol import ApiError
 
     request, _ = _request([b""], {"content-length": "-5"})

@@ -115,7 +115,8 @@ def configure(log_format: str) -> None:
     if log_format not in ("text", "json"):
         raise ValueError(f"serve: --log-format {log_format!r}; use text or json")
     handler = logging.StreamHandler(sys.stderr)
-    formatter = JsonFormatter() if log_format == "json" else logging.Formatter("%(message)s")
+    formatter = JsonFormatter() if log_format == "json" else logging.Formatter("%(asctime)s %(message)s",
+                                                                                 "%H:%M:%S")
     handler.setFormatter(formatter)
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from luce_runtime.serve.app import Service, collect, new_id, parse_body, sampling, sse, stream_events
+from luce_runtime.serve.app import Service, collect, new_id, sampling, sse, stream_events
+from luce_runtime.serve.body import parse_body
 from luce_runtime.serve.protocol import (
     MAX_STOP_ANTHROPIC,
     AnthropicText,
@@ -34,6 +36,11 @@ from luce_runtime.tools import Tool, prepare_chat
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+# Claude Code 2.1 drops a stream that sent no event but pings for 300 s (CLAUDE_STREAM_IDLE_TIMEOUT_MS; its loop skips
+# pings before resetting its watchdog) and sends the request again: while a long prompt prefills, every this many
+# seconds the keep-alive is also a message_delta that changes nothing (stop_reason still null). The API allows
+# several message_delta events; the SDKs' accumulators take it as a usage update.
+QUIET_DELTA_S = 60.0
 # Claude Code's first system block: a per-request hash ("x-anthropic-billing-header: cc_version=...; cch=...;"). At
 # the prompt's very start it would make every request's prompt new to the prefix cache; it tells the model nothing.
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -229,11 +236,17 @@ async def _stream(evs: AsyncIterator[Event], message: dict[str, Any], prompt_len
     yield sse({"type": "message_start", "message": start}, "message_start")
     yield sse({"type": "ping"}, "ping")
     splitter, blocks = StreamSplitter(plan), _Blocks()
+    spoke = time.monotonic()  # the last event other than a ping
     try:
         async for ev in evs:
             if ev.kind == "ping":  # Anthropic's keep-alive event
                 yield sse({"type": "ping"}, "ping")
+                if time.monotonic() - spoke >= QUIET_DELTA_S:
+                    spoke = time.monotonic()
+                    yield sse({"type": "message_delta", "delta": {"stop_reason": None, "stop_sequence": None},
+                               "usage": {"output_tokens": 0}}, "message_delta")
                 continue
+            spoke = time.monotonic()
             if ev.kind == "delta":
                 for part in blocks.ops(splitter.feed(ev.text)):
                     yield part

@@ -3,10 +3,11 @@
     app = create_app(ServeOptions(artifact="smol.cpu"))   # or serve(options) to run it under uvicorn
 
 Routers: openai_api (/v1/models, /v1/completions, /v1/chat/completions), anthropic_api (/v1/messages,
-/v1/messages/count_tokens), and here /health and /metrics. Every error is an ApiError rendered in one place, in
-Anthropic's shape under /v1/messages and OpenAI's everywhere else.
+/v1/messages/count_tokens), responses_api (/v1/responses), and here /, /health and /metrics. Every error is an
+ApiError rendered in one place, in Anthropic's shape under /v1/messages and OpenAI's everywhere else; every request
+leaves a line in the access log (access.py).
 
-One client must not stall or starve the others: the body is capped (413) before it is read whole, prompts are
+One client must not stall or starve the others: the body is capped (413, body.py) before it is read whole, prompts are
 bounded by characters before any tokenizing and tokenized in worker threads (never on the event loop, which
 streams every other client's tokens), the waiting queue is bounded (429 with Retry-After), stop strings are
 bounded, and a request whose client went away is cancelled, streaming or not.
@@ -23,12 +24,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from luce_runtime.artifact import load_artifact
@@ -39,13 +39,12 @@ from luce_runtime.grammar import Constraint, GrammarBackend
 from luce_runtime.sampler import SamplingParams, SamplingParamsError
 from luce_runtime.serve import access, reasoning
 from luce_runtime.serve.metrics import render_metrics
-from luce_runtime.serve.protocol import MAX_STOP_CHARS, UNSUPPORTED, ApiError, anthropic_error, openai_error
+from luce_runtime.serve.protocol import MAX_STOP_CHARS, ApiError, anthropic_error, openai_error
 from luce_runtime.serve.scheduler import Event, GenRequest, Scheduler
 from luce_runtime.serve.speculation import Speculation
 from luce_runtime.tools import tool_format
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -286,69 +285,6 @@ def sampling(service: Service, *, max_tokens: int, stop: Sequence[str] | str | N
         raise ApiError(400, str(e)) from None
 
 
-def _too_large(size: int, limit: int) -> ApiError:
-    return ApiError(413, f"The request body is {size} bytes or more; this server takes at most {limit}.",
-                    type_="invalid_request_error", code="request_too_large")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) past `limit` bytes: by its Content-Length before reading anything, and while
-    reading, for chunked bodies and for clients that send more than they declared."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise ApiError(400, f"Content-Length must be a number of bytes, got {declared[:40]!r}.")
-        if int(declared) > limit:
-            raise _too_large(int(declared), limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-# JSON parsing and validation of a body this large would hold the event loop for several ms: a worker thread does it
-_PARSE_IN_THREAD_BYTES = 64 * 2**10
-
-
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body validated as `model`; every failure is a 400 naming the field (413 when too large). Fields the
-    model does not know are dropped with a debug log line, or refused under --strict."""
-    options = request.app.state.service.options
-    raw = await read_body(request, options.max_body_bytes)
-    if len(raw) > _PARSE_IN_THREAD_BYTES:
-        return await asyncio.to_thread(_parse, raw, model, options.strict)
-    return _parse(raw, model, options.strict)
-
-
-def _parse(raw: bytes, model: type[M], strict: bool = True) -> M:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"The request body is not valid JSON ({e}).") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
-    for name in UNSUPPORTED:
-        if data.get(name) not in (None, False, [], {}):
-            raise ApiError(400, f"The parameter '{name}' is not supported by this server.", param=name,
-                           code="unsupported_parameter")
-    ignored: set[str] | None = None if strict else set()
-    try:
-        body = model.model_validate(data, context={"ignored": ignored})
-        if ignored:
-            log.debug("serve: ignored unknown fields %s", ", ".join(sorted(ignored)))
-        return body
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        kind = "Unrecognized request argument" if err["type"] == "extra_forbidden" else err["msg"]
-        raise ApiError(400, f"{kind}: '{param}'" + ("" if err["type"] == "extra_forbidden" else
-                                                   f" (got {json.dumps(err.get('input'), default=str)[:80]})"),
-                       param=param) from None
-
-
 # how often a non-streaming request checks that its client is still there (a streamed one learns it from the send)
 DISCONNECT_POLL_S = 0.25
 # a stream with nothing to say for this long (a long prompt prefilling, a full queue) sends a keep-alive: Codex and
@@ -512,6 +448,10 @@ def create_app(options: ServeOptions, service: Service | None = None) -> FastAPI
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> dict[str, Any]:  # Claude Code sends HEAD / before its first request
+        return {"status": "ok", "model": service.model_id}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
