@@ -10,96 +10,26 @@ import dataclasses
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from luce_compile.errors import UnsupportedError
+
+# the options and their tables are fuse/options.py's, re-exported: scripts and benchmarks import them from here
+from luce_compile.fuse.options import (  # noqa: F401
+    MMA_FLOAT_TYPES,
+    Q8_ORDER,
+    SHARED_KIB_MAX,
+    STATIC_KIB,
+    MegakernelOptions,
+)
 from luce_compile.fuse.plan import CostModel
 from luce_compile.fuse.program import PROFILE_CLOCKS, Program, build_program
-from luce_compile.fuse.taskgraph import KV_MIN_KEYS
 from luce_compile.graph.ir import LOGITS, Graph
 from luce_compile.lower.quant_layout import plane_specs
 
 log = logging.getLogger(__name__)
-
-
-# q8_activations: the weight types whose matvecs take 8-bit activations, and the order of a 32-value block's quants
-# in the words they read (emit_cuda.quantize_q8); here so that the runtime side (the checks' oracle) needs no
-# compiler import
-Q8_ORDER = {"Q4_0": "nibbles", "Q4_1": "nibbles", "Q5_0": "nibbles", "Q5_1": "nibbles", "Q8_0": "natural",
-            "Q4_K": "nibbles", "Q5_K": "nibbles", "Q6_K": "nibbles"}
-# float_mma: the weight types whose matvecs run on tf32 tensor cores, which hold them exactly (10 mantissa bits and
-# float32's exponent range); their inputs are rounded to tf32 (the oracle emulates it: graph/rounding.tf32)
-MMA_FLOAT_TYPES = ("F16", "BF16")
-
-
-STATIC_KIB = 44  # shared memory without opting in (under 48 KiB, with room for the kernel's static buffers)
-SHARED_KIB_MAX = 128  # measured no faster above (96 vs 44 at b=1; 128 lets K = 8,192 inputs of 8 rows take 8 bits)
-
-
-@dataclass(frozen=True)
-class MegakernelOptions:
-    batches: tuple[int, ...] = (1, 2, 4, 8)
-    max_context: int = 4096
-    page_size: int = 16
-    # with kv_splits = 0: keys per attention task; longer contexts split into chunks merged by a second task
-    kv_chunk: int = 256
-    # > 0: that many key chunks per (sequence, KV head), sized each step (TaskGraph.kv_splits); -1: as many even
-    # splits as fill the SMs once at the batch size (build_task_graph); 0: chunks of kv_chunk
-    kv_splits: int = -1
-    # an even split's shortest chunk of keys (TaskGraph.kv_min_keys): a task's fixed cost outweighs fewer keys
-    kv_min_keys: int = KV_MIN_KEYS
-    fold_merge: bool = False  # the O projection merges split attention partials (no merge tasks: build_program)
-    # the last key chunk of a (sequence, KV head) to finish merges the partials (an arrival counter), not a merge
-    # task that waits on them: one handoff fewer per layer (measured on the H200, context 512: SmolLM2 780 -> 737 µs
-    # a step at b=1, 1,813 -> 1,553 at b=8; the 1B body 678 -> 627, 1,971 -> 1,789; Qwen3 890 -> 834, 2,090 -> 1,840)
-    merge_in_last: bool = True
-    # a unit capped to more tiles than the SMs (the LM head at b=8) takes whole waves of even tiles (build_program):
-    # measured on the H200, the LM head's stage at b=8 93 -> 71 µs on SmolLM2, 103 -> 82 on the 1B, 59 -> 47 on Qwen3
-    balance_waves: bool = True
-    kv_dtype: str = "float16"
-    # bytes of each weight plane's tile (and of each attention chunk's keys/values) asked into L2 before a task's
-    # wait, so the fetch overlaps the wait instead of following it; 0 turns it off
-    prefetch_bytes: int = 64 * 1024
-    poll_sleep_ns: int = 32  # back-off between two polls of a counter
-    # float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences); 0: 16 below batch 4, 32 from
-    # it (the emitter's rule, measured on the H200)
-    accumulators: int = 0
-    # per block (one block per SM); 512 (4 warps a scheduler) measured 7-13% faster than 256 (run6), which is kept
-    # where a stage's shared memory does not fit 16 warps (attention of large head groups)
-    threads: int = 512
-    # a matvec's K passes are unrolled up to this many (every load of a step in flight at once); ncu (run6) puts 20%
-    # of the warps' time in instruction-cache misses of the unrolled loops: 1 is the variant to time next
-    unroll_passes: int = 4
-    # matvecs of Q4_0/1, Q5_0/1, Q8_0, Q4_K weights take 8-bit activations (llama.cpp's q8_0/q8_1 blocks of 32, as
-    # its CUDA mmvq: Q4_K too, where its CPU takes q8_K) and integer dot products (dp4a): ~4x fewer instructions per
-    # weight than dequantizing to float32
-    q8_activations: bool = False
-    # with q8_activations and K >= 1,024: a lane per 32-value block of a row (16-byte loads), not per 8 values
-    # (measured on the H200: the 1B body 1,199 -> 921 us a step at b=1, 4,329 -> 3,107 at b=8)
-    q8_by_block: bool = True
-    # with q8_activations: the matvecs' integer dot products on tensor cores (mma.m16n8k32 s8, 16 rows x a block x
-    # 8 sequences an instruction) instead of dp4a, at every batch size
-    q8_mma: bool = False
-    # matvecs of F16/BF16 weights on tf32 tensor cores (mma.m16n8k8: 16 rows x 8 values x 8 sequences an
-    # instruction, float32 sums), the input rounded to tf32 (10 mantissa bits), at every batch size
-    float_mma: bool = False
-    float_mma_ahead: int = 0  # chunks of 32 values whose loads a float_mma warp issues at once; 0: the emitter's rule
-    float_mma_tiles: int = 0  # (matmul, 16-row tile) fragments a float_mma warp accumulates at once; 0: MMA_TILES
-    # shared memory a block, KiB: 44 is static (under the 48 KiB that needs no opt-in); more is dynamic shared
-    # memory, up to 99 KiB on sm_86/sm_120 and 227 on sm_90 (one block an SM: it costs no occupancy). 0: the
-    # target's (for_target): 128 where it allows (then the 1B's K = 8,192 down projection takes 8-bit inputs at
-    # batch 8 as well: 743 -> 667 µs a step at b=1 on the H200), else what it allows
-    shared_kib: int = 0
-
-    def for_target(self, facts: dict) -> MegakernelOptions:
-        """These options with shared_kib = 0 resolved for a target's facts (targets.py)."""
-        if self.shared_kib:
-            return self
-        opt_in = int(facts.get("max_shared_memory_opt_in", 48 << 10)) >> 10
-        return dataclasses.replace(self, shared_kib=min(SHARED_KIB_MAX, opt_in - 3) if opt_in > 48 else STATIC_KIB)
 
 
 def _buffer_dtype(param) -> str:

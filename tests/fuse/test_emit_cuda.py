@@ -77,7 +77,7 @@ def test_the_check_catches_a_shuffle_under_a_lane_branch():
 def test_the_variant_knobs_emit_kernels_without_divergent_collectives():
     """The options a GPU session times against the defaults (256 threads, rolled K passes) still give kernels
     whose collectives every thread reaches."""
-    from luce_compile.fuse.build import MegakernelOptions
+    from luce_compile.fuse.options import MegakernelOptions
 
     graph, _ = open_graph(cached_synthetic(preset("tiny-qwen3")))
     prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16)
@@ -94,7 +94,7 @@ def test_q8_activations_give_integer_dots_where_the_weight_type_has_them(quant, 
     numbers are checked on the H200 (scripts/megakernel_check.py, against the oracle with the rounding emulated)."""
     import dataclasses
 
-    from luce_compile.fuse.build import MegakernelOptions
+    from luce_compile.fuse.options import MegakernelOptions
 
     graph, _ = open_graph(cached_synthetic(dataclasses.replace(preset("tiny-llama"), quant=quant)))
     for batch in (1, 3):
@@ -113,7 +113,7 @@ def test_q4_k_matvecs_take_8_bit_activations_as_q4_1_blocks():
     an integer body (F16) keeps float32 inputs."""
     import dataclasses
 
-    from luce_compile.fuse.build import MegakernelOptions
+    from luce_compile.fuse.options import MegakernelOptions
 
     spec = dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=512, quant="Q4_K")
     # n_ff 1,024: the down projection takes a lane per 32-value block (q8_by_block), the others per granule
@@ -162,7 +162,7 @@ def test_q8_choice_is_the_same_at_every_batch_size():
     not fit keeps float32 activations at batch 1 too."""
     import dataclasses
 
-    from luce_compile.fuse.build import MegakernelOptions
+    from luce_compile.fuse.options import MegakernelOptions
 
     graph, _ = open_graph(cached_synthetic(dataclasses.replace(preset("tiny-llama"), quant="Q4_1")))
     prog = build_program(graph, batch=1, n_sms=8, max_context=64, kv_chunk=16)
@@ -181,7 +181,7 @@ def test_q8_by_block_loads_a_block_a_lane_where_k_is_wide(quant):
     16-byte loads (one for Q4 quants, two for Q8_0); narrower inputs keep a lane per 8 values."""
     import dataclasses
 
-    from luce_compile.fuse.build import MegakernelOptions
+    from luce_compile.fuse.options import MegakernelOptions
 
     spec = dataclasses.replace(preset("tiny-llama"), n_embd=1024, n_head=8, n_head_kv=4, n_ff=128, quant=quant)
     graph, _ = open_graph(cached_synthetic(spec))
@@ -219,7 +219,7 @@ def test_q8_mma_dots_on_tensor_cores_at_every_batch_size(quant):
     for every batch size); Q4_0's quants enter as q − 8 per byte; every mma sits where its whole warp arrives."""
     import dataclasses
 
-    from luce_compile.fuse.build import MegakernelOptions
+    from luce_compile.fuse.options import MegakernelOptions
 
     graph, _ = open_graph(cached_synthetic(dataclasses.replace(preset("tiny-llama"), quant=quant)))
     options = MegakernelOptions(q8_activations=True, q8_mma=True, batches=(1, 3))
@@ -241,7 +241,7 @@ def test_float_mma_runs_float_weights_on_tf32_tensor_cores_at_every_batch_size(q
     weights keep the float32 lane body (tf32 would round them)."""
     import dataclasses
 
-    from luce_compile.fuse.build import MegakernelOptions
+    from luce_compile.fuse.options import MegakernelOptions
 
     options = MegakernelOptions(float_mma=True, batches=(1, 3))
     for q in (quant, "F32"):

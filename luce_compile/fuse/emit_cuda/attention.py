@@ -1,0 +1,257 @@
+"""Attention tasks: one (sequence, KV head, key chunk) a task, online softmax per warp over the keys, p·v,
+the warps' partials combined in shared memory; split chunks merged by the last to finish (merge_in_last), by a
+merge task, or by the O projection (Stage.merged, merged_value)."""
+
+from __future__ import annotations
+
+from tvm import DataType, tirx
+from tvm.script import tirx as T
+from tvm.tirx.script.builder import ir as B
+
+from luce_compile.errors import UnsupportedError
+from luce_compile.fuse import program as P
+from luce_compile.fuse.emit_cuda.core import F32, f32, i32
+
+
+class AttentionMixin:
+    def attention(self, op: P.Opcode, st) -> None:
+        att = st.attention
+        a = att.attrs
+        q_name = att.inputs[0]
+        h, hkv = a["n_head"], a["n_head_kv"]
+        group, d = h // hkv, self.p.kv["head_dim"]
+        per_lane = -(-d // 32)  # dimensions per lane in p·v (the last may be partial for heads under 32)
+        n_splits = st.n_splits
+        window = int(a.get("sliding_window") or 0)
+        chunk = self._chunk_max(st, window)
+        # shared: q (group, d) | p (warps, group, 32) | o (warps, group, d) | m, l (warps, group)
+        q_at, p_at = 0, group * d
+        o_at = p_at + self.warps * group * 32
+        ml_at = o_at + self.warps * group * d
+        if ml_at + 2 * self.warps * group > self.shared_floats:
+            raise UnsupportedError("fuse: attention's partials for this head group do not fit shared memory")
+        b, g, split = self.col(P.ROW), self.col(P.LO), self.col(P.SPLIT)
+        partials = self.p.partials.get(op.stage)
+        with self.when(split >= 0):
+            self._attn_partial(op, att, q_name, b, g, split, group, d, per_lane, chunk, window, n_splits,
+                               q_at, p_at, o_at, ml_at, partials)
+            if st.merged_by_last:
+                self._merge_if_last(op, att, b, g, group, d, n_splits, partials)
+        if partials is not None and not st.merged_by_last:
+            with self.when(split < 0):
+                self._attn_merge(op, att, b, g, group, d, n_splits, partials)
+
+    def _chunk_max(self, st, window: int) -> int:
+        """The most keys one attention task of the stage reads (a static bound for its loops)."""
+        span = min(window, self.p.tg.max_context) if window else self.p.tg.max_context
+        return self.p.tg.chunk_keys(span) if st.n_splits > 1 else self.p.tg.max_context
+
+    def _visible(self, window: int, b) -> tuple[tirx.Expr, tirx.Expr]:
+        """Sequence b's first visible key this step and how many keys it sees (with this step's)."""
+        pos = self.lengths[b]
+        first = tirx.max(pos - (window - 1), 0) if window else i32(0)
+        return first, pos + 1 - first
+
+    def _chunk(self, st, window: int, b, split) -> tuple[tirx.Expr, tirx.Expr]:
+        """The keys [lo, hi) of sequence b's chunk `split` this step (TaskGraph.chunk_keys, as the simulator)."""
+        first, span = self._visible(window, b)
+        if st.n_splits == 1:
+            return first, first + span
+        chunk = self.p.tg.chunk_keys(span, tirx.max)
+        kv_lo = first + split * chunk
+        return kv_lo, tirx.min(first + span, kv_lo + chunk)
+
+    def _attn_partial(self, op, att, q_name, b, g, split, group, d, per_lane, chunk, window, n_splits,
+                      q_at, p_at, o_at, ml_at, partials) -> None:
+        a = att.attrs
+        ps, layer = self.p.page_size, self.col(P.KV_LAYER)
+        kv_lo, kv_hi = self._chunk(self.p.tg.stages[op.stage], window, b, split)
+        hd = a["n_head"] * d
+        self._each(group * d, lambda idx: self.store(
+            self.smem, q_at + idx, self.arena[self.col(op.slot(q_name)) + b * hd + g * group * d + idx]))
+        self.sync()
+        self.phase(3)
+        m, lsum = self.local(F32, group), self.local(F32, group)
+        o = self.local(F32, group * per_lane)
+        s = self.local(F32, group)
+        for hh in range(group):
+            self.store(m, hh, tirx.min_value(F32))
+            self.store(lsum, hh, f32(0))
+            for c in range(per_lane):
+                self.store(o, hh * per_lane + c, f32(0))
+        waves = -(-chunk // (self.warps * 32))
+        # a lane's key row in 16-byte loads (all in flight at once) where the head's rows are whole vectors: as
+        # 32-bit words (TVM's CUDA codegen has no float16x8 type), each value taken out of its word
+        bits = DataType(self.kv_dtype).bits
+        per_word = 32 // bits
+        vec = 4 if d % (4 * per_word) == 0 else 0
+        krow, page = self.local("uint32", max(1, d // per_word)), self.local("int32")
+        n_pages = 32 // ps + (2 if 32 % ps else 1)  # pages a warp's 32 consecutive keys can touch
+        pages_of = self.local("int32", n_pages)
+        words = B.decl_buffer((self.n_kv // per_word,), "uint32", data=self.pages.data) if vec else None
+
+        def key_value(c):
+            if not vec:
+                return self.kv_at(layer, page[0], 0, g, slot, c).astype(F32)
+            w = krow[c // per_word]
+            if per_word == 1:
+                return tirx.reinterpret(self.kv_dtype, w).astype(F32)
+            part = (w >> tirx.const(bits * (c % per_word), "uint32")) & tirx.const((1 << bits) - 1, "uint32")
+            return tirx.reinterpret(self.kv_dtype, part.astype(f"uint{bits}")).astype(F32)
+
+        with B.serial(0, waves) as wv:
+            base = kv_lo + (wv * self.warps + self.warp) * 32
+            with self.when(base < kv_hi):  # warp-uniform: every lane reaches the shuffles
+                j = base + self.lane
+                valid = j < kv_hi
+                jc = tirx.min(j, kv_hi - 1)  # past the chunk: a visible key's address, its weight 0
+                self.store(page, 0, self.page_table[b, jc // ps])
+                slot = jc % ps
+                # the row's first word as a multiple of the vector (exact: rows start on multiples of d), which is
+                # what lets TVM's codegen emit one 16-byte load instead of four gathered words
+                row16 = self.kv_index(layer, page[0], 0, g, slot, 0) // (vec * per_word)
+                for i in range(d // (vec * per_word) if vec else 0):
+                    B.buffer_store(krow, words.vload([(row16 + i) * vec], f"uint32x{vec}"),
+                                   [tirx.Ramp(i32(i * vec), i32(1), vec)])
+                for hh in range(group):
+                    self.store(s, hh, f32(0))
+                for c in range(d):
+                    kval = key_value(c)
+                    for hh in range(group):
+                        self.store(s, hh, s[hh] + self.smem[q_at + hh * d + c] * kval)
+                for hh in range(group):
+                    score = s[hh]
+                    if a["softcap"]:
+                        cap = f32(a["softcap"])
+                        score = cap * tirx.tanh(score / cap)
+                    score = tirx.if_then_else(valid, score * f32(a["scale"]), tirx.min_value(F32))
+                    self.store(s, hh, score)
+                    score = s[hh]  # the stored score: `score` above reads s[hh], which the store just replaced
+                    m_new = self.local()
+                    self.store(m_new, 0, tirx.max(m[hh], T.cuda.warp_max(score)))
+                    pv = self.local()
+                    self.store(pv, 0, tirx.if_then_else(valid, tirx.exp(score - m_new[0]), f32(0)))
+                    corr = self.local()
+                    self.store(corr, 0, tirx.exp(m[hh] - m_new[0]))
+                    self.store(lsum, hh, lsum[hh] * corr[0] + T.cuda.warp_sum(pv[0]))
+                    self.store(self.smem, p_at + (self.warp * group + hh) * 32 + self.lane, pv[0])
+                    for c in range(per_lane):
+                        self.store(o, hh * per_lane + c, o[hh * per_lane + c] * corr[0])
+                    self.store(m, hh, m_new[0])
+                B.evaluate(T.cuda.warp_sync())
+                # p·v without a branch a key: the warp's 32 keys lie on at most 32 / ps + 1 pages, read once; a key
+                # past the chunk reads a clamped visible key with weight 0; so all 32 keys' loads can be in flight
+                # at once (a branch and a page-table load a key made them 64 dependent round trips)
+                first_page = base // ps
+                last = (kv_hi - 1) // ps
+                for i in range(n_pages):
+                    self.store(pages_of, i, self.page_table[b, tirx.min(first_page + i, last)])
+                with B.unroll(0, 32) as kk:
+                    jk = tirx.min(base + kk, kv_hi - 1)
+                    pg = pages_of[0]
+                    for i in range(1, n_pages):
+                        pg = tirx.Select(jk // ps - first_page >= i, pages_of[i], pg)
+                    # the key's value row once into a register, each value once: written inline, the address
+                    # (page select, layer offset) was repeated in every head's FMA, 1.4 MB of the Qwen2.5-Coder-
+                    # 1.5B shape's 5.2 MB batch-1 kernel (6 heads a group x 128 dims x 32 keys)
+                    row = self.local("int64")
+                    self.store(row, 0, self.kv_index(layer, pg, 1, g, jk % ps, 0))
+                    for c in range(per_lane):
+                        v = self.local()
+                        self.store(v, 0, self.pages[row[0] + tirx.min(c * 32 + self.lane, d - 1)].astype(F32))
+                        for hh in range(group):
+                            i = hh * per_lane + c
+                            self.store(o, i, o[i] + self.smem[p_at + (self.warp * group + hh) * 32 + kk] * v[0])
+                B.evaluate(T.cuda.warp_sync())
+        self.phase(4)  # thread 0's warp's keys done (the others may still run)
+        # the warps' partials → shared, then one (max, sum, o) per head
+        for hh in range(group):
+            with self.when(self.lane == 0):
+                self.store(self.smem, ml_at + (self.warp * group + hh) * 2, m[hh])
+                self.store(self.smem, ml_at + (self.warp * group + hh) * 2 + 1, lsum[hh])
+            for c in range(per_lane):
+                with self.when(c * 32 + self.lane < d):
+                    self.store(self.smem, o_at + (self.warp * group + hh) * d + c * 32 + self.lane,
+                               o[hh * per_lane + c])
+        self.sync()
+        self.phase(5)  # every warp's partials in shared memory: the rest is the combine and its writes
+        out = att.outputs[0]
+
+        def combine(idx) -> None:
+            hh, c = idx // d, idx % d
+            mx, den, num = self.local(), self.local(), self.local()
+            self.store(mx, 0, tirx.min_value(F32))
+            for w in range(self.warps):
+                self.store(mx, 0, tirx.max(mx[0], self.smem[ml_at + (w * group + hh) * 2]))
+            self.store(den, 0, f32(0))
+            self.store(num, 0, f32(0))
+            for w in range(self.warps):
+                sc = tirx.exp(self.smem[ml_at + (w * group + hh) * 2] - mx[0])
+                self.store(den, 0, den[0] + sc * self.smem[ml_at + (w * group + hh) * 2 + 1])
+                self.store(num, 0, num[0] + sc * self.smem[o_at + (w * group + hh) * d + c])
+            head = g * group + hh
+            if partials is None:
+                self.store(self.arena, self.col(op.slot(out)) + b * (att.attrs["n_head"] * d) + head * d + c,
+                           num[0] / den[0])
+            else:
+                h = att.attrs["n_head"]
+                base = (b * n_splits + split) * h
+                self.store(self.arena, partials.o + (base + head) * d + c, num[0])
+                with self.when(c == 0):
+                    self.store(self.arena, partials.ml + (base + head) * 2, mx[0])
+                    self.store(self.arena, partials.ml + (base + head) * 2 + 1, den[0])
+
+        self._each(group * d, combine)
+
+    def merged_value(self, att_stage, partials: P.AttentionPartials, b, head, c) -> tirx.Expr:
+        """Feature c of `head`'s attention output for sequence b, from its split partials (o unnormalized, running
+        max and sum): the merge task's value, and the O projection's input when its tiles merge (Stage.merged).
+        Only the splits that hold keys this step are read (the others' partials are empty)."""
+        att, n_splits = att_stage.attention, att_stage.n_splits
+        h, d = att.attrs["n_head"], int(self.values[att.inputs[2]].shape[-1])
+        _, span = self._visible(int(att.attrs.get("sliding_window") or 0), b)
+        chunk = self.p.tg.chunk_keys(span, tirx.max)
+        active = tirx.min(i32(n_splits), (span + chunk - 1) // chunk)
+        mx, den, num = self.local(), self.local(), self.local()
+        self.store(mx, 0, tirx.min_value(F32))
+        with B.serial(0, active) as j:
+            self.store(mx, 0, tirx.max(mx[0], self.arena[partials.ml + ((b * n_splits + j) * h + head) * 2]))
+        self.store(den, 0, f32(0))
+        self.store(num, 0, f32(0))
+        with B.serial(0, active) as j:
+            at = (b * n_splits + j) * h + head
+            sc = self.local()
+            self.store(sc, 0, tirx.exp(self.arena[partials.ml + at * 2] - mx[0]))
+            self.store(den, 0, den[0] + sc[0] * self.arena[partials.ml + at * 2 + 1])
+            self.store(num, 0, num[0] + sc[0] * self.arena[partials.o + at * d + c])
+        return num[0] / den[0]
+
+    def _merge_if_last(self, op, att, b, g, group, d, n_splits, partials) -> None:
+        """Merged by the last chunk (Stage.merged_by_last): thread 0 releases the block's partials, adds 1 to the
+        (sequence, KV head)'s arrival counter, and the chunk that brings it to n_splits x epoch acquires the
+        others' partials and merges them, where a merge task would have waited for them (a handoff: poll, barrier,
+        its loads after). The task publishes after this, so its consumers see the merged output."""
+        self.sync()  # every thread's partial writes issued
+        with self.when(self.tx == 0):
+            B.evaluate(T.ptx.fence.acq_rel.gpu())
+            before = self.local("int32")
+            self.store(before, 0, T.cuda.atomic_add(T.address_of(self.counters[self.col(P.ARRIVAL)]), i32(1)))
+            last = before[0] == i32(n_splits) * self.epoch - 1
+            with self.when(last):
+                B.evaluate(T.ptx.fence.acq_rel.gpu())  # acquire: the other chunks' partials, for every thread
+            self.store(self.redi, 0, tirx.if_then_else(last, i32(1), i32(0)))
+        self.sync()
+        with self.when(self.redi[0] == 1):
+            self._attn_merge(op, att, b, g, group, d, n_splits, partials)
+
+    def _attn_merge(self, op, att, b, g, group, d, n_splits, partials) -> None:
+        h = att.attrs["n_head"]
+        out = att.outputs[0]
+
+        def merge(idx) -> None:
+            hh, c = idx // d, idx % d
+            head = g * group + hh
+            self.store(self.arena, self.col(op.slot(out)) + b * (h * d) + head * d + c,
+                       self.merged_value(self.p.tg.stages[op.stage], partials, b, head, c))
+
+        self._each(group * d, merge)

@@ -1,0 +1,282 @@
+"""8-bit activations (q8_activations): llama.cpp's vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 (and the K-quants'
+q8_1 forms). The input quantized once per task into blocks of 32 in shared memory (quantize_q8), then a lane per
+granule (_q8_pass) or per 32-value block of a row (_q8_block_pass, q8_by_block) dots 8-bit words with dp4a; the
+block scales (_q8_block_scales, _q8_accumulate) are shared with the tensor-core body (q8_mma.py)."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+from tvm.tirx.script.builder import ir as B
+
+from luce_compile.fuse import program as P
+from luce_compile.fuse.emit_cuda.core import F32, f32, i32
+from luce_compile.fuse.options import Q8_ORDER
+from luce_compile.lower.quant_matmul import exact_int_to_float
+
+Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
+QUANT_AHEAD = 4  # quantize_q8: granules a thread loads before it quantizes any (8 floats each in registers)
+
+
+# the 8-bit path's types stored unsigned with an offset (w = d·(q − offset)): the dot starts at −offset·Σq_x (Q6_K's
+# per 16 values, each sub-block's sum then scaled by its int8 scale)
+Q8_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
+
+
+def _fifth_bits(qh: tirx.Expr, gg) -> tuple[tirx.Expr, tirx.Expr]:
+    """A Q5 block's fifth bits (qh: bit j of element j of the 32) for granule gg's two nibble words: the even
+    elements 8gg + 2i go to bit 4 of byte i of the low-nibble word, the odd ones 8gg + 2i + 1 of the high one."""
+    u = lambda v: tirx.const(v, "uint32")  # noqa: E731
+    x = qh >> (u(8 * gg) if isinstance(gg, int) else (gg * 8).astype("uint32"))
+
+    def spread(v: tirx.Expr) -> tirx.Expr:  # bits 0, 2, 4, 6 → 4, 12, 20, 28
+        return ((v & u(1)) << u(4)) | ((v & u(4)) << u(10)) | ((v & u(16)) << u(16)) | ((v & u(64)) << u(22))
+
+    return spread(x), spread(x >> u(1))
+
+
+def _sixth_bits(qh: tirx.Expr, shift) -> tuple[tirx.Expr, tirx.Expr]:
+    """A Q6_K granule's two high bits (qh >> shift: bits 2i of element i of the granule's 8) for its two nibble
+    words: the even elements 2i go to bits 4-5 of byte i of the low-nibble word, the odd ones of the high one."""
+    u = lambda v: tirx.const(v, "uint32")  # noqa: E731
+    x = qh >> (u(shift) if isinstance(shift, int) else shift.astype("uint32"))
+
+    def spread(v: tirx.Expr) -> tirx.Expr:  # bit pairs at 0, 4, 8, 12 → 4, 12, 20, 28
+        return ((v & u(0x3)) << u(4)) | ((v & u(0x30)) << u(8)) | ((v & u(0x300)) << u(12)) | \
+            ((v & u(0x3000)) << u(16))
+
+    return spread(x), spread(x >> u(2))
+
+
+def dp4a(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
+    """c + the dot of the four signed bytes of a and b (CUDA's __dp4a)."""
+    return tirx.call_pure_extern("int32", "__dp4a", a, b, c)
+
+
+class Q8Mixin:
+    @staticmethod
+    def _q8_words(k_in: int) -> int:
+        """Shared-memory words of one sequence's 8-bit input: the quants (4 a word), d and s/4 per block."""
+        return k_in // 4 + 2 * (k_in // Q8_BLOCK)
+
+    def _q8_scales_at(self, k_in: int) -> tuple[int, int]:
+        """Where d and s/4 of the 8-bit input's blocks start in shared memory (after every sequence's quants)."""
+        words = self.nb * 2 * (k_in // 8)
+        return words, words + self.nb * (k_in // Q8_BLOCK)
+
+    def _q8_accumulate(self, acc, a: int, total, dw, mw, b: int, blk, k_in: int, lanes_per_block: int) -> None:
+        """acc[a] += d_w·(d_x·Σ) [+ m_w·s_x], the block's min term split over the lanes that share the block
+        (s/4 is stored: 4 granule lanes add it once each; a lane with the whole block multiplies it by 4, exactly)."""
+        d_at, s_at = self._q8_scales_at(k_in)
+        blocks = k_in // Q8_BLOCK
+        y = acc[a] + dw * (self.smem[d_at + b * blocks + blk] * exact_int_to_float(total))
+        if mw is not None:
+            s = self.smem[s_at + b * blocks + blk]
+            y = y + mw * (s if lanes_per_block == 4 else s * f32(4))
+        self.store(acc, a, y)
+
+    @staticmethod
+    def _q8_block_scales(planes, ggml_type: str, layer, row, blk) -> tuple[tirx.Expr, tirx.Expr | None]:
+        """A 32-value block's (d_w, m_w) as float32, w = d_w·q + m_w (m_w None: Q4_0/Q8_0/Q6_K have no minimum). A
+        Q4_K/Q5_K sub-block is a Q4_1/Q5_1 block with d_w = d·sc and m_w = −dmin·mn (llama.cpp's vec_dot_q4_K_q8_1;
+        both products exact in float32). Q6_K's d_w is its super-block's d: the passes scale each 16 values' integer
+        sum by their int8 scale (llama.cpp's vec_dot_q6_K_q8_1)."""
+        if ggml_type in ("Q4_K", "Q5_K"):
+            sb = blk // 8  # the 256-value super-block
+            d = planes["d"][layer, row, sb].astype(F32) * exact_int_to_float(planes["sc"][layer, row, blk])
+            m = planes["dmin"][layer, row, sb].astype(F32) * exact_int_to_float(planes["mn"][layer, row, blk])
+            return d, f32(0) - m
+        if ggml_type == "Q6_K":  # the int8 scale of each 16 values multiplies the integer sums (the passes)
+            return planes["d"][layer, row, blk // 8].astype(F32), None
+        mw = planes["m"][layer, row, blk].astype(F32) if ggml_type in ("Q4_1", "Q5_1") else None
+        return planes["d"][layer, row, blk].astype(F32), mw
+
+    def _q8_order(self, st, k_in: int) -> str | None:
+        """The activation order the stage's matmuls take ("nibbles" for Q4/Q5 types, "natural" for Q8_0), or None
+        where it keeps float32 activations: the option is off, a weight type has no integer body here, the types
+        want different orders, the input is merged from attention partials, or the largest batch's 8-bit input
+        would take more than 3/4 of the shared memory. The choice depends on the stage and the build's largest
+        batch only, so every batch size computes a sequence alike (batched equal to alone)."""
+        if not self.q8 or st.merged >= 0 or self.q8_batch * self._q8_words(k_in) > self.shared_floats * 3 // 4:
+            return None
+        types = {t for unit in st.units for t in self._weight_types(unit)}
+        if self.q8_mma and types & {"Q5_0", "Q5_1", "Q5_K", "Q6_K"}:  # the tensor-core body takes no high bits
+            return None
+        orders = {Q8_ORDER.get(t) for t in types}
+        return orders.pop() if len(orders) == 1 and None not in orders else None
+
+    def quantize_q8(self, order: str, k_in: int, base, norm) -> None:
+        """The input (with its norm) as 8-bit blocks of 32 in shared memory, each sequence's rows on their own, as
+        ggml's x86 quantize_row_q8_0/q8_1 (lower/cpu_int8.py: the CPU build's, which the emulating oracle follows):
+        q = rint(x · 127/amax), d = fp16(amax/127), s = fp16(d · Σq) from the float32 d.
+        A thread per (sequence, granule of 8 features): a block's 4 granules are a quad of lanes, whose amax and Σq
+        take two shuffles each, and a thread writes its granule's two words whole. Up to QUANT_AHEAD granules a
+        thread are loaded before any is quantized (their loads in flight together). A warp per block took two warp
+        reductions a block: at b=8 the 1B's down projection spent 18 of its 29 µs a task here (shuffles at one
+        warp instruction a clock an SM; a thread per block, with 32 dependent loads, took 4-5 µs a task).
+        base(b): the arena index of sequence b's input; norm: None or the prologue norm's (1/rms of b, γ plane, a
+        float32 vector), applied as xval does, (x · 1/rms) · γ. A granule is read as two 16-byte words (γ too):
+        8 floats a thread, lanes 32 bytes apart, were 8 loads of 32 sectors each a warp instead of 2.
+        Layout (32-bit words): word (b·2 + h)·G + g holds 4 quants of granule g (8 features): for "nibbles" its
+        features 2j + h (j = 0..3: the bytes of a Q4 word masked or shifted), for "natural" 4h + j; then d per
+        (b, block), then s/4 per (b, block) (each of a block's 4 granule lanes adds m·s/4)."""
+        nb, granules, blocks = self.nb, k_in // 8, k_in // Q8_BLOCK
+        d_at, s_at = self._q8_scales_at(k_in)
+        total = nb * granules  # a multiple of 4 (K is of whole blocks): a quad is all in range or all past it
+        n_it = -(-total // self.threads)
+        ahead = min(n_it, QUANT_AHEAD)
+        vals = self.local(F32, ahead * 8)
+        amax, inv = self.local(), self.local()
+        q, qsum, word = self.local("int32", 8), self.local("int32"), self.local("int32", 2)
+        full = tirx.const(0xFFFFFFFF, "uint32")
+        gam = self.local(F32, 8) if norm is not None else None
+        with B.serial(0, -(-n_it // ahead)) as it:
+            for u in range(ahead):
+                at = tirx.min((it * ahead + u) * self.threads + self.tx, total - 1)  # past the end: unused
+                b, k0 = at // granules, at % granules * 8
+                for half in range(2):
+                    B.buffer_store(vals, self.arena.vload([base(b) + k0 + half * 4], "float32x4"),
+                                   [tirx.Ramp(i32(u * 8 + half * 4), i32(1), 4)])
+                if norm is not None:
+                    rstd, gamma = norm
+                    for half in range(2):
+                        B.buffer_store(gam, gamma.vload([self.col(P.LAYER), k0 + half * 4], "float32x4"),
+                                       [tirx.Ramp(i32(half * 4), i32(1), 4)])
+                    for j in range(8):
+                        self.store(vals, u * 8 + j, vals[u * 8 + j] * rstd(b) * gam[j])
+            for u in range(ahead):  # every lane runs the shuffles; only the stores are guarded
+                at = (it * ahead + u) * self.threads + self.tx
+                m = tirx.abs(vals[u * 8])
+                for j in range(1, 8):
+                    m = tirx.max(m, tirx.abs(vals[u * 8 + j]))
+                self.store(amax, 0, m)
+                for lane_mask in (1, 2):
+                    self.store(amax, 0, tirx.max(amax[0], T.cuda._shfl_xor_sync(full, amax[0], lane_mask, 32)))
+                self.store(inv, 0, tirx.Select(amax[0] > f32(0), f32(127) / amax[0], f32(0)))
+                for j in range(8):
+                    self.store(q, j, tirx.nearbyint(vals[u * 8 + j] * inv[0]).astype("int32"))
+                self.store(qsum, 0, q[0] + q[1] + q[2] + q[3] + q[4] + q[5] + q[6] + q[7])
+                for lane_mask in (1, 2):
+                    self.store(qsum, 0, qsum[0] + T.cuda._shfl_xor_sync(full, qsum[0], lane_mask, 32))
+                for h in range(2):
+                    feats = [2 * j + h for j in range(4)] if order == "nibbles" else [4 * h + j for j in range(4)]
+                    byte = [tirx.reinterpret("uint32", q[f]) & tirx.const(0xFF, "uint32") for f in feats]
+                    w = byte[0]
+                    for j in range(1, 4):  # unsigned: a quant's byte shifted to the top is no signed overflow
+                        w = w | (byte[j] << tirx.const(8 * j, "uint32"))
+                    self.store(word, h, tirx.reinterpret("int32", w))
+                with self.when(at < total):
+                    b, g = at // granules, at % granules
+                    for h in range(2):
+                        self.store(self.smem_i, (b * 2 + h) * granules + g, word[h])
+                    with self.when(g % 4 == 0):
+                        blk = g // 4
+                        d = amax[0] / f32(127)
+                        self.store(self.smem, d_at + b * blocks + blk, d.astype("float16").astype(F32))
+                        self.store(self.smem, s_at + b * blocks + blk,
+                                   (d * qsum[0].astype(F32)).astype("float16").astype(F32) * f32(0.25))
+
+    def _q8_pass(self, op, unit, rows: int, r0, hi, g, granules: int, k_in: int, acc) -> None:
+        """One granule of `rows` rows of each matmul against every sequence's 8-bit activations: two dp4a a
+        (row, sequence), then d_w·(d_x·Σ) [+ m_w·s_x/4]. Q4_0 dots the stored unsigned quants and starts the sum
+        at −8·Σq_x (the integer of ggml's Σ(q − 8)·q_x)."""
+        nb = self.nb
+        blk = g // 4
+        xw, xsum, wl = self.local("int32", 2 * nb), self.local("int32", nb), self.local("int32", 2)
+        types = self._weight_types(unit)
+        for b in range(nb):
+            for h in range(2):
+                self.store(xw, 2 * b + h, self.smem_i[(b * 2 + h) * granules + g])
+            if any(t in Q8_OFFSET for t in types):  # Σq_x, for the types stored with an offset
+                ones = i32(0x01010101)
+                self.store(xsum, b, dp4a(xw[2 * b + 1], ones, dp4a(xw[2 * b], ones, i32(0))))
+        for m_i, m in enumerate(unit.matmuls):
+            planes = self.weight(op, m.weights["weight"])
+            layer = self.col(P.LAYER)
+            for r in range(rows):
+                row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
+                if types[m_i] == "Q8_0":
+                    words = self._word_view(planes["qs"], "int32")
+                    w = [words[layer, row, 2 * g], words[layer, row, 2 * g + 1]]
+                else:
+                    qs = planes["qs"][layer, row, g]
+                    mask = tirx.const(0x0F0F0F0F, "uint32")
+                    w = [qs & mask, (qs >> tirx.const(4, "uint32")) & mask]
+                    if types[m_i] == "Q6_K":  # its two high bits into bits 4-5 of each quant's byte
+                        high = _sixth_bits(planes["qh"][layer, row, g // 2], (g % 2) * 16)
+                        w = [a | e for a, e in zip(w, high, strict=True)]
+                    elif "qh" in planes:  # Q5: each quant's fifth bit into its byte's bit 4
+                        w = [a | e for a, e in zip(w, _fifth_bits(planes["qh"][layer, row, blk], g % 4),
+                                                   strict=True)]
+                    w = [tirx.reinterpret("int32", v) for v in w]
+                self.store(wl, 0, w[0])
+                self.store(wl, 1, w[1])
+                dw, mw = self._q8_block_scales(planes, types[m_i], layer, row, blk)
+                for b in range(nb):
+                    a = (m_i * rows + r) * nb + b
+                    off = Q8_OFFSET.get(types[m_i])
+                    start = i32(-off) * xsum[b] if off else i32(0)
+                    total = dp4a(wl[1], xw[2 * b + 1], dp4a(wl[0], xw[2 * b], start))
+                    if types[m_i] == "Q6_K":  # a granule lies in one sub-block of 16
+                        total = total * planes["sc"][layer, row, g // 2].astype("int32")
+                    self._q8_accumulate(acc, a, total, dw, mw, b, blk, k_in, lanes_per_block=4)
+
+    def _q8_block_pass(self, op, unit, rows: int, r0, hi, blk, granules: int, k_in: int, acc) -> None:
+        """Block `blk` (32 values) of `rows` rows of each matmul against every sequence's 8-bit activations: the
+        block's quants in one or two 16-byte loads, eight dp4a a (row, sequence), then d_w·(d_x·Σ) [+ m_w·s_x]."""
+        nb = self.nb
+        xw, xsum = self.local("int32", 8 * nb), self.local("int32", 2 * nb)
+        wq, wi = self.local("uint32", 4), self.local("int32", 8)
+        types = self._weight_types(unit)
+        ones = i32(0x01010101)
+        for b in range(nb):
+            for h in range(2):
+                for gg in range(4):
+                    self.store(xw, b * 8 + h * 4 + gg, self.smem_i[(b * 2 + h) * granules + blk * 4 + gg])
+            if any(t in Q8_OFFSET for t in types):  # Σq_x of each half (16 values), for the types with an offset
+                for half in range(2):
+                    total = i32(0)
+                    for gg in (2 * half, 2 * half + 1):
+                        total = dp4a(xw[b * 8 + 4 + gg], ones, dp4a(xw[b * 8 + gg], ones, total))
+                    self.store(xsum, 2 * b + half, total)
+        layer = self.col(P.LAYER)
+        mask, four = tirx.const(0x0F0F0F0F, "uint32"), tirx.const(4, "uint32")
+        for m_i, m in enumerate(unit.matmuls):
+            planes = self.weight(op, m.weights["weight"])
+            for r in range(rows):
+                row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
+                if types[m_i] == "Q8_0":  # words 2gg (features 8gg..8gg+3) and 2gg+1 of granule gg
+                    words = self._word_view(planes["qs"], "int32")
+                    for half in range(2):
+                        B.buffer_store(wi, words.vload([layer, row, blk * 8 + half * 4], "int32x4"),
+                                       [tirx.Ramp(i32(half * 4), i32(1), 4)])
+                    pairs = [(wi[2 * gg], wi[2 * gg + 1]) for gg in range(4)]
+                else:  # one word per granule: the low nibbles are its even features, the high ones its odd
+                    B.buffer_store(wq, planes["qs"].vload([layer, row, blk * 4], "uint32x4"),
+                                   [tirx.Ramp(i32(0), i32(1), 4)])
+                    six = types[m_i] == "Q6_K"  # two high bits an element, a word per 16 (else Q5: one, per 32)
+                    qh = [planes["qh"][layer, row, 2 * blk + i] for i in range(2)] if six else \
+                        [planes["qh"][layer, row, blk]] if "qh" in planes else None
+                    for gg in range(4):
+                        w = [wq[gg] & mask, (wq[gg] >> four) & mask]
+                        if six:
+                            w = [a | e for a, e in zip(w, _sixth_bits(qh[gg // 2], 16 * (gg % 2)), strict=True)]
+                        elif qh is not None:
+                            w = [a | e for a, e in zip(w, _fifth_bits(qh[0], gg), strict=True)]
+                        self.store(wi, 2 * gg, tirx.reinterpret("int32", w[0]))
+                        self.store(wi, 2 * gg + 1, tirx.reinterpret("int32", w[1]))
+                    pairs = [(wi[2 * gg], wi[2 * gg + 1]) for gg in range(4)]
+                dw, mw = self._q8_block_scales(planes, types[m_i], layer, row, blk)
+                off = Q8_OFFSET.get(types[m_i])
+                for b in range(nb):
+                    a = (m_i * rows + r) * nb + b
+                    # one integer sum a half of 16 values (Q6_K scales each by its own int8 scale)
+                    halves = [i32(-off) * xsum[2 * b + h] if off else i32(0) for h in range(2)]
+                    for gg, (w0, w1) in enumerate(pairs):
+                        halves[gg // 2] = dp4a(w1, xw[b * 8 + 4 + gg], dp4a(w0, xw[b * 8 + gg], halves[gg // 2]))
+                    if types[m_i] == "Q6_K":
+                        total = halves[0] * planes["sc"][layer, row, 2 * blk].astype("int32") + \
+                            halves[1] * planes["sc"][layer, row, 2 * blk + 1].astype("int32")
+                    else:
+                        total = halves[0] + halves[1]
+                    self._q8_accumulate(acc, a, total, dw, mw, b, blk, k_in, lanes_per_block=1)
