@@ -102,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        spec=args.spec, draft=args.draft, draft_max=args.draft_max, strict=args.strict,
                        aliases=tuple(args.alias or ()), temperature=args.temperature, top_p=args.top_p,
                        top_k=args.top_k, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                       log_format=args.log_format))
+                       log_format=args.log_format, deterministic=args.deterministic))
     return 0
 
 
@@ -172,6 +172,9 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--repeat-penalty", type=float, help="repetition penalty of requests that set none")
     s.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="the access log on stderr, one line per request: text (default) or JSON objects")
+    s.add_argument("--deterministic", action="store_true",
+                   help="greedy and seeded requests give the same tokens alone or beside others (they then prefill "
+                        "their whole prompt: no prefix reuse for them)")
     add_spec_args(s)
     add_threads_arg(s)
 

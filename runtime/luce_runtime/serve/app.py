@@ -75,6 +75,9 @@ class ServeOptions:
     min_p: float | None = None
     repeat_penalty: float | None = None
     log_format: str = "text"  # the access log's lines: "text" or "json"
+    # greedy and seeded requests give the same tokens alone or beside others (scheduler.py), at the price of their
+    # prefix reuse
+    deterministic: bool = False
 
 
 def _max_batch_from_memory(options: ServeOptions) -> int:
@@ -104,7 +107,7 @@ class Service:
         self.model_ids = list(dict.fromkeys((self.model_id, *options.aliases)))
         self._unknown_models: set[str] = set()  # names already logged as answered by this model
         self.scheduler = Scheduler(self.engine, options.max_batch, prefix_cache=options.prefix_cache,
-                                   speculation=_speculation(options, self.engine))
+                                   speculation=_speculation(options, self.engine), deterministic=options.deterministic)
         self.tool_format = tool_format(self.tokenizer.chat_template)
         self.thinks = reasoning.thinks(self.tokenizer.chat_template)  # its template writes <think> blocks
         self.sampling_defaults = _sampling_defaults(options, self.engine.artifact.tokenizer_metadata())

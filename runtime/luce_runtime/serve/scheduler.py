@@ -21,6 +21,18 @@ Prefix reuse: after a prompt is prefilled its sequence is forked (Engine.fork_se
 copy-on-write for the partial last page) into a small LRU of cached prompts. A later request whose prompt shares
 ≥ page_size tokens with one of them forks from it at the common length and prefills only the rest: the rendered
 system prompt (and earlier turns of a conversation) are computed once.
+
+Batch invariance (deterministic=True, `serve --deterministic`): a greedy or seeded request gives the same tokens
+alone or beside others. Decode is row for row the same in any batch, and so is a joint prefill of several
+sequences of more than 16 rows each; what changes a request's sums is where its prompt is cut into chunks (a
+chunk's attention over cached pages sums in another order than within one chunk), a chunk of ≤ 16 rows joined to
+others (the int8 matmuls take another kernel above 16 rows), and a fork of a cached prompt (attention over the
+parent's pages and the sequence's own is computed apart and merged, and so it is for the parent once a fork of it
+exists). 8-bit activations can turn such ~1e-7 differences into a near tie going the other way. So such a request
+prefills its whole prompt without forking, in chunks that end at multiples of prefill_chunk as alone (never cut
+shorter by the step's budget), each chunk a call of its own; its prompt is cached for others only when it ends,
+and its n > 1 choices prefill their own. The price is prefix reuse for those requests, which is why it is not the
+default. A seeded sampled request never forks in any case (the same seed replays the same text).
 """
 
 from __future__ import annotations
@@ -128,8 +140,9 @@ class Scheduler:
     """Owns `engine` from its own thread; `submit` and `stats` are safe to call from any thread."""
 
     def __init__(self, engine: Engine, max_batch: int, *, prefix_cache: int = 4,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, deterministic: bool = False):
         self.engine, self.max_batch = engine, max_batch
+        self.deterministic = deterministic  # batch invariance for greedy and seeded requests (the docstring)
         self.speculation = speculation
         self.page_size = engine.page_size
         # sliding-window models: no forks (TVM's cache keeps a window's keys in a ring of pages with sinks; a fork
@@ -235,7 +248,7 @@ class Scheduler:
                     r.spec = self.speculation.start()
                 lead = r.leader
                 if lead is not None and lead in self._active and lead.seq is not None and \
-                        lead.pos < len(lead.prompt):
+                        lead.pos < len(lead.prompt) and not self._reproducible(r):
                     r.forking = True  # n > 1: the leader prefills the prompt once; _prefill_step forks it
                 else:
                     self._start_sequence(r)
@@ -249,11 +262,11 @@ class Scheduler:
     def _start_sequence(self, r: GenRequest) -> None:
         """A new sequence for r, forked from the cached prompt sharing the longest prefix with it when that is long.
 
-        A seeded sampled request always prefills its whole prompt, so that the same seed replays the same text: a
-        cached prefix's attention sums in another order (prefix pages, then the rest, merged), ~1e-7 of the logits,
-        which 8-bit activations can turn into ~1e-3 (an activation at a rounding boundary) and a sample into
-        another token (seen with the parallel CPU prefill attention)."""
-        if r.params.seed is not None and r.params.temperature > 0:
+        A seeded sampled request always prefills its whole prompt, so that the same seed replays the same text, and
+        so does every reproducible request of a deterministic scheduler (the module's docstring): a cached prefix's
+        attention sums in another order (prefix pages, then the rest, merged), ~1e-7 of the logits, which 8-bit
+        activations can turn into ~1e-3 (an activation at a rounding boundary) and a token into another."""
+        if (r.params.seed is not None and r.params.temperature > 0) or self._reproducible(r):
             r.seq = self.engine.add_sequence()
             return
         best, best_len = None, 0
@@ -270,6 +283,10 @@ class Scheduler:
         r.pos = best_len
         self.counters.prefix_hits += 1
         self.counters.prefix_tokens_reused += best_len
+
+    def _reproducible(self, r: GenRequest) -> bool:
+        """Greedy or seeded, on a deterministic scheduler: the same tokens whatever else runs."""
+        return self.deterministic and (r.params.temperature == 0 or r.params.seed is not None)
 
     def _remember_prefix(self, r: GenRequest, n: int) -> None:
         """Cache r's first n prompt tokens (its whole prompt once prefilled, or what a cancelled request had
@@ -291,26 +308,37 @@ class Scheduler:
         self._prefixes[self.engine.fork_sequence(r.seq, n)] = key
 
     def _prefill_step(self) -> None:
-        budget = self.engine.prefill_chunk
+        chunk = budget = self.engine.prefill_chunk
         batch: list[tuple[GenRequest, list[int]]] = []
         for r in self._active:
             if r.pos < len(r.prompt) and budget > 0 and not r.forking:
-                take = r.prompt[r.pos:r.pos + budget]
+                # a reproducible request's chunk ends at the next multiple of the chunk size, as alone; when the
+                # step's budget cannot take all of it, it waits for a step where it comes first
+                end = r.pos - r.pos % chunk + chunk if self._reproducible(r) else r.pos + budget
+                if end - r.pos > budget and batch:
+                    continue
+                take = r.prompt[r.pos:end]
                 batch.append((r, take))
                 budget -= len(take)
         if not batch:
             return
-        self.counters.prefill_calls += 1
         now = time.perf_counter()
         for r, _ in batch:
             r.prefill_start = r.prefill_start or (now, r.pos)
-        for (r, take), row in self._isolated(batch, lambda b: self.engine.prefill([r.seq for r, _ in b],
-                                                                                   [t for _, t in b])):
+        # a reproducible request's chunk is a call of its own: the int8 matmuls take another kernel above 16 rows
+        # (INT8_VERIFY_ROWS), so a short chunk beside another request's would sum in another order than alone
+        joint = [item for item in batch if not self._reproducible(item[0])]
+        calls = ([joint] if joint else []) + [[item] for item in batch if self._reproducible(item[0])]
+        self.counters.prefill_calls += len(calls)
+        done = [pair for call in calls for pair in self._isolated(call, lambda b: self.engine.prefill(
+            [r.seq for r, _ in b], [t for _, t in b]))]
+        for (r, take), row in done:
             r.pos += len(take)
             self._log_progress(r)
             if r.pos == len(r.prompt):
                 self.counters.prompt_tokens += len(r.prompt)
-                self._remember_prefix(r, len(r.prompt))
+                if not self._reproducible(r):  # a reproducible one is cached when it ends (_finish)
+                    self._remember_prefix(r, len(r.prompt))
                 followers = self._fork_followers(r)  # before r's first token: r may end at once and free its pages
                 for f in (r, *followers):
                     self.counters.ttft.observe(time.perf_counter() - f.submitted)
@@ -529,6 +557,8 @@ class Scheduler:
         speculation.stop(r)  # the draft engine's sequence goes back too
         if reason is None and error is None and r.seq is not None and 0 < r.pos < len(r.prompt):
             self._remember_prefix(r, r.pos)  # cancelled mid-prefill: agents send the same prompt again
+        elif error is None and r.seq is not None and r.pos == len(r.prompt) and self._reproducible(r):
+            self._remember_prefix(r, r.pos)  # not earlier: a fork of its pages would change its own attention
         if r.seq is not None and r.seq in self.engine.sequences():  # a failed step may have dropped it already
             try:
                 self.engine.remove_sequence(r.seq)
