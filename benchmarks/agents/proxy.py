@@ -55,13 +55,13 @@ def response_summary(text: str) -> dict[str, Any]:
             except ValueError:
                 continue
             calls += _calls(data)
-            usage = _usage(data) or usage
+            usage.update(_usage(data))  # Anthropic: input tokens in message_start, output in message_delta
     if not events and text.startswith("{"):  # a JSON answer
         try:
             data = json.loads(text)
         except ValueError:
             data = {}
-        usage = _usage(data) or usage
+        usage = _usage(data)
         calls = sum(c.get("type") in ("tool_use", "function_call") for c in data.get("content", data.get("output", []))
                     if isinstance(c, dict))
         calls += sum(len(ch.get("message", {}).get("tool_calls") or []) for ch in data.get("choices", []))

@@ -26,7 +26,9 @@ def test_request_summary_keeps_shapes_not_text():
     # Anthropic: a tool_use block, usage in message_start
     ('event: message_start\ndata: {"type": "message_start", "message": {"usage": {"input_tokens": 9}}}\n\n'
      ': keep-alive\n\nevent: content_block_start\ndata: {"type": "content_block_start", "index": 0, '
-     '"content_block": {"type": "tool_use", "id": "t", "name": "Bash", "input": {}}}\n\n', 1, {"prompt_tokens": 9}),
+     '"content_block": {"type": "tool_use", "id": "t", "name": "Bash", "input": {}}}\n\n'
+     'event: message_delta\ndata: {"type": "message_delta", "usage": {"output_tokens": 4}}\n\n', 1,
+     {"prompt_tokens": 9, "completion_tokens": 4}),
     # Responses: a function_call item, usage in response.completed
     ('event: response.output_item.added\ndata: {"type": "response.output_item.added", "item": {"type": '
      '"function_call"}}\n\nevent: response.completed\ndata: {"type": "response.completed", "response": {"usage": '
