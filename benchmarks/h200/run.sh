@@ -18,6 +18,8 @@
 # .gpucheck/spec --workloads qwen2.5-coder-1.5b qwen2.5-coder-0.5b, and H=.gpucheck/spec) then replays speculation on
 # the pair.
 # PEROP=1 also times each artifact's decode with the per-op kernels (bench --no-megakernel): ours-perop.json.
+# TORCH=0 and PROFILE=0 leave out the torch peer and the megakernel's per-task profile (a call short of device time).
+# A workload prepared elsewhere (prepare.py --dir .gpucheck/h200-8b) joins by a link: ln -s ../h200-8b/W $H/W.
 # 8-bit megakernel matvecs: prepare.py --megakernel-q8 --dir .gpucheck/h200-q8, then H=.gpucheck/h200-q8 (the
 # checks then hold the decode to REL_TOL_Q8; report.py names the build); add --megakernel-tf32 for the F16/BF16
 # matvecs on tf32 tensor cores (the table of 2026-12-04: results/h200-2026-12-04-tf32.md).
@@ -80,8 +82,8 @@ for w in $WORKLOADS; do
   python3 -m luce_runtime.bench $H/$w/artifact --prompt-len 512 --gen-len 128 --batch 8 --repeat $REPEAT \
     --prefill-lens 2048 > "$O/ours.json" 2> "$O/ours.err"
   stamp "$w luce-compile rc=$?"
-  if python3 -c "import json, sys; sys.exit('kernels' not in json.load(open(sys.argv[1])).get('megakernel', {}))" \
-      "$H/$w/artifact/manifest.json"; then  # device time a step beside the host's, and one step task by task
+  if [ "${PROFILE:-1}" = 1 ] && python3 -c "import json, sys
+sys.exit('kernels' not in json.load(open(sys.argv[1])).get('megakernel', {}))" "$H/$w/artifact/manifest.json"; then  # device time a step beside the host's, and one step task by task
     python3 benchmarks/h200/engine_profile.py "$H/$w" --gguf "$G" --out "$O/profile.json" 2> "$O/profile.err"
     stamp "$w megakernel profile rc=$?"
   fi
@@ -98,8 +100,10 @@ for w in $WORKLOADS; do
         --prefill-lens 2048 > "$O/ours-untuned.json" 2> "$O/ours-untuned.err"
     stamp "$w luce-compile untuned rc=$?"
   fi
-  python3 benchmarks/peers/torch_peer.py "$G" --out "$O/torch.json" --repeat $REPEAT > "$O/torch.log" 2>&1
-  stamp "$w torch rc=$?"
+  if [ "${TORCH:-1}" = 1 ]; then  # TORCH=0 leaves the torch peer out (a short call: its rows read "not run")
+    python3 benchmarks/peers/torch_peer.py "$G" --out "$O/torch.json" --repeat $REPEAT > "$O/torch.log" 2>&1
+    stamp "$w torch rc=$?"
+  fi
   [ "$LLAMA_CPP" = 1 ] || { pack; continue; }
   "$L/llama-bench" -m "$G" -p 512,2048 -n 128 -fa 1 -ngl 99 -r $REPEAT -o json > "$O/llama_bench.json" \
     2> "$O/llama_bench.err"
