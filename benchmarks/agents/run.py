@@ -68,8 +68,8 @@ def codex(binary: Path, url: str, model: str, work: Path, env: dict[str, str]) -
         f'model = "{model}"\nmodel_provider = "luce"\n\n[model_providers.luce]\nname = "luce"\n'
         f'base_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "LUCE_API_KEY"\n')
     env.update(CODEX_HOME=str(home), LUCE_API_KEY="x")
-    # --full-auto: the workspace is writable (exec's default sandbox is read-only, and the task is an edit)
-    return [str(binary), "exec", "--skip-git-repo-check", "--full-auto", TASK]
+    # exec's default sandbox is read-only, and the task is an edit
+    return [str(binary), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", TASK]
 
 
 def opencode(binary: Path, url: str, model: str, work: Path, env: dict[str, str]) -> list[str]:
