@@ -207,3 +207,25 @@ def test_anthropic_keep_alive_also_resets_claude_codes_watchdog(monkeypatch):
     deltas = [d for n, d in events if n == "message_delta"]
     assert len(deltas) == 3 and [d["delta"]["stop_reason"] for d in deltas] == [None, None, "end_turn"]
     assert names[-1] == "message_stop"
+
+
+def test_access_log_has_every_request_but_answered_probes(caplog):
+    from luce_runtime.serve.access import AccessLog
+
+    async def app(scope, receive, send):
+        status = 503 if scope["path"] == "/metrics" else 200
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def send(message):
+        pass
+
+    async def receive():
+        return {"type": "http.request"}
+
+    middleware = AccessLog(app)
+    with caplog.at_level(logging.INFO, logger="luce_runtime.serve.access"):
+        for path in ("/health", "/v1/models", "/metrics"):
+            asyncio.run(middleware({"type": "http", "method": "GET", "path": path}, receive, send))
+    assert "GET /v1/models 200" in caplog.text and "GET /metrics 503" in caplog.text
+    assert "/health" not in caplog.text

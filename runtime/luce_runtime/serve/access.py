@@ -6,7 +6,8 @@ token, total time, and the reason of an error answer), as text or as one JSON ob
 
 The middleware opens a Record for each request and puts it in a context variable; the route's events (app.events)
 fill in the tokens and the first token's time, the error handler the reason. A streamed answer's line is written
-when its last byte went out. The scheduler's prefill progress goes to the same log (`log_progress`).
+when its last byte went out. Answered probes of /health and /metrics are left out (a load balancer or a test
+polls them every few seconds). The scheduler's prefill progress goes to the same log (`log_progress`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ACCESS_LOGGER = "luce_runtime.serve.access"
+_PROBES = ("/health", "/metrics")
 log = logging.getLogger(ACCESS_LOGGER)
 
 
@@ -91,8 +93,9 @@ class AccessLog:
             raise
         finally:
             RECORD.reset(token)
-            fields = record.fields()
-            log.info(_text(fields), extra={"fields": fields})
+            if record.status >= 300 or record.path not in _PROBES:
+                fields = record.fields()
+                log.info(_text(fields), extra={"fields": fields})
 
 
 def log_progress(message: str, **fields: Any) -> None:
