@@ -229,3 +229,26 @@ def test_access_log_has_every_request_but_answered_probes(caplog):
             asyncio.run(middleware({"type": "http", "method": "GET", "path": path}, receive, send))
     assert "GET /v1/models 200" in caplog.text and "GET /metrics 503" in caplog.text
     assert "/health" not in caplog.text
+
+
+def test_openai_and_responses_keep_alives_are_events_that_change_nothing():
+    """Clients time out on events (Codex's SSE parser drops comments before its idle timer sees them)."""
+    from luce_runtime.serve import openai_api, responses_api
+    from luce_runtime.serve.scheduler import Event
+    from luce_runtime.serve.structured import OutputPlan
+
+    async def evs():
+        for ev in (Event("ping"), Event("delta", text="Hi"), Event("done", finish_reason="stop", completion_tokens=1)):
+            yield ev
+
+    async def collect(stream) -> list[dict]:
+        return [json.loads(part.split("data: ", 1)[1]) async for part in stream if "data: {" in part]
+
+    chat = asyncio.run(collect(openai_api._chat_stream(None, evs(), {"id": "c"}, 1, False, False, OutputPlan(None))))
+    assert chat[1]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chat) == "Hi"
+    base = {"id": "resp_1", "object": "response", "status": "in_progress", "output": []}
+    events = asyncio.run(collect(responses_api._stream(evs(), base, 3, OutputPlan(None), lambda final: None, False)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and [e["sequence_number"] for e in events] == list(range(len(events)))

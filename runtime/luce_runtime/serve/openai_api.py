@@ -95,7 +95,8 @@ def _thinking(body: ChatCompletionRequest) -> bool | None:
     return False if body.reasoning_effort == "none" else None
 
 
-KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: every client's parser skips it
+# The keep-alive is a chunk that adds nothing (an empty delta), not an SSE comment: clients time out on events, and
+# their SSE parsers drop comments before the timer sees them (Codex's "idle timeout waiting for SSE")
 
 
 def _openai_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -187,7 +188,7 @@ async def _chat_stream(svc: Service, evs: AsyncIterator[Event], meta: dict[str, 
     prompt = completion = 0
     async for ev in evs:
         if ev.kind == "ping":
-            yield KEEP_ALIVE
+            yield chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}])
             continue
         s = splitters[ev.index]
         if ev.kind == "delta":
@@ -279,8 +280,8 @@ async def _completion_stream(svc: Service, evs: AsyncIterator[Event], meta: dict
     prompt = completion = 0
     offsets: dict[int, int] = {}
     async for ev in evs:
-        if ev.kind == "ping":
-            yield KEEP_ALIVE
+        if ev.kind == "ping":  # a chunk that adds nothing (see _chat_stream's)
+            yield sse(chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]))
         elif ev.kind == "delta":
             lp = _completion_logprobs(svc, [ev.logprob], offsets.get(ev.index, 0)) if with_lp and ev.logprob else None
             offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)

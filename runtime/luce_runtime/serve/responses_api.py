@@ -351,8 +351,8 @@ async def _stream(evs: AsyncIterator[Event], base: dict[str, Any], prompt_len: i
     yield items.event("response.in_progress", response=base)
     try:
         async for ev in evs:
-            if ev.kind == "ping":
-                yield ": keep-alive\n\n"  # an SSE comment: the Responses stream has no ping event
+            if ev.kind == "ping":  # no ping event in this API: in_progress again, which changes nothing (Codex
+                yield items.event("response.in_progress", response=base)  # times out on events, not on bytes)
                 continue
             if ev.kind == "delta":
                 for part in items.ops(splitter.feed(ev.text)):
