@@ -169,7 +169,7 @@ class Service:
         """Where a reply to `prompt` may hold its <think> block (reasoning.mode)."""
         if not self.thinks:
             return "off"
-        return reasoning.mode(self.tokenizer.chat_template, self.tokenizer.decode(prompt[-4:], special=True))
+        return reasoning.mode(self.tokenizer.chat_template, self.tokenizer.decode(prompt[-8:], special=True))
 
     def _encode_chat(self, messages: list[dict[str, Any]], extra: dict[str, Any], param: str) -> list[int]:
         text = render_prompt(self.tokenizer, messages, **extra)
