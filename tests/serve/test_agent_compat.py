@@ -124,7 +124,7 @@ class _Req:
 
 
 def test_a_silent_stream_gets_pings_then_its_events():
-    from luce_runtime.serve.app import events
+    from luce_runtime.serve.events import events
     from luce_runtime.serve.scheduler import Event
 
     async def run() -> list[str]:

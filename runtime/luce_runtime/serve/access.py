@@ -4,7 +4,7 @@ token, total time, and the reason of an error answer), as text or as one JSON ob
     POST /v1/messages 200 prompt=18775 completion=212 ttft=41.20s total=49.75s
     POST /v1/chat/completions 400 total=0.004s error="Unrecognized request argument: 'frobnicate'"
 
-The middleware opens a Record for each request and puts it in a context variable; the route's events (app.events)
+The middleware opens a Record for each request and puts it in a context variable; the route's events (events.events)
 fill in the tokens and the first token's time, the error handler the reason. A streamed answer's line is written
 when its last byte went out. Answered probes of /health and /metrics are left out (a load balancer or a test
 polls them every few seconds). The scheduler's prefill progress goes to the same log (`log_progress`).

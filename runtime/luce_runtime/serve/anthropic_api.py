@@ -18,8 +18,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from luce_runtime.serve.app import Service, collect, new_id, sampling, sse, stream_events
+from luce_runtime.serve.app import Service, sampling
 from luce_runtime.serve.body import parse_body
+from luce_runtime.serve.events import collect, new_id, sse, stream_events
 from luce_runtime.serve.protocol import (
     MAX_STOP_ANTHROPIC,
     AnthropicText,

@@ -5,7 +5,7 @@
 Routers: openai_api (/v1/models, /v1/completions, /v1/chat/completions), anthropic_api (/v1/messages,
 /v1/messages/count_tokens), responses_api (/v1/responses), and here /, /health and /metrics. Every error is an
 ApiError rendered in one place, in Anthropic's shape under /v1/messages and OpenAI's everywhere else; every request
-leaves a line in the access log (access.py).
+leaves a line in the access log (access.py); events.py turns a request's scheduler events into its answer.
 
 One client must not stall or starve the others: the body is capped (413, body.py) before it is read whole, prompts are
 bounded by characters before any tokenizing and tokenized in worker threads (never on the event loop, which
@@ -16,11 +16,9 @@ bounded, and a request whose client went away is cancelled, streaming or not.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,7 +38,7 @@ from luce_runtime.sampler import SamplingParams, SamplingParamsError
 from luce_runtime.serve import access, reasoning
 from luce_runtime.serve.metrics import render_metrics
 from luce_runtime.serve.protocol import MAX_STOP_CHARS, ApiError, anthropic_error, openai_error
-from luce_runtime.serve.scheduler import Event, GenRequest, Scheduler
+from luce_runtime.serve.scheduler import GenRequest, Scheduler
 from luce_runtime.serve.speculation import Speculation
 from luce_runtime.tools import tool_format
 
@@ -286,86 +284,6 @@ def sampling(service: Service, *, max_tokens: int, stop: Sequence[str] | str | N
         return SamplingParams(max_tokens=max_tokens, stop=tuple(stops), **{**service.sampling_defaults, **given})
     except SamplingParamsError as e:
         raise ApiError(400, str(e)) from None
-
-
-# how often a non-streaming request checks that its client is still there (a streamed one learns it from the send)
-DISCONNECT_POLL_S = 0.25
-# a stream with nothing to say for this long (a long prompt prefilling, a full queue) sends a keep-alive: Codex and
-# OpenCode drop a connection after ~300 s of silence and send the request again
-KEEPALIVE_S = 10.0
-
-
-async def _cancel_when_gone(request: Request, reqs: list[GenRequest]) -> None:
-    try:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-    except Exception:  # the server cannot tell any more; the request still ends at its max_tokens
-        log.exception("serve: watching %s for a disconnect failed", request.url.path)
-        return
-    log.info("serve: client of %s went away; cancelling its %d sequence(s)", request.url.path, len(reqs))
-    for r in reqs:
-        r.cancel()
-
-
-async def events(queue: asyncio.Queue, reqs: list[GenRequest], request: Request | None = None,
-                 keepalive: float | None = None) -> AsyncIterator[Event]:
-    """Events of reqs until each one is done; cancels whatever is unfinished when the consumer goes away.
-
-    With `request` (a non-streaming response, which sends nothing until the end) a watcher cancels reqs as soon as
-    the client disconnects; the scheduler then ends them with a 'done' event and frees their KV pages. With
-    `keepalive` (streams) a 'ping' event comes after that many seconds without another. The access log's record
-    learns the tokens and the first token's time here.
-    """
-    open_ = len(reqs)
-    watcher = asyncio.create_task(_cancel_when_gone(request, reqs)) if request is not None else None
-    record = access.current()
-    try:
-        while open_:
-            try:
-                ev: Event = await asyncio.wait_for(queue.get(), keepalive)
-            except TimeoutError:
-                yield Event("ping")
-                continue
-            if ev.kind == "error":
-                raise ApiError(500, ev.text, type_="server_error")
-            if record is not None:
-                record.first_token = record.first_token or time.perf_counter()
-                if ev.kind == "done":
-                    record.prompt_tokens = ev.prompt_tokens
-                    record.completion_tokens += ev.completion_tokens
-            if ev.kind == "done":
-                open_ -= 1
-            yield ev
-    finally:
-        if watcher is not None:
-            watcher.cancel()
-        for r in reqs:
-            r.cancel()
-
-
-def stream_events(queue: asyncio.Queue, reqs: list[GenRequest]) -> AsyncIterator[Event]:
-    """A streamed response's events, with a 'ping' after KEEPALIVE_S of silence (each API sends its keep-alive)."""
-    return events(queue, reqs, keepalive=KEEPALIVE_S)
-
-
-async def collect(queue: asyncio.Queue, reqs: list[GenRequest], request: Request) -> tuple[str, Event | None]:
-    """A one-choice non-streaming response's whole text and its final event."""
-    text, last = "", None
-    async for ev in events(queue, reqs, request):
-        if ev.kind == "delta":
-            text += ev.text
-        else:
-            last = ev
-    return text, last
-
-
-def sse(data: Any, event: str | None = None) -> str:
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{secrets.token_hex(12)}"
 
 
 def _is_anthropic(request: Request) -> bool:

@@ -12,8 +12,9 @@ from fastapi.responses import StreamingResponse
 
 from luce_runtime.grammar import Constraint
 from luce_runtime.sampler import TokenLogprobs
-from luce_runtime.serve.app import Service, events, new_id, sampling, sse, stream_events
+from luce_runtime.serve.app import Service, sampling
 from luce_runtime.serve.body import parse_body
+from luce_runtime.serve.events import events, new_id, sse, stream_events
 from luce_runtime.serve.protocol import (
     MAX_STOP_OPENAI,
     ApiError,
