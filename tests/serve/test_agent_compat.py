@@ -45,7 +45,7 @@ def test_refused_parameters_stay_refused_when_lenient():
 
 def test_responses_tools_flatten_namespaces_and_drop_what_cannot_run(caplog):
     from luce_runtime.serve.body import _parse
-    from luce_runtime.serve.protocol import ResponsesRequest
+    from luce_runtime.serve.protocol import ApiError, ResponsesRequest
 
     fn = {"type": "function", "name": "shell", "parameters": {"type": "object"}, "strict": False}
     ns = {"type": "namespace", "name": "agents", "description": "multi-agent",
@@ -58,6 +58,9 @@ def test_responses_tools_flatten_namespaces_and_drop_what_cannot_run(caplog):
     assert [t.name for t in req.tools] == ["shell", "spawn"]
     assert req.reasoning.summary == "auto" and req.client_metadata == {"session": "x"}
     assert "web_search" in caplog.text
+    with pytest.raises(ApiError) as e:  # forcing a tool the server cannot run would change the answer
+        _parse(json.dumps({**body, "tool_choice": {"type": "web_search"}}).encode(), ResponsesRequest, strict=False)
+    assert e.value.status == 400 and e.value.param == "tool_choice" and "'web_search'" in e.value.message
 
 
 def test_claude_code_request_shape_parses():

@@ -399,6 +399,12 @@ class ResponsesRequest(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _runnable_tools(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("tools"), list):
+        if not isinstance(data, dict):
+            return data
+        choice = data.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("type") != "function":  # dropping it would change the answer
+            raise ApiError(400, f"tool_choice of type {choice.get('type')!r} names a tool this server cannot run; "
+                                "it runs function tools only.", param="tool_choice")
+        if isinstance(data.get("tools"), list):
             return {**data, "tools": runnable_tools(data["tools"])}
         return data
