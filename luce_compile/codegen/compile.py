@@ -148,7 +148,11 @@ def _cached_summary(cached: Path) -> str:
     tuning = json.loads((cached / "manifest.json").read_text())["kernels"].get("tuning")
     if not tuning:
         return "kernels: built before tuning records were reported"
-    return f"kernels: {tuning['tuned']} tuned ({', '.join(tuning['files']) or 'no logs'}), {tuning['default']} default"
+    # the words of Tuning.summary, which a fresh build prints: a reused build reads the same
+    if not tuning["files"]:
+        return f"kernels: 0 tuned (no tuning logs), {tuning['default']} with rule defaults (the cached build's)"
+    return (f"kernels: {tuning['tuned']} tuned from {', '.join(tuning['files'])}, {tuning['default']} with rule "
+            "defaults (the cached build's)")
 
 
 def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: Progress,
