@@ -22,6 +22,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report import write_results  # noqa: E402  (benchmarks/report.py: the JSON and markdown of a table)
+
 # (workload, weight type, [(n_out, n_in)]): the distinct prefill matmuls of the four benchmark workloads
 WORKLOADS = (
     ("llama-1b-body", "Q4_1", ((2048, 2048), (512, 2048), (8192, 2048), (2048, 8192))),
@@ -127,9 +131,7 @@ def report(args: argparse.Namespace) -> int:
                   "| function | rows | rel. error vs float16-operand float64 | vs plain float64 |", "|---|---|---|---|"]
         lines += [f"| {c['function']} | {c['rows']} | {c['vs_half']:.2e} | {c['vs_plain']:.2e} |"
                   for c in checks if "vs_half" in c]
-    stem = Path(args.out) / f"{str(doc['date'])[:10]}-gemm"
-    stem.with_suffix(".json").write_text(json.dumps(doc | {"checks": checks}, indent=1))
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(Path(args.out) / f"{str(doc['date'])[:10]}-gemm", doc | {"checks": checks}, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -20,6 +20,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report import write_results  # noqa: E402  (benchmarks/report.py: the JSON and markdown of a table)
+
 SHAPES = ((4096, 4096), (14336, 4096), (151936, 896))
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 BUNDLE = ROOT / ".gpucheck" / "tune" / "gemv"
@@ -110,9 +114,7 @@ def report(args: argparse.Namespace) -> int:
         lines.append(f"| {r['kernel']} | {r['bytes'] / 1e6:.1f} | {r['default_us']:.1f} | {r['default_gb_s']:,.0f} | "
                      f"{r['best_us']:.1f} | {r['best_gb_s']:,.0f} | {100 * r['best_fraction']:.0f}% | {knobs} | "
                      f"{r['candidates']} ({r['invalid']}) |")
-    stem = Path(args.out) / f"{str(doc['date'])[:10]}-gemv"
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(Path(args.out) / f"{str(doc['date'])[:10]}-gemv", doc, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
