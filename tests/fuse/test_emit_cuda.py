@@ -281,65 +281,52 @@ def test_megakernel_check_passes_every_argument_the_kernel_takes():
     assert others == KERNEL_ARGS
 
 
-def test_q5_fifth_bits_land_in_their_quants_bytes(rng):
-    """The 8-bit path's Q5 words: granule gg's low-nibble word with the fifth bits of its even elements in bit 4 of
-    each byte, the high-nibble word with its odd elements', must be the Q5 quants as dequant_expr reads them
-    (quant_matmul.stored_quant), for every granule of a block. Run on the CPU (the same TIR as the kernels)."""
+def _high_bit_words(rng, ggml_type: str, qh_words: int, high) -> tuple[np.ndarray, np.ndarray]:
+    """The 8-bit path's two words of each granule of 32 values (low nibbles of the even / odd elements, their high
+    bits placed by `high(qh, row, granule)`) and the quants as dequant_expr reads them (quant_matmul.stored_quant),
+    on random planes, computed by the same TIR on the CPU: (row, granule, even/odd, byte i) and (row, granule, i,
+    even/odd), which must be equal."""
     import tvm
     from tvm import te, tirx
 
-    from luce_compile.fuse.emit_cuda import _fifth_bits
-    from luce_compile.lower.quant_matmul import stored_quant
-
-    n = 64
-    qs = te.placeholder((n, 4), "uint32", name="qs")  # one block of 32 per row: 4 granule words
-    qh = te.placeholder((n, 1), "uint32", name="qh")
-    mask = tirx.const(0x0F0F0F0F, "uint32")
-
-    def word(i, gg, h):
-        nib = [qs[i, gg] & mask, (qs[i, gg] >> tirx.const(4, "uint32")) & mask]
-        high = _fifth_bits(qh[i, 0], gg)
-        return tirx.Select(h == 0, nib[0] | high[0], nib[1] | high[1])
-
-    words = te.compute((n, 4, 2), word, name="words")
-    quants = te.compute((n, 32), lambda i, k: stored_quant("Q5_0", {"qs": qs, "qh": qh}, i, k), name="quants")
-    func = tvm.compile(te.create_prim_func([qs, qh, words, quants]), target="llvm")
-    a = rng.integers(0, 2**32, (n, 4), dtype=np.uint64).astype(np.uint32)
-    b = rng.integers(0, 2**32, (n, 1), dtype=np.uint64).astype(np.uint32)
-    out = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in (((n, 4, 2), np.uint32), ((n, 32), np.int32))]
-    func(tvm.runtime.tensor(a), tvm.runtime.tensor(b), *out)
-    got = out[0].numpy().view(np.uint8).reshape(n, 4, 2, 4)  # (row, granule, even/odd, byte i)
-    want = out[1].numpy().reshape(n, 4, 4, 2).transpose(0, 1, 3, 2)  # element 8gg + 2i + h
-    assert np.array_equal(got, want) and want.max() > 15
-
-
-def test_q6_k_high_bits_land_in_their_quants_bytes(rng):
-    """The 8-bit path's Q6_K words: granule g's low-nibble word with the two high bits of its even elements in bits
-    4-5 of each byte, the high-nibble word with its odd elements', must be the Q6_K quants as dequant_expr reads them
-    (quant_matmul.stored_quant, 0..63 before the offset 32), for each granule of two sub-blocks of 16."""
-    import tvm
-    from tvm import te, tirx
-
-    from luce_compile.fuse.emit_cuda import _sixth_bits
     from luce_compile.lower.quant_matmul import stored_quant
 
     n = 64
     qs = te.placeholder((n, 4), "uint32", name="qs")  # 32 values per row: 4 granule words
-    qh = te.placeholder((n, 2), "uint32", name="qh")  # two bits an element, a word per 16
+    qh = te.placeholder((n, qh_words), "uint32", name="qh")
     mask = tirx.const(0x0F0F0F0F, "uint32")
 
     def word(i, g, h):
         nib = [qs[i, g] & mask, (qs[i, g] >> tirx.const(4, "uint32")) & mask]
-        high = _sixth_bits(qh[i, g // 2], (g % 2) * 16)  # a granule index the kernel computes (a TIR expression)
-        return tirx.Select(h == 0, nib[0] | high[0], nib[1] | high[1])
+        bits = high(qh, i, g)
+        return tirx.Select(h == 0, nib[0] | bits[0], nib[1] | bits[1])
 
     words = te.compute((n, 4, 2), word, name="words")
-    quants = te.compute((n, 32), lambda i, k: stored_quant("Q6_K", {"qs": qs, "qh": qh}, i, k), name="quants")
+    quants = te.compute((n, 32), lambda i, k: stored_quant(ggml_type, {"qs": qs, "qh": qh}, i, k), name="quants")
     func = tvm.compile(te.create_prim_func([qs, qh, words, quants]), target="llvm")
     a = rng.integers(0, 2**32, (n, 4), dtype=np.uint64).astype(np.uint32)
-    b = rng.integers(0, 2**32, (n, 2), dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, (n, qh_words), dtype=np.uint64).astype(np.uint32)
     out = [tvm.runtime.tensor(np.zeros(s, d)) for s, d in (((n, 4, 2), np.uint32), ((n, 32), np.int32))]
     func(tvm.runtime.tensor(a), tvm.runtime.tensor(b), *out)
     got = out[0].numpy().view(np.uint8).reshape(n, 4, 2, 4)  # (row, granule, even/odd, byte i)
     want = out[1].numpy().reshape(n, 4, 4, 2).transpose(0, 1, 3, 2)  # element 8g + 2i + h
+    return got, want
+
+
+def test_q5_fifth_bits_land_in_their_quants_bytes(rng):
+    """The 8-bit path's Q5 words: granule gg's low-nibble word with the fifth bits of its even elements in bit 4 of
+    each byte, the high-nibble word with its odd elements', must be the Q5 quants as dequant_expr reads them."""
+    from luce_compile.fuse.emit_cuda import _fifth_bits
+
+    got, want = _high_bit_words(rng, "Q5_0", 1, lambda qh, i, g: _fifth_bits(qh[i, 0], g))
+    assert np.array_equal(got, want) and want.max() > 15
+
+
+def test_q6_k_high_bits_land_in_their_quants_bytes(rng):
+    """The 8-bit path's Q6_K words: the two high bits of granule g's even elements in bits 4-5 of each byte of its
+    low-nibble word, its odd elements' in the high one's, must be the Q6_K quants as dequant_expr reads them (0..63
+    before the offset 32), for each granule of two sub-blocks of 16, with a granule index the kernel computes."""
+    from luce_compile.fuse.emit_cuda import _sixth_bits
+
+    got, want = _high_bit_words(rng, "Q6_K", 2, lambda qh, i, g: _sixth_bits(qh[i, g // 2], (g % 2) * 16))
     assert np.array_equal(got, want) and want.max() > 47
