@@ -12,15 +12,12 @@ import sys
 import time
 import tomllib
 import types
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from luce_compile.runtime_wheel import compiler_only, tvm_package, tvm_platform
-from tests.serve.process import free_port
+from tests.serve.process import serve_process
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"
@@ -165,32 +162,10 @@ def test_luce_runtime_run_gives_luce_compile_runs_tokens(runtime_venv: Path, cpu
         assert len(json.loads(out.stdout)["ids"]) == 8
 
 
-@contextmanager
-def runtime_server(venv: Path, artifact: Path, cwd: Path) -> Iterator[tuple[str, subprocess.Popen, dict]]:
+def runtime_server(venv: Path, artifact: Path, cwd: Path):
     """`luce-runtime serve ARTIFACT` from the venv on a free port until /health answers; stopped on exit."""
-    port = free_port()
-    proc = subprocess.Popen([str(venv / "bin" / "luce-runtime"), "serve", str(artifact), "--port", str(port),
-                             "--max-batch", "2", "--ctx", "256"], cwd=cwd, env=clean_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"luce-runtime serve exited: {proc.stderr.read().decode()[-2000:]}"
-            try:
-                health = json.loads(urllib.request.urlopen(url + "/health", timeout=2).read())
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "luce-runtime serve did not answer /health within 120 s"
-                time.sleep(0.2)
-        yield url, proc, health
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return serve_process(["serve", str(artifact), "--max-batch", "2", "--ctx", "256"],
+                         command=[str(venv / "bin" / "luce-runtime")], cwd=cwd, env=clean_env())
 
 
 @pytest.mark.slow

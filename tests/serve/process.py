@@ -22,15 +22,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_process(args: list[str], timeout: float = 120,
-                  log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen, dict]]:
-    """`luce-compile serve ARGS --port P` on a free port until /health answers: (url, the process, /health's JSON);
-    stopped (terminated, then killed after 20 s) on exit. Its stderr (the access log: a line per request) goes to
-    `log`, or a temporary file: a pipe nobody reads would fill and block the server."""
+def serve_process(args: list[str], timeout: float = 120, log: Path | None = None, *,
+                  command: list[str] | None = None, cwd: Path | None = None,
+                  env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen, dict]]:
+    """`luce-compile serve ARGS --port P` (or `command` ARGS, e.g. another install's `luce-runtime`) on a free port
+    until /health answers: (url, the process, /health's JSON); stopped (terminated, then killed after 20 s) on exit.
+    Its stderr (the access log: a line per request) goes to `log`, or a temporary file: a pipe nobody reads would
+    fill and block the server."""
     port = free_port()
     err = open(log, "wb") if log is not None else tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen([sys.executable, "-m", "luce_compile.cli", *args, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=err, env=os.environ.copy())
+    command = command or [sys.executable, "-m", "luce_compile.cli"]
+    proc = subprocess.Popen([*command, *args, "--port", str(port)], cwd=cwd, stdout=subprocess.DEVNULL, stderr=err,
+                            env=env if env is not None else os.environ.copy())
     url = f"http://127.0.0.1:{port}"
 
     def tail() -> str:
