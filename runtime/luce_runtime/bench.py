@@ -208,10 +208,10 @@ def bench_artifact(artifact, *, prompt_len: int, gen_len: int, batch: int, repea
 
 def add_bench_arguments(parser) -> None:
     """The bench options, shared by `luce-compile bench` and `python -m luce_runtime.bench`."""
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--gen-len", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=128, help="tokens of the timed prompt (default 128)")
+    parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded after it (default 32)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences of the batched decode (default 4)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement, the median kept (default 3)")
     parser.add_argument("--prefill-lens", type=int, nargs="*", default=[], help="also time prefill of these lengths")
     parser.add_argument("--no-megakernel", action="store_true",
                         help="decode with the per-op kernels even where the artifact has a megakernel (A/B runs)")

@@ -145,8 +145,8 @@ def add_run_args(s: argparse.ArgumentParser) -> None:
 
 def add_serve_args(s: argparse.ArgumentParser) -> None:
     """`serve`'s arguments after ARTIFACT (whose help differs: luce-compile serve also takes a GGUF)."""
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     # the environment variable keeps the key out of the process list (`ps` shows every user the command line)
     s.add_argument("--api-key", default=os.environ.get("LUCE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1/* (default: the LUCE_API_KEY "
