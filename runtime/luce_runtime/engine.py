@@ -231,11 +231,13 @@ class Engine:
         self.config = self.artifact.config
         self.contract = RuntimeContract.from_manifest(manifest, self.artifact.root)
         kind = manifest["target"]["kind"]
-        if not load_device_api(kind):
+        # a device API can be there with no device (a compile host's stand-in libcuda, a driver without a GPU): both
+        # are refused here, before the first allocation fails with the driver's own words
+        self.device = tvm.cpu(0) if kind == "llvm" else tvm.device(kind, 0) if load_device_api(kind) else None
+        if self.device is None or not self.device.exist:
             raise ArtifactError(f"engine: {self.artifact.root} was compiled for {manifest['target']['name']} "
                                 f"({kind}), which this TVM runtime cannot drive here; run it on that GPU, or "
                                 "recompile for this machine with `luce-compile compile MODEL --target cpu`.")
-        self.device = tvm.cpu(0) if kind == "llvm" else tvm.device(kind, 0)
         self.tokenizer = Tokenizer.from_metadata(self.artifact.tokenizer_metadata())
         self.options = replace(options, page_size=options.page_size or self.contract.page_size,
                                prefill_chunk=options.prefill_chunk or self.contract.prefill_chunk)
