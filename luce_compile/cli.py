@@ -27,6 +27,7 @@ from luce_runtime.cli import (
 
 from luce_compile import __version__
 from luce_compile.errors import LuceError
+from luce_compile.lower.kv_cache import KV_CACHE_TYPES
 
 
 def resolve_model(model: str) -> Path:
@@ -247,7 +248,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     compile_model(gguf, args.target, out, use_cache=not args.no_cache, overwrite=args.force, progress=progress,
                   precision=args.precision, tune_logs=args.tune_logs, use_tune_logs=not args.no_tune_logs,
                   megakernel=not args.no_megakernel, megakernel_q8=args.megakernel_q8,
-                  megakernel_tf32=args.megakernel_tf32)
+                  megakernel_tf32=args.megakernel_tf32, kv_cache=args.kv_cache)
     print(out)
     return 0
 
@@ -328,14 +329,23 @@ def cmd_pack(args: argparse.Namespace) -> int:
     return 0
 
 
-def compile_into_cache(model: str, target: str, purpose: str) -> Path:
+def add_kv_cache_arg(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--kv-cache", choices=KV_CACHE_TYPES, default="f32",
+                   help="the KV cache's type (llama.cpp's -ctk/-ctv): f32 (default), f16 = half the bytes per token "
+                        "of context (queries, keys and values rounded to float16 for attention); q8_0 and q4_0 are "
+                        "not built yet (refused with the reason)")
+
+
+def compile_into_cache(model: str, target: str, purpose: str, kv_cache: str = "f32") -> Path:
     """MODEL compiled for `target` into the cache's folder for `purpose` (bench, serve): the cache's own copy, replaced
     when an earlier run left one."""
     from luce_compile.codegen.compile import compile_model
     from luce_compile.models import cache_dir
 
     gguf = resolve_for_target(model, target)
-    return compile_model(gguf, target, cache_dir() / purpose / f"{gguf.stem}.{target}", overwrite=True)
+    suffix = "" if kv_cache == "f32" else f".kv{kv_cache}"
+    return compile_model(gguf, target, cache_dir() / purpose / f"{gguf.stem}.{target}{suffix}", overwrite=True,
+                         kv_cache=kv_cache)
 
 
 def bench_path(model: str, target: str) -> Path:
@@ -391,16 +401,22 @@ def bench_spec(path: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_path(model: str, target: str) -> Path:
+def serve_path(model: str, target: str, kv_cache: str = "f32") -> Path:
     """An artifact (directory or packed file) as is; a GGUF (or model name) compiled first, through the cache."""
     path = Path(model)
-    if (path / "manifest.json").is_file() or (path.is_file() and path.suffix != ".gguf"):
+    if (path / "manifest.json").is_file():
+        built = json.loads((path / "manifest.json").read_text())["kernels"].get("kv_cache", "f32")
+        if kv_cache not in ("f32", built):  # f32 is the flag's default: an artifact's own type is taken as is
+            raise LuceError(f"serve: {path} was compiled with --kv-cache {built}; its kernels cannot take "
+                            f"{kv_cache}: compile the GGUF again with --kv-cache {kv_cache}, or serve the GGUF.")
         return path
-    return compile_into_cache(model, target, "serve")
+    if path.is_file() and path.suffix != ".gguf":
+        return path
+    return compile_into_cache(model, target, "serve", kv_cache)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    args.artifact = serve_path(args.artifact, args.target)
+    args.artifact = serve_path(args.artifact, args.target, args.kv_cache)
     if args.draft:
         args.draft = serve_path(args.draft, args.target)
     # after compiling: the runtime loads TVM's runtime library only
@@ -448,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "present); f16 = matmuls of more than 8 rows (prefill, verify) and a prompt's attention on "
                         "tensor cores with float16 operands (CUDA sm_70+); f32 = the exact float32 kernels, for "
                         "checks against the oracle; auto = int8 on such CPUs, f16 on CUDA, else f32 (default)")
+    add_kv_cache_arg(s)
     s.add_argument("--force", action="store_true",
                    help="replace an existing artifact at -o (anything else there is always refused)")
     s.add_argument("--no-megakernel", action="store_true",
@@ -511,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve an artifact (or a GGUF) over OpenAI- and Anthropic-compatible HTTP")
     s.add_argument("artifact", help="an artifact directory or packed file, a .gguf path or a known model name")
     s.add_argument("--target", default="cpu", help="compile target when ARTIFACT is a GGUF")
+    add_kv_cache_arg(s)
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -30,6 +30,7 @@ from luce_compile.gguf.reader import GGUFFile, read_gguf
 from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
 from luce_compile.lower.cpu_int8 import resolve_precision
+from luce_compile.lower.kv_cache import kv_cache_dtype
 from luce_compile.lower.quant_layout import weight_planes
 from luce_compile.lower.relax_model import (
     PLANE_SEP,
@@ -69,7 +70,8 @@ def compiler_fingerprint() -> str:
 def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, use_cache: bool = True,
                   overwrite: bool = False, progress: Progress | None = None, precision: str = "auto",
                   tune_logs: Path | None = None, use_tune_logs: bool = True, megakernel: bool = True,
-                  megakernel_q8: bool | None = None, megakernel_tf32: bool | None = None) -> Path:
+                  megakernel_q8: bool | None = None, megakernel_tf32: bool | None = None,
+                  kv_cache: str = "f32") -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
     An existing out_dir is replaced only if it is an artifact and `overwrite` is set (the CLI's --force); anything
@@ -86,7 +88,9 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     activations. `megakernel_tf32`: the megakernels' F16/BF16 matvecs run on tf32 tensor cores, their inputs rounded
     to tf32 (MegakernelOptions.float_mma). Both default (None) to on where the precision resolves to f16 (CUDA's
     auto: the fast build, as llama.cpp's CUDA backend rounds by default) and off with f32, the exact build the
-    oracle checks; the manifest's megakernel options record the choice.
+    oracle checks; the manifest's megakernel options record the choice. `kv_cache`: the KV cache's type (--kv-cache,
+    lower/kv_cache.py: f32 by default, f16 half its bytes), recorded as the manifest's kernels.kv_cache and the
+    runtime contract's kv_dtype.
     """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -99,6 +103,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     say("hashing the model")
     gguf_sha = file_sha256(gguf_path)
     precision = resolve_precision(precision, info.tvm_target())  # refuses int8 where it cannot run, before work
+    kv_cache_dtype(kv_cache)  # refuses a KV cache type that is not built, before work
     fast = precision == "f16"  # the GPU's default build: the megakernels round as llama.cpp's CUDA kernels do
     megakernel_q8 = fast if megakernel_q8 is None else megakernel_q8
     megakernel_tf32 = fast if megakernel_tf32 is None else megakernel_tf32
@@ -107,7 +112,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     key = (f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}-{tuning.digest()}"
            f"{'' if megakernel or info.kind != 'cuda' else '-nomk'}"
            f"{'-mkq8' if megakernel and megakernel_q8 and info.kind == 'cuda' else ''}"
-           f"{'-mktf32' if megakernel and megakernel_tf32 and info.kind == 'cuda' else ''}")
+           f"{'-mktf32' if megakernel and megakernel_tf32 and info.kind == 'cuda' else ''}"
+           f"{'' if kv_cache == 'f32' else f'-kv{kv_cache}'}")
     cached = cache_dir() / "artifacts" / key
     if use_cache and (cached / "manifest.json").is_file():
         say(f"reusing the cached build {cached}")
@@ -120,8 +126,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
             say(f"the cached build went away while it was copied ({e.__class__.__name__}); building it again")
     gguf = read_gguf(gguf_path)
     graph = build_graph(gguf)  # refuses unsupported models before any work
-    built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision), tuning, megakernel,
-                   megakernel_q8, megakernel_tf32)
+    built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision, kv_cache=kv_cache), tuning,
+                   megakernel, megakernel_q8, megakernel_tf32)
     try:
         if use_cache:
             _copy_tree(built, cached, overwrite=True)  # the cache is ours: a stale entry is replaced
@@ -161,6 +167,7 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     import tvm
 
     target = info.tvm_target()
+    kv_dtype = kv_cache_dtype(options.kv_cache)
     say(f"lowering {len(graph.ops)} ops")
     mod, params = lower_graph(graph, target, options)
     say(f"compiling for {info.name} ({target.kind.name})")
@@ -181,22 +188,23 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
         from luce_compile.fuse.build import artifact_megakernels
 
         say("generating the decode megakernels")
-        megakernel_fields["megakernel"], extra_files = artifact_megakernels(graph, info.name, work, options.dtype,
+        megakernel_fields["megakernel"], extra_files = artifact_megakernels(graph, info.name, work, kv_dtype,
                                                                             q8_activations=megakernel_q8,
                                                                             float_mma=megakernel_tf32)
     elif info.kind == "cuda":
         megakernel_fields["megakernel"] = {"skipped": "built with --no-megakernel"}
     say("writing the artifact (weights repacked into kernel planes)")
-    contract = RuntimeContract(kv_dtype=options.dtype,
+    contract = RuntimeContract(kv_dtype=kv_dtype,
                                sliding_prefill_chunks=cpu_prefill_applies_window(
-                                   target, graph.config.head_dim, graph.config.head_dim_v, options.dtype),
+                                   target, graph.config.head_dim, graph.config.head_dim_v, kv_dtype),
                                functions=tuple(str(f) for f in exported_functions(options.precision)))
     manifest = {
         "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},
         "config": graph.config.to_dict(),
         "target": _target_fields(info, target),
         "kernels": {"module": "model.so", "functions": list(contract.functions), "compile_seconds": round(compile_s, 2),
-                    "precision": options.precision, **({"tuning": tuning.to_manifest()} if tuning else {}),
+                    "precision": options.precision, "kv_cache": options.kv_cache,
+                    **({"tuning": tuning.to_manifest()} if tuning else {}),
                     **({"device_binaries": binaries.to_manifest()} if binaries else {})},
         "runtime": contract.to_manifest(),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -33,6 +33,7 @@ from luce_compile.errors import UnsupportedError
 from luce_compile.gguf.reader import TensorInfo
 from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, Op, OpKind
 from luce_compile.lower.cpu_int8 import int8_linear, resolve_precision
+from luce_compile.lower.kv_cache import kv_cache_dtype
 from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul, with_tensor_core_twin
 from luce_compile.lower.rope import rope_func
@@ -47,7 +48,8 @@ def param_name(tensor: str, plane: str) -> str:
 
 @dataclass(frozen=True)
 class LowerOptions:
-    dtype: str = "float32"  # activations and the KV cache
+    dtype: str = "float32"  # activations
+    kv_cache: str = "f32"  # the KV cache's type: --kv-cache (lower/kv_cache.py)
     # matmuls of the types in cpu_int8.INT8_FORMATS (decode, verify and prefill): "int8" quantizes activations to
     # 8 bits as llama.cpp does and uses integer dot products (lower/cpu_int8.py); "f32" keeps the exact float32
     # kernels (for checks); "auto" is int8 on CPUs with AVX512-VNNI, else f32. compile_model resolves it (auto by
@@ -83,6 +85,7 @@ class GraphModule(nn.Module):
         self.params = nn.ParameterDict(params)
         self._kernels: dict[tuple, tirx.PrimFunc] = {}
         self.precision = resolve_precision(options.precision, target)  # "auto" resolved (and logged) once
+        self.kv_dtype = kv_cache_dtype(options.kv_cache)
         self._quantized: dict = {}  # inputs already quantized to 8 bits (int8_linear's cache)
 
     # ---- exported functions -------------------------------------------------------------------------------------
@@ -91,7 +94,7 @@ class GraphModule(nn.Module):
         # the argument names and order are KVCacheArgs' (export_spec builds the signature from it)
         c = self.graph.config
         kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
-        with prefill_attention_tiles(self.target, c.head_dim, self.options.dtype), \
+        with prefill_attention_tiles(self.target, c.head_dim, self.kv_dtype), \
                 tensor_core_prefill_attention(self.target, self.precision), kv_pages_probe(), \
                 cpu_attention(self.target):
             return TIRPagedKVCache(
@@ -103,7 +106,7 @@ class GraphModule(nn.Module):
                 # RoPE is the graph's own op (both layouts, per-layer bases): the cache stores keys already rotated.
                 rope_mode=RopeMode.NONE, rope_scale=1, rope_theta=int(c.rope_base), rope_scaling={},
                 rope_ext_factors=relax.prim_value(0), rotary_dim=c.rope_dim, enable_disaggregation=False,
-                dtype=self.options.dtype, target=self.target, layer_sliding_window_size=c.sliding_window or 1024,
+                dtype=self.kv_dtype, target=self.target, layer_sliding_window_size=c.sliding_window or 1024,
             )
 
     def prefill(self, tokens: nn.Tensor, logit_rows: nn.Tensor, kv: PagedKVCache):
@@ -277,17 +280,17 @@ def cpu_attention(target: tvm.target.Target) -> Iterator[None]:
     def ragged(h_kv, h_q, d_qk, d_v, dtype, rope_scaling):  # noqa: ANN001, ANN202  (TVM's signature)
         if not supports(d_qk, d_v, dtype):
             return originals[0](h_kv, h_q, d_qk, d_v, dtype, rope_scaling)
-        return ragged_prefill_cpu(h_kv, h_q, d_qk)
+        return ragged_prefill_cpu(h_kv, h_q, d_qk, dtype=dtype)
 
     def paged(h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size=16, sliding_window_size=1024):  # noqa: ANN001, ANN202
         if not supports(d, d, dtype):
             return originals[1](h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size, sliding_window_size)
-        return paged_prefill_cpu(h_kv, h_q, d, sliding_window, page_size, sliding_window_size)
+        return paged_prefill_cpu(h_kv, h_q, d, sliding_window, page_size, sliding_window_size, dtype=dtype)
 
     def decode(h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size=16):  # noqa: ANN001, ANN202
         if not supports(d, d, dtype):
             return originals[2](h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size)
-        return paged_decode_cpu(h_kv, h_q, d, sliding_window, page_size)
+        return paged_decode_cpu(h_kv, h_q, d, sliding_window, page_size, dtype=dtype)
 
     with swapped(kv_cache, _attention_prefill_ragged_cpu=ragged, _attention_prefill_cpu=paged,
                  _attention_decode_cpu=decode):
@@ -381,7 +384,11 @@ def _attention(m: GraphModule, o: Op, ins: list, kv: PagedKVCache, **_) -> nn.Te
         raise UnsupportedError("lower: different key and value head sizes are not supported yet.")
     b, s, h, d = q.shape
     qkv = op.concat([q, k, v], dim=2)  # (B, S, H + 2·Hkv, D): the cache appends k, v and attends
+    if m.kv_dtype != qkv.dtype:  # the cache takes q, k, v and gives its output in its own dtype (--kv-cache f16)
+        qkv = op.astype(qkv, m.kv_dtype)
     out = kv.attention_with_fused_qkv(a["layer"], qkv, a["n_head"], sm_scale=a["scale"])
+    if out.dtype != m.options.dtype:
+        out = op.astype(out, m.options.dtype)
     return op.reshape(out, (b, s, h * d))
 
 

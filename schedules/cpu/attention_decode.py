@@ -28,8 +28,10 @@ def rows_per_block(group: int) -> int:
     return next(r for r in (RB, 3, 2, 1) if group % r == 0)
 
 
-def paged_decode_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_size: int = 16) -> tirx.PrimFunc:
-    """TVM's batch_decode_paged_kv_cpu(_sliding_window) (float32; same signature and outputs)."""
+def paged_decode_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_size: int = 16,
+                     dtype: str = "float32") -> tirx.PrimFunc:
+    """TVM's batch_decode_paged_kv_cpu(_sliding_window) (a dtype of attention_prefill.DTYPES; same signature and
+    outputs)."""
     global_symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
     group = h_q // h_kv
     tile = _tile_macro(group, d, 1, page_gather(d, page_size), 0, rows_per_block(group))
@@ -60,8 +62,8 @@ def paged_decode_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_siz
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        Q = T.match_buffer(Q_handle, (batch_size, h_q, d), "float32")
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), "float32")
+        Q = T.match_buffer(Q_handle, (batch_size, h_q, d), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
         page_table_indptr = T.match_buffer(page_table_indptr_handle, (batch_size + 1,), "int32",
                                            elem_offset=page_indptr_elem_offset)
         page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
@@ -70,7 +72,7 @@ def paged_decode_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_siz
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (batch_size,), "int32",  # noqa: F841
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(output_handle, (batch_size, h_q, d), "float32")
+        output = T.match_buffer(output_handle, (batch_size, h_q, d), dtype)
         lse = T.match_buffer(lse_handle, (batch_size, h_q), "float32")
         length_info = _declare_length_info(var_length_info, batch_size, sliding_window, length_info_elem_offset)
 

@@ -46,9 +46,20 @@ LOG2E = math.log2(math.e)
 EXP2_COEFFS = tuple(math.log(2) ** i / math.factorial(i) for i in range(7, -1, -1))
 
 
+# the cache dtypes taken: float32 (the CPU build's default) and float16 (--kv-cache f16: half the bytes a token);
+# float16 values are widened to float32 as they are loaded, and every sum is float32 either way
+DTYPES = ("float32", "float16")
+
+
 def supports(d_qk: int, d_v: int, dtype: str) -> bool:
-    """float32 (the CPU build's cache dtype), one head size for keys and values, whole 16-lane column vectors."""
-    return dtype == "float32" and d_qk == d_v and d_qk % LANES == 0
+    """A cache dtype of DTYPES, one head size for keys and values, whole 16-lane column vectors."""
+    return dtype in DTYPES and d_qk == d_v and d_qk % LANES == 0
+
+
+def f32(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """x widened to float32 where it is a float16 load (the cache's keys, values and queries under --kv-cache f16;
+    a float32 load's cast is an identity the lowering drops)."""
+    return T.Cast("float32", x)
 
 
 def _exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -97,7 +108,7 @@ def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int, rb
             for c in T.vectorized(d):
                 o[r, c] = T.float32(0)
                 qs[r, c] = T.if_then_else(
-                    r // group < n_rows, q[q0 + r0 + r // group, hk * group + r % group, c] * scale, T.float32(0))
+                    r // group < n_rows, f32(q[q0 + r0 + r // group, hk * group + r % group, c]) * scale, T.float32(0))
         for kb in T.serial((kv_end + KB - 1) // KB):
             n_keys = T.min(KB, n_kv - kb * KB)
             gather(kt, vb, kb, n_keys, hk, src1, src2, src3, src4, src5)
@@ -142,8 +153,8 @@ def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int, rb
         for r in T.serial(n_rows * group):
             # a row with no key at all (an empty sequence's keys) writes 0 and a log-sum-exp that merges as weight 0
             for c in T.vectorized(d):
-                output[q0 + r0 + r // group, hk * group + r % group, c] = T.if_then_else(
-                    den[r] > T.float32(0), o[r, c] / den[r], T.float32(0))
+                output[q0 + r0 + r // group, hk * group + r % group, c] = T.Cast(output.dtype, T.if_then_else(
+                    den[r] > T.float32(0), o[r, c] / den[r], T.float32(0)))
             lse[q0 + r0 + r // group, hk * group + r % group] = T.if_then_else(
                 den[r] > T.float32(0), m[r] + T.log2(den[r]), T.float32(EMPTY))
 
@@ -166,17 +177,18 @@ def _find_tile(q_indptr, batch_size, slots, zz, tile_q, found):  # noqa: ANN001
         found[2] = found[2] + n_tiles
 
 
-def ragged_prefill_cpu(h_kv: int, h_q: int, d: int, tile_q: int = TQ) -> tirx.PrimFunc:
-    """TVM's batch_prefill_ragged_kv (float32, d_qk = d_v = d), multi-threaded and vectorized (module docstring)."""
+def ragged_prefill_cpu(h_kv: int, h_q: int, d: int, tile_q: int = TQ, dtype: str = "float32") -> tirx.PrimFunc:
+    """TVM's batch_prefill_ragged_kv (a dtype of DTYPES, d_qk = d_v = d), multi-threaded and vectorized (module
+    docstring)."""
 
     @T.macro
     def gather(kt, vb, kb, n_keys, hk, k, v, kv0, _unused1, _unused2):  # noqa: ANN001
         for j in T.serial(KB):
             for c in T.serial(d):
-                kt[c, j] = T.if_then_else(j < n_keys, k[kv0 + kb * KB + j, hk, c], T.float32(0))
+                kt[c, j] = T.if_then_else(j < n_keys, f32(k[kv0 + kb * KB + j, hk, c]), T.float32(0))
         for j in T.serial(n_keys):
             for c in T.vectorized(d):
-                vb[j, c] = v[kv0 + kb * KB + j, hk, c]
+                vb[j, c] = f32(v[kv0 + kb * KB + j, hk, c])
 
     tile = _tile_macro(h_q // h_kv, d, tile_q, gather, 0)
 
@@ -206,16 +218,16 @@ def ragged_prefill_cpu(h_kv: int, h_q: int, d: int, tile_q: int = TQ) -> tirx.Pr
         kv_indptr_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         k_rope_pos_offset_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (qo_len, h_q, d), "float32")
+        q = T.match_buffer(var_q, (qo_len, h_q, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k = T.match_buffer(var_k, (kv_len, h_kv, d), "float32")
-        v = T.match_buffer(var_v, (kv_len, h_kv, d), "float32")
+        k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",  # noqa: F841
                                          elem_offset=q_rope_position_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",  # noqa: F841
                                            elem_offset=k_rope_pos_offset_elem_offset)
-        output = T.match_buffer(var_output, (qo_len, h_q, d), "float32")
+        output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
 
         assert rotary_mode == 0, "luce-compile's CPU prefill attention takes keys with RoPE applied (RopeMode.NONE)"
@@ -245,19 +257,19 @@ def page_gather(d: int, page_size: int) -> object:
             pos = T.if_then_else(kb * KB + j < sink, kb * KB + j, kb * KB + j - sink + offset)
             page = page_values[page0 + T.if_then_else(j < n_keys, pos, 0) // page_size]
             for c in T.serial(d):
-                kt[c, j] = T.if_then_else(j < n_keys, pages[page, 0, hk, pos % page_size, c], T.float32(0))
+                kt[c, j] = T.if_then_else(j < n_keys, f32(pages[page, 0, hk, pos % page_size, c]), T.float32(0))
             if j < n_keys:
                 for c in T.vectorized(d):
-                    vb[j, c] = pages[page, 1, hk, pos % page_size, c]
+                    vb[j, c] = f32(pages[page, 1, hk, pos % page_size, c])
 
     return gather
 
 
 def paged_prefill_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_size: int = 16,
-                      sliding_window_size: int = 1024, tile_q: int = TQ) -> tirx.PrimFunc:
-    """TVM's batch_prefill_paged_kv_cpu(_sliding_window) (float32): the queries of a prefill against the keys already
-    in the cache's pages (the cache calls it with causal 0 for a prompt after a cached prefix, then merges with the
-    ragged kernel's result by the log-sum-exps). Same task split as the ragged kernel; a key block is gathered
+                      sliding_window_size: int = 1024, tile_q: int = TQ, dtype: str = "float32") -> tirx.PrimFunc:
+    """TVM's batch_prefill_paged_kv_cpu(_sliding_window) (a dtype of DTYPES): the queries of a prefill against the keys
+    already in the cache's pages (the cache calls it with causal 0 for a prompt after a cached prefix, then merges with
+    the ragged kernel's result by the log-sum-exps). Same task split as the ragged kernel; a key block is gathered
     from its pages. The sliding variant reads TVM's length_info (last page length, window offset, sink length) and
     applies TVM's sliding mask under causal, as its kernel does."""
     global_symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
@@ -293,16 +305,16 @@ def paged_prefill_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_si
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (total_len, h_q, d), "float32")
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), "float32")
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",  # noqa: F841
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",  # noqa: F841
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(var_output, (total_len, h_q, d), "float32")
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
         length_info = _declare_length_info(var_length_info, batch_size, sliding_window, length_info_elem_offset)
 

@@ -46,6 +46,26 @@ def test_decode_matches_float64_reference(h_kv, h_q, d, kv_lens, window):
     np.testing.assert_allclose(lse.numpy(), want_lse, atol=TOL * 10, rtol=TOL)
 
 
+def test_float16_pages():
+    """--kv-cache f16: float16 q, pages and output; sums in float32 (the prefill test's tolerance: F16_TOL)."""
+    from tests.schedules.test_cpu_attention_prefill import F16_TOL
+
+    rng = np.random.default_rng()
+    pool, page_ids, page_ptr, info, keys, values = _pages(rng, 2, 64, [70, 9], None, None)
+    q = rng.standard_normal((2, 14, 64)).astype(np.float16)  # Qwen2.5-0.5B's heads: 14 over 2
+    scale = float(1 / np.sqrt(64))
+    lib = _build(paged_decode_cpu(2, 14, 64, False, dtype="float16"))
+    dev = tvm.cpu()
+    out = tvm.runtime.tensor(np.zeros(q.shape, np.float16), dev)
+    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32), dev)
+    args = [q, pool.astype(np.float16), page_ptr, page_ids, info, np.zeros(2, np.int32), np.zeros(2, np.int32)]
+    lib["main"](*(tvm.runtime.tensor(a, dev) for a in args), out, lse, 0, 1.0, 1e4, scale)
+    want_out, want_lse = reference(q, np.arange(3), [k.astype(np.float16) for k in keys],
+                                   [v.astype(np.float16) for v in values], scale, causal=False)
+    np.testing.assert_allclose(out.numpy().astype(np.float64), want_out, atol=F16_TOL, rtol=0)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=TOL * 10, rtol=TOL)
+
+
 @pytest.mark.parametrize("sliding", [False, True])
 def test_signature_is_tvms(sliding):
     ours = paged_decode_cpu(3, 9, 64, sliding)

@@ -50,9 +50,10 @@ def reference(q: np.ndarray, q_ptr: np.ndarray, keys: list[np.ndarray], values: 
     return out, lse
 
 
-def _run(lib: tvm.runtime.Module, q, k, v, q_ptr, kv_ptr, scale: float, causal: bool) -> tuple[np.ndarray, ...]:
+def _run(lib: tvm.runtime.Module, q, k, v, q_ptr, kv_ptr, scale: float, causal: bool,
+         out_dtype: type = np.float32) -> tuple[np.ndarray, ...]:
     dev = tvm.cpu()
-    out = tvm.runtime.tensor(np.full(q.shape, np.nan, np.float32), dev)
+    out = tvm.runtime.tensor(np.full(q.shape, np.nan, out_dtype), dev)
     lse = tvm.runtime.tensor(np.full(q.shape[:2], np.nan, np.float32), dev)
     zeros_q, zeros_b = np.zeros(len(q), np.int32), np.zeros(len(q_ptr) - 1, np.int32)  # rope positions: unused
     args = [q, q_ptr.astype(np.int32), k, v, kv_ptr.astype(np.int32), zeros_q, zeros_b]
@@ -155,10 +156,45 @@ def test_is_parallel_vectorized_and_left_alone_by_the_schedule_rules():
     assert '"tirx.is_scheduled": True' in script
 
 
-@pytest.mark.parametrize("d_qk,d_v,dtype", [(64, 64, "float16"), (128, 64, "float32"), (72, 72, "float32")])
+# --kv-cache f16: q, keys, values and the output are float16; the kernel widens each load and sums in float32, so
+# the only difference from the float64 reference on the same float16 inputs is the output's float16 rounding
+# (2^-11 relative, outputs of random inputs stay below ~4) and float32's sums
+F16_TOL = 4 * 2.0**-11
+
+
+def test_float16_cache_widens_loads_and_rounds_only_the_output():
+    rng = np.random.default_rng()
+    h_kv, h_q, d, q_lens, kv_lens = 2, 8, 64, [20, 7], [50, 33]
+    pool, page_ids, page_ptr, info, keys, values = _pages(rng, h_kv, d, kv_lens, None, None)
+    q_ptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((q_ptr[-1], h_q, d)).astype(np.float16)
+    scale = float(1 / np.sqrt(d))
+    dev = tvm.cpu()
+    # the paged kernel over float16 pages (a cached prefix)
+    lib = _build(paged_prefill_cpu(h_kv, h_q, d, False, dtype="float16"))
+    out = tvm.runtime.tensor(np.zeros(q.shape, np.float16), dev)
+    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32), dev)
+    args = [q, q_ptr, pool.astype(np.float16), page_ptr, page_ids, info, np.zeros(2, np.int32),
+            np.zeros(len(q), np.int32)]
+    lib["main"](*(tvm.runtime.tensor(a, dev) for a in args), out, lse, 1, 0, 1.0, 1e4, scale)
+    f16 = [k.astype(np.float16) for k in keys], [v.astype(np.float16) for v in values]
+    want_out, want_lse = reference(q, q_ptr, *f16, scale, causal=True)
+    np.testing.assert_allclose(out.numpy().astype(np.float64), want_out, atol=F16_TOL, rtol=0)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=TOL * 10, rtol=TOL)
+    # the ragged kernel over a prompt's own float16 keys
+    k, v = (rng.standard_normal((q_ptr[-1], h_kv, d)).astype(np.float16) for _ in range(2))
+    out, lse = _run(_build(ragged_prefill_cpu(h_kv, h_q, d, dtype="float16")), q, k, v, q_ptr, q_ptr, scale, True,
+                    out_dtype=np.float16)
+    per_seq = [slice(q_ptr[b], q_ptr[b + 1]) for b in range(2)]
+    want_out, want_lse = reference(q, q_ptr, [k[x] for x in per_seq], [v[x] for x in per_seq], scale, True)
+    np.testing.assert_allclose(out.astype(np.float64), want_out, atol=F16_TOL, rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=TOL * 10, rtol=TOL)
+
+
+@pytest.mark.parametrize("d_qk,d_v,dtype", [(64, 64, "bfloat16"), (128, 64, "float32"), (72, 72, "float16")])
 def test_declines_what_it_does_not_take(d_qk, d_v, dtype):
     assert not supports(d_qk, d_v, dtype)
-    assert supports(64, 64, "float32") and supports(256, 256, "float32")
+    assert supports(64, 64, "float32") and supports(256, 256, "float32") and supports(64, 64, "float16")
 
 
 def test_swapped_only_for_llvm_and_restored():
@@ -169,7 +205,7 @@ def test_swapped_only_for_llvm_and_restored():
         ragged, paged = kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu
         assert (ragged, paged) != originals
         assert "T.parallel(" in ragged(3, 9, 64, 64, "float32", {}).script()
-        assert "T.parallel(" not in ragged(3, 9, 64, 64, "float16", {}).script()  # TVM's, for what we decline
+        assert "T.parallel(" not in ragged(3, 9, 64, 64, "bfloat16", {}).script()  # TVM's, for what we decline
         assert "T.parallel(" in paged(3, 9, 64, "float32", True, {}, sliding_window_size=512).script()
         assert "T.parallel(" not in paged(3, 9, 72, "float32", False, {}).script()
     assert (kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu) == originals
