@@ -51,8 +51,9 @@ def options(parser: argparse.ArgumentParser) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_luce_runtime_takes_luce_compiles_flags(command):
-    """README documents luce-runtime's run and serve as luce-compile's with the same flags (serve less --target):
-    true while both CLIs build them from runtime/luce_runtime/cli.py's argument functions."""
+    """README documents luce-runtime's run and serve as luce-compile's with the same flags (serve less --target and
+    --kv-cache, which only compile a GGUF): true while both CLIs build them from runtime/luce_runtime/cli.py's
+    argument functions."""
     from luce_runtime.cli import build_parser as runtime_parser
 
     from luce_compile.cli import build_parser as compile_parser
@@ -60,6 +61,7 @@ def test_luce_runtime_takes_luce_compiles_flags(command):
     subcommands = load_readme_flags().subcommands
     ours = options(subcommands(compile_parser())[command])
     ours.pop("--target", None)
+    ours.pop("--kv-cache", None)
     assert options(subcommands(runtime_parser())[command]) == ours
     assert "luce-runtime run" in README and "luce-runtime serve" in README
 

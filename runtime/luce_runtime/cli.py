@@ -76,11 +76,23 @@ def speculative_decoder(engine, args: argparse.Namespace):
     return SpeculativeDecoder(engine, NgramDrafter(), draft_max=args.draft_max)
 
 
+def kv_memory_arg(args: argparse.Namespace) -> int:
+    from luce_runtime.kv_memory import parse_memory
+
+    return parse_memory(args.kv_memory) if args.kv_memory else 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from luce_runtime.artifact import load_artifact
     from luce_runtime.engine import Engine, EngineOptions
+    from luce_runtime.kv_memory import plan_kv_pool
 
     params = sampling_params(args)
-    engine = Engine(args.artifact, EngineOptions(max_batch=1, max_context=args.ctx))
+    art = load_artifact(args.artifact)
+    plan = plan_kv_pool(art.config, art.manifest["runtime"].get("kv_dtype", "float32"), art.manifest["target"]["kind"],
+                        context=args.ctx, sequences=1, kv_memory=kv_memory_arg(args))
+    print(f"[{plan.describe()}]", file=sys.stderr)
+    engine = Engine(art, EngineOptions(max_batch=1, max_context=plan.context))
     tok = engine.tokenizer
     ids = prompt_ids(tok, args.prompt, args.chat)
     if not (args.spec or args.draft):
@@ -94,10 +106,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve args.artifact (an artifact directory or packed file; luce-compile serve compiles a GGUF first)."""
     from luce_runtime.serve import ServeOptions, serve
+    from luce_runtime.serve.app import kv_plan
 
+    options = ServeOptions(artifact=Path(args.artifact), max_batch=args.max_batch, max_context=args.ctx,
+                           prefix_cache=args.prefix_cache, kv_memory=kv_memory_arg(args))
+    plan = kv_plan(options)  # the pool Service makes: its batch and context passed on as they are
     print(f"serving {args.artifact} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    print(plan.describe(), file=sys.stderr, flush=True)
     serve(ServeOptions(artifact=Path(args.artifact), host=args.host, port=args.port, api_key=args.api_key,
-                       max_batch=args.max_batch, max_context=args.ctx, prefix_cache=args.prefix_cache,
+                       max_batch=plan.sequences, max_context=plan.context, prefix_cache=args.prefix_cache,
+                       kv_memory=kv_memory_arg(args),
                        max_waiting=args.max_waiting, max_body_bytes=int(args.max_body_mb * 2**20),
                        spec=args.spec, draft=args.draft, draft_max=args.draft_max, strict=args.strict,
                        aliases=tuple(args.alias or ()), temperature=args.temperature, top_p=args.top_p,
@@ -131,12 +149,20 @@ def add_threads_arg(s: argparse.ArgumentParser) -> None:
                    help="CPU threads for the kernels (default: TVM_NUM_THREADS, else one per physical core)")
 
 
+def add_kv_memory_arg(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--kv-memory", metavar="SIZE",
+                   help="memory the KV cache may take, e.g. 8G or 512M (default: a quarter of the free memory: the "
+                        "host's on the CPU, the GPU's on a GPU); the start line says how many tokens it holds")
+
+
 def add_run_args(s: argparse.ArgumentParser) -> None:
     """`run`'s arguments, ARTIFACT included."""
     s.add_argument("artifact", help="an artifact directory or packed file")
     s.add_argument("-p", "--prompt", required=True)
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    s.add_argument("--ctx", type=int, default=0, help="context length to allocate (default: model's, ≤ 4096)")
+    s.add_argument("--ctx", type=int, default=0,
+                   help="context length to allocate, up to the model's trained context (default: that, ≤ 4096)")
+    add_kv_memory_arg(s)
     s.add_argument("--json", action="store_true", help='print {"prompt_ids", "ids", "text"} (and "spec")')
     add_sampling_args(s)
     add_spec_args(s)
@@ -152,8 +178,10 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1/* (default: the LUCE_API_KEY "
                         "environment variable, which other users cannot see in `ps` as they can a command line)")
     s.add_argument("--max-batch", type=int, default=0,
-                   help="sequences decoded together (default: as many as a quarter of the free memory holds)")
-    s.add_argument("--ctx", type=int, default=0, help="context per sequence (default: model's, ≤ 4096)")
+                   help="sequences decoded together (default: as many as the KV budget holds, at most 64)")
+    s.add_argument("--ctx", type=int, default=0,
+                   help="context per sequence, up to the model's trained context (default: that, ≤ 4096)")
+    add_kv_memory_arg(s)
     s.add_argument("--prefix-cache", type=int, default=4, help="cached prompt prefixes (0: no prefix reuse)")
     s.add_argument("--max-waiting", type=int, default=0,
                    help="requests queued for a batch slot before the server answers 429 (default: 4 x max-batch)")

@@ -34,6 +34,7 @@ from tvm.runtime import vm as tvm_vm  # noqa: E402
 from luce_runtime.artifact import Artifact, load_artifact  # noqa: E402
 from luce_runtime.contract import OPTIONAL_FUNCTIONS, REQUIRED_FUNCTIONS, Fn, KVCacheArgs, RuntimeContract  # noqa: E402
 from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
+from luce_runtime.kv_memory import check_context  # noqa: E402
 from luce_runtime.kv_pages import KVPages  # noqa: E402
 from luce_runtime.megakernel import Megakernel  # noqa: E402
 from luce_runtime.sampler import Sampler, SamplingParams, find_stop, masked_argmax  # noqa: E402
@@ -54,7 +55,7 @@ class NonFiniteLogitsError(EngineError):
 @dataclass(frozen=True)
 class EngineOptions:
     max_batch: int = 8  # sequences live at once (decode batch, forks, cached prefixes)
-    max_context: int = 0  # tokens per sequence; 0 → the model's training context, capped at 4096
+    max_context: int = 0  # tokens per sequence, at most the trained context; 0 → the trained context capped at 4096
     prefill_chunk: int = 0  # prompt tokens per prefill call (longer prompts go in chunks); 0 → the artifact's
     page_size: int = 0  # tokens per KV page; 0 → the artifact's
     # decode steps of 1-8 sequences and the artifact's megakernels (CUDA): "auto" runs a step of n sequences on the
@@ -77,11 +78,6 @@ def _ranges(numbers: set[int]) -> str:
     return ", ".join(out)
 
 
-def kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
-    """KV-cache bytes one token takes over all layers: keys and values of every KV head (float32 cache)."""
-    return 2 * int(config["n_layer"]) * int(config["n_head_kv"]) * int(config["head_dim"]) * dtype_bytes
-
-
 def available_memory(kind: str) -> int:
     """Bytes free for the KV pool: MemAvailable on the host; a GPU's total global memory (weights are small next
     to it at the sizes served here; the fraction the caller takes leaves room for them)."""
@@ -93,13 +89,6 @@ def available_memory(kind: str) -> int:
         raise LuceError("engine: /proc/meminfo has no MemAvailable; pass --max-batch explicitly.")
     load_device_api(kind)
     return int(tvm.device(kind, 0).total_global_memory)
-
-
-def max_batch_for_memory(config: dict, kind: str, max_context: int, fraction: float = 0.25) -> int:
-    """How many sequences of max_context tokens the KV pool can hold in `fraction` of the available memory.
-    Every live sequence is given its full context of pages up front, so admission can never run out of pages."""
-    per_seq = kv_bytes_per_token(config) * max_context
-    return max(1, min(256, int(available_memory(kind) * fraction) // per_seq))
 
 
 def load_device_api(kind: str) -> bool:
@@ -241,7 +230,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(self.artifact.tokenizer_metadata())
         self.options = replace(options, page_size=options.page_size or self.contract.page_size,
                                prefill_chunk=options.prefill_chunk or self.contract.prefill_chunk)
-        self.max_context = options.max_context or min(int(self.config["n_ctx_train"]), 4096)
+        self.max_context = check_context(self.config, options.max_context)  # ≤ the trained context
         self.vocab_size = int(self.config["n_vocab"])
         self.vm = tvm_vm.VirtualMachine(tvm.runtime.load_module(str(self.artifact.module_path)), self.device)
         self._fns = {str(f): self.vm[str(f)] for f in REQUIRED_FUNCTIONS}

@@ -31,9 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from luce_runtime.artifact import load_artifact
 from luce_runtime.chat import render_prompt
-from luce_runtime.engine import Engine, EngineOptions, kv_bytes_per_token, max_batch_for_memory
+from luce_runtime.engine import Engine, EngineOptions
 from luce_runtime.errors import LuceError
 from luce_runtime.grammar import Constraint, GrammarBackend
+from luce_runtime.kv_memory import KVPlan, plan_kv_pool
 from luce_runtime.sampler import SamplingParams, SamplingParamsError
 from luce_runtime.serve import access, reasoning
 from luce_runtime.serve.metrics import render_metrics
@@ -51,8 +52,9 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    max_batch: int = 0  # sequences decoded together; 0: as many as a quarter of the free memory holds at max_context
-    max_context: int = 0  # 0: the model's training context, capped at 4096 (EngineOptions)
+    max_batch: int = 0  # sequences decoded together; 0: as many as the KV budget holds at max_context (kv_memory.py)
+    max_context: int = 0  # 0: the model's training context, capped at 4096 (EngineOptions); at most the trained one
+    kv_memory: int = 0  # bytes the KV pool may take; 0: a quarter of the free memory
     prefix_cache: int = 4  # cached prompt prefixes (forked KV sequences); 0 turns prefix reuse off
     model_name: str | None = None  # the id clients send; default: the GGUF's file name without .gguf
     # a whole 4096-token context is ~20 KB of text; 4 MiB leaves room for token-id lists and long chat histories
@@ -78,25 +80,25 @@ class ServeOptions:
     deterministic: bool = False
 
 
-def _max_batch_from_memory(options: ServeOptions) -> int:
+def kv_plan(options: ServeOptions) -> KVPlan:
+    """The KV pool the server makes (kv_memory.plan_kv_pool): the decode batch and context asked for or sized from
+    the KV budget, the prefix cache's sequences beside them, at the artifact's KV type."""
     art = load_artifact(options.artifact, verify=False)  # the Engine verifies it right after
-    config, kind = art.config, art.manifest["target"]["kind"]
-    context = options.max_context or min(int(config["n_ctx_train"]), 4096)
-    batch = min(64, max_batch_for_memory(config, kind, context))
-    log.info("KV pool sized from memory: %d sequences of %d tokens (%.1f MiB per sequence)", batch, context,
-             kv_bytes_per_token(config) * context / 2**20)
-    return batch
+    kv_dtype = (art.manifest.get("runtime") or {}).get("kv_dtype", "float32")
+    return plan_kv_pool(art.config, kv_dtype, art.manifest["target"]["kind"], context=options.max_context,
+                        sequences=options.max_batch, extra=options.prefix_cache, kv_memory=options.kv_memory)
 
 
 class Service:
     """The engine, its scheduler and the model id; what every route shares."""
 
     def __init__(self, options: ServeOptions):
-        if not options.max_batch:
-            options = replace(options, max_batch=_max_batch_from_memory(options))
+        plan = kv_plan(options)
+        options = replace(options, max_batch=plan.sequences, max_context=plan.context)
+        self.kv = plan
         self.options = options
         # the prefix cache's sequences take Engine slots beyond the decode batch (and their pages in the pool)
-        self.engine = Engine(options.artifact, EngineOptions(max_batch=options.max_batch + options.prefix_cache,
+        self.engine = Engine(options.artifact, EngineOptions(max_batch=plan.sequences + plan.extra,
                                                              max_context=options.max_context))
         self.tokenizer = self.engine.tokenizer
         self.max_context = self.engine.max_context
