@@ -33,7 +33,8 @@ DEFAULT_ALIGNMENT = 32
 # The tensor types the dequantizer and the kernels handle; anything else is refused before work starts.
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
+                 "IQ4_NL", "IQ4_XS", "MXFP4")
 )
 
 _SCALAR_FORMATS = {

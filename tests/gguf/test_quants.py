@@ -102,8 +102,8 @@ def test_dequantize_rejects_partial_blocks(t):
 def test_dequantize_rejects_float_input_and_unknown_types():
     with pytest.raises(GGUFError, match="uint8"):
         dequantize(np.ones((1, 34), dtype=np.float32), T.Q8_0)
-    with pytest.raises(UnsupportedError, match="Q2_K"):
-        dequantize(np.zeros((1, 84), dtype=np.uint8), T.Q2_K)
+    with pytest.raises(UnsupportedError, match="IQ2_XXS"):
+        dequantize(np.zeros((1, 66), dtype=np.uint8), T.IQ2_XXS)
 
 
 # ------------------------------------------------------------------------------------------------ quantize
@@ -116,12 +116,19 @@ MAX_ERROR_FRACTION = {
     T.Q8_0: 0.56 / 127, T.Q4_0: 1.01 / 8, T.Q5_0: 1.01 / 16,
     T.Q4_1: 0.52 * 2 / 15 + 2**-10, T.Q5_1: 0.52 * 2 / 31 + 2**-10,
     T.Q4_K: 1.05 * 2 / 15, T.Q5_K: 1.05 * 2 / 31, T.Q6_K: 0.51 / 31,
+    # Q2_K: half a step of the range over 3 levels, its 4-bit scale and min rounded up (16/15, 31/30 of it)
+    T.Q2_K: 0.5 * (16 / 15) * (31 / 15) / 3 + 2**-10, T.Q3_K: 0.5 * (32 / 31) / 3 + 2**-10,
+    # the codebooks: kvalues_iq4nl's top is 113 where the extreme maps to −127 (14 of 127 clip on the other side);
+    # IQ4_XS's sub-block scales add half a step of d = max/(127·32) to that; MXFP4's power-of-two scale leaves the
+    # top quarter of the range to its largest value 12 (gguf-py's quantizer)
+    T.IQ4_NL: 14.1 / 127 + 2**-10, T.IQ4_XS: 14 / 127 + 64 / (127 * 32) + 2**-10, T.MXFP4: 0.25 + 2**-10,
 }
 FP16_ABS = 128 * 2.0**-25
 # RMS error on standard-normal weights, measured (seed 0, 16 × 4096) × 1.25: a regression guard.
 MAX_RMS_ERROR = {
     T.F32: 0.0, T.F16: 2.6e-4, T.BF16: 2.1e-3, T.Q8_0: 6.8e-3, T.Q4_0: 0.109, T.Q4_1: 0.098, T.Q5_0: 0.053,
-    T.Q5_1: 0.049, T.Q4_K: 0.102, T.Q5_K: 0.050, T.Q6_K: 0.025,
+    T.Q5_1: 0.049, T.Q4_K: 0.102, T.Q5_K: 0.050, T.Q6_K: 0.025, T.Q2_K: 0.446, T.Q3_K: 0.255, T.IQ4_NL: 0.100,
+    T.IQ4_XS: 0.100, T.MXFP4: 0.144,
 }
 
 

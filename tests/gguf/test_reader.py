@@ -229,7 +229,7 @@ def test_unknown_ggml_type_code(write):
     _refused(write(gguf_bytes([], [tensor_info("t", [32], 99, 0)], b"\0" * 64)), "unknown ggml type 99")
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q2_K, T.Q3_K, T.IQ4_NL, T.I32])
+@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_S, T.TQ1_0, T.I32])
 def test_unsupported_quant_type_names_it(write, ggml_type):
     infos = [tensor_info("blk.0.ffn_down.weight", [256, 2], ggml_type, 0)]
     path = write(gguf_bytes(small_kvs(), infos, b"\0" * 4096))
