@@ -6,10 +6,14 @@ is dequantized: every plane holds the original bits, only moved. The conventions
 
 - `qs` (n_out, n_in/8) uint32: the low 4 bits of element k sit at bits 4*(k%8) of word k//8 (GGUF's Q4_0/Q4_1
   and K-quant blocks put element j and j+16 (or j+32, j+64) in one byte; here consecutive elements are adjacent).
-- `qh` uint32, one bit per element for the 5-bit types (bit k%32 of word k//32, the order Q5_0/Q5_1 already use)
-  and two bits per element for Q6_K (bits 2*(k%16) of word k//16).
+  IQ4_NL, IQ4_XS and MXFP4 keep their 4-bit codebook indices there the same way; Q2_K and Q3_K their 2 low bits, two
+  per element (bits 2*(k%16) of word k//16).
+- `qh` uint32, one bit per element for the 5-bit types and Q3_K (bit k%32 of word k//32, the order Q5_0/Q5_1 already
+  use) and two bits per element for Q6_K (bits 2*(k%16) of word k//16).
 - scales stay float16 (`d`, `m`, `dmin`, one per block or super-block); the 6-bit K-quant sub-block scales and mins
-  are unpacked into uint8 planes `sc`/`mn` (8 per super-block), Q6_K's int8 scales into an int8 plane `sc`.
+  are unpacked into uint8 planes `sc`/`mn` (8 per super-block), Q6_K's int8 scales into an int8 plane `sc`; Q2_K's
+  4-bit scales and mins into uint8 `sc`/`mn` (16 per super-block); Q3_K's and IQ4_XS's 6-bit scales, minus their
+  offset 32, into an int8 `sc` (16 and 8 per super-block); MXFP4's E8M0 block exponents stay bytes, `e`.
 - F32/F16 keep their values in `w`; BF16 keeps its bits as a uint16 plane `w` (numpy has no bfloat16), except
   that `weight_planes` widens a BF16 vector to float32.
 
@@ -23,13 +27,15 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from luce_compile.errors import GGUFError, UnsupportedError
+from luce_compile.gguf.quants import iq4_xs_scales, q3_k_scales
 
 QK_K = 256  # elements per K-quant super-block
 PlaneSpecs = dict[str, tuple[tuple[int, ...], str]]
 
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(
     GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
+                 "IQ4_NL", "IQ4_XS", "MXFP4")
 )
 
 
@@ -82,9 +88,21 @@ def plane_specs(ggml_type: GGMLQuantizationType | str, n_out: int, n_in: int) ->
         if name == "Q5_K":
             specs["qh"] = ((n_out, n_in // 32), "uint32")
         return specs | {"qs": qs}
-    # Q6_K
     sixteenths = (n_out, n_in // 16)
-    return {"d": f16(n_in // QK_K), "sc": (sixteenths, "int8"), "qs": qs, "qh": (sixteenths, "uint32")}
+    if name == "Q6_K":
+        return {"d": f16(n_in // QK_K), "sc": (sixteenths, "int8"), "qs": qs, "qh": (sixteenths, "uint32")}
+    if name == "Q2_K":
+        return {"d": f16(n_in // QK_K), "dmin": f16(n_in // QK_K), "sc": (sixteenths, "uint8"),
+                "mn": (sixteenths, "uint8"), "qs": (sixteenths, "uint32")}
+    if name == "Q3_K":
+        return {"d": f16(n_in // QK_K), "sc": (sixteenths, "int8"), "qs": (sixteenths, "uint32"),
+                "qh": ((n_out, n_in // 32), "uint32")}
+    if name == "IQ4_NL":
+        return {"d": f16(n_in // 32), "qs": qs}
+    if name == "IQ4_XS":
+        return {"d": f16(n_in // QK_K), "sc": ((n_out, n_in // 32), "int8"), "qs": qs}
+    # MXFP4
+    return {"e": ((n_out, n_in // 32), "uint8"), "qs": qs}
 
 
 def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType | str) -> dict[str, np.ndarray]:
@@ -195,6 +213,40 @@ def _q6_k(b: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
+def _2bit(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K low bits → element order: byte l of each 32-byte run holds elements l + 32i in bits 2i..2i+1."""
+    return _bits(qs, 32, 2)
+
+
+def _q2_k(b: np.ndarray) -> dict[str, np.ndarray]:
+    """Q2_K (scales[16]: 4-bit scale low, min high, qs[64], d, dmin)."""
+    sc = b[..., 0:16]
+    return {"d": _f16(b[..., 80:82]), "dmin": _f16(b[..., 82:84]), "sc": (sc & 0x0F).reshape(sc.shape[0], -1),
+            "mn": (sc >> 4).reshape(sc.shape[0], -1), "qs": _pack(_2bit(b[..., 16:80]), 2)}
+
+
+def _q3_k(b: np.ndarray) -> dict[str, np.ndarray]:
+    """Q3_K (hmask[32], qs[64], scales[12], d): the hmask bit is the quant's third bit (q − 4 is the value)."""
+    return {"d": _f16(b[..., 108:110]), "sc": q3_k_scales(b[..., 96:108].reshape(-1, 12)).reshape(b.shape[0], -1),
+            "qs": _pack(_2bit(b[..., 32:96]), 2), "qh": _pack(_bits(b[..., 0:32], 32, 1), 1)}
+
+
+def _iq4_nl(b: np.ndarray) -> dict[str, np.ndarray]:
+    """IQ4_NL (d, qs[16]): codebook indices in Q4_0's nibble order."""
+    return {"d": _f16(b[..., 0:2]), "qs": _pack(_nibbles(b[..., 2:], 16), 4)}
+
+
+def _iq4_xs(b: np.ndarray) -> dict[str, np.ndarray]:
+    """IQ4_XS (d, scales_h, scales_l[4], qs[128]): 8 sub-blocks of 32, each 16 bytes in Q4_0's nibble order."""
+    sc = iq4_xs_scales(b.reshape(-1, b.shape[-1])).reshape(b.shape[0], -1)
+    return {"d": _f16(b[..., 0:2]), "sc": sc, "qs": _pack(_nibbles(b[..., 8:], 16), 4)}
+
+
+def _mxfp4(b: np.ndarray) -> dict[str, np.ndarray]:
+    """MXFP4 (e: E8M0, qs[16]): codebook indices in Q4_0's nibble order."""
+    return {"e": b[..., 0], "qs": _pack(_nibbles(b[..., 1:], 16), 4)}
+
+
 _REPACKERS = {
     "F32": _dense("<f4"),
     "F16": _dense("<f2"),
@@ -207,4 +259,9 @@ _REPACKERS = {
     "Q4_K": _q45_k,
     "Q5_K": _q45_k,
     "Q6_K": _q6_k,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
+    "MXFP4": _mxfp4,
 }

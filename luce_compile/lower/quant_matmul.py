@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType
 from tvm import te, tirx
 
 from luce_compile.errors import UnsupportedError
+from luce_compile.gguf.quants import KVALUES_IQ4NL, KVALUES_MXFP4
 from luce_compile.lower.quant_layout import as_ggml_type, plane_specs
 
 Planes = Mapping[str, te.Tensor]
@@ -77,14 +78,59 @@ def _q6(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
     return _q4(planes, n, k) | (_field(planes["qh"][n, k // 16], k % 16, 2) << 4)
 
 
+def _q2(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    """Q2_K's quant of element k, and Q3_K's low 2 bits: `qs` with 16 per word."""
+    return _field(planes["qs"][n, k // 16], k % 16, 2)
+
+
+def _q3(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
+    """Q3_K's stored 3-bit quant (the value plus 4): 2 low bits from `qs`, the third from `qh` (32 per word)."""
+    return _q2(planes, n, k) | (_field(planes["qh"][n, k // 32], k % 32, 1) << 2)
+
+
+def _table_u32(values: list[int]) -> list[int]:
+    """16 int8 codebook values as four little-endian uint32 words (entry i in byte i % 4 of word i // 4)."""
+    raw = bytes(v & 0xFF for v in values)
+    return [int.from_bytes(raw[4 * w:4 * w + 4], "little") for w in range(4)]
+
+
+# the codebooks of gguf/quants.py as words: a 16-entry lookup is two selects, a shift and a sign extension, in TIR
+# that vectorizes (x86) and needs no table in memory (GPUs)
+CODEBOOKS = {"IQ4_NL": [int(v) for v in KVALUES_IQ4NL], "IQ4_XS": [int(v) for v in KVALUES_IQ4NL],
+             "MXFP4": [int(v) for v in KVALUES_MXFP4]}
+
+
+def codebook_value(name: str, index: tirx.Expr) -> tirx.Expr:
+    """The signed codebook entry (int32) at a 4-bit index (int32 0..15) of IQ4_NL/IQ4_XS/MXFP4."""
+    words = [_u32(w) for w in _table_u32(CODEBOOKS[name])]
+    half = index >> 3  # the 8 entries of words 0-1 or 2-3
+    lo = tirx.Select(half == 0, words[0], words[2])
+    hi = tirx.Select(half == 0, words[1], words[3])
+    word = tirx.Select((index & 4) == 0, lo, hi)
+    byte = (word >> ((index & 3) * 8).astype("uint32")) & _u32(0xFF)
+    return byte.astype("uint8").astype("int8").astype("int32")
+
+
+def e8m0_half(e: tirx.Expr) -> tirx.Expr:
+    """GGML_E8M0_TO_FP32_HALF of a uint8 exponent: 2^(e − 128) as float32 (subnormal for e < 2), by its bits."""
+    e32 = e.astype("uint32")
+    bits = tirx.Select(e32 < _u32(2), _u32(0x00200000) << e32, (e32 - _u32(1)) << _u32(23))
+    return tirx.reinterpret("float32", bits)
+
+
 def stored_quant(ggml_type: GGMLQuantizationType | str, planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
-    """The integer quant of element (n, k) as stored (int32; Q4/Q5/Q6 unsigned, before any offset, Q8_0 signed):
-    what the dequantizers scale and the integer dot products of lower/cpu_int8.py multiply."""
+    """The integer quant of element (n, k) as stored (int32; Q2..Q6 unsigned, before any offset, Q8_0 signed; the
+    codebook types' signed codebook value): what the dequantizers scale and the integer dot products of
+    lower/cpu_int8.py multiply."""
     name = as_ggml_type(ggml_type).name
     if name == "Q8_0":
         return planes["qs"][n, k].astype("int32")
     if name == "Q6_K":
         return _q6(planes, n, k)
+    if name in ("Q2_K", "Q3_K"):
+        return _q2(planes, n, k) if name == "Q2_K" else _q3(planes, n, k)
+    if name in CODEBOOKS:  # the signed codebook value (what the dot products multiply), not the index
+        return codebook_value(name, _q4(planes, n, k))
     return _q5(planes, n, k) if name.startswith("Q5") else _q4(planes, n, k)
 
 
@@ -128,6 +174,31 @@ def _dequant_q6_k(p: Planes, n: tirx.Expr, k: tirx.Expr, itof: IntToFloat) -> ti
     return (_f32(p["d"][n, k // 256]) * itof(p["sc"][n, k // 16])) * itof(_q6(p, n, k) - 32)
 
 
+def _dequant_q2_k(p: Planes, n: tirx.Expr, k: tirx.Expr, itof: IntToFloat) -> tirx.Expr:
+    """Q2_K: (d·sc) · q − dmin·mn, with the 4-bit sc/mn of k's 16-element sub-block."""
+    scale = _f32(p["d"][n, k // 256]) * itof(p["sc"][n, k // 16])
+    offset = _f32(p["dmin"][n, k // 256]) * itof(p["mn"][n, k // 16])
+    return scale * itof(_q2(p, n, k)) - offset
+
+
+def _dequant_q3_k(p: Planes, n: tirx.Expr, k: tirx.Expr, itof: IntToFloat) -> tirx.Expr:
+    """Q3_K: (d·(sc − 32)) · (q − 4); `sc` holds sc − 32 already."""
+    return (_f32(p["d"][n, k // 256]) * itof(p["sc"][n, k // 16])) * itof(_q3(p, n, k) - 4)
+
+
+def _dequant_iq4_nl(p: Planes, n: tirx.Expr, k: tirx.Expr, itof: IntToFloat) -> tirx.Expr:
+    return _f32(p["d"][n, k // 32]) * itof(codebook_value("IQ4_NL", _q4(p, n, k)))
+
+
+def _dequant_iq4_xs(p: Planes, n: tirx.Expr, k: tirx.Expr, itof: IntToFloat) -> tirx.Expr:
+    """IQ4_XS: (d·(ls − 32)) · kvalues_iq4nl[q]; `sc` holds ls − 32 per 32 values."""
+    return (_f32(p["d"][n, k // 256]) * itof(p["sc"][n, k // 32])) * itof(codebook_value("IQ4_XS", _q4(p, n, k)))
+
+
+def _dequant_mxfp4(p: Planes, n: tirx.Expr, k: tirx.Expr, itof: IntToFloat) -> tirx.Expr:
+    return itof(codebook_value("MXFP4", _q4(p, n, k))) * e8m0_half(p["e"][n, k // 32])
+
+
 def _dequant_bf16(p: Planes, n: tirx.Expr, k: tirx.Expr, itof: IntToFloat) -> tirx.Expr:
     """BF16 is the top half of a float32: shift the stored bits up and reinterpret."""
     return tirx.reinterpret("float32", p["w"][n, k].astype("uint32") << _u32(16))
@@ -145,6 +216,11 @@ _DEQUANT: dict[GGMLQuantizationType, Dequant] = {
     GGMLQuantizationType.Q4_K: _dequant_q4_k,
     GGMLQuantizationType.Q5_K: _dequant_q5_k,
     GGMLQuantizationType.Q6_K: _dequant_q6_k,
+    GGMLQuantizationType.Q2_K: _dequant_q2_k,
+    GGMLQuantizationType.Q3_K: _dequant_q3_k,
+    GGMLQuantizationType.IQ4_NL: _dequant_iq4_nl,
+    GGMLQuantizationType.IQ4_XS: _dequant_iq4_xs,
+    GGMLQuantizationType.MXFP4: _dequant_mxfp4,
 }
 
 

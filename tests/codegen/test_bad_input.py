@@ -156,7 +156,7 @@ def _write_gguf(path: Path, spec: SyntheticSpec, arch: str | None = None,
     w.write_ti_data_to_file()
     rng = np.random.default_rng(0)
     for name, shape, t in plan:
-        if t == GGMLQuantizationType.Q2_K:
+        if t == GGMLQuantizationType.IQ2_XXS:
             block, size = GGML_QUANT_SIZES[t]
             w.write_tensor_data(rng.integers(0, 256, (shape[0], shape[-1] // block * size), dtype=np.uint8))
         else:
@@ -168,7 +168,7 @@ def _write_gguf(path: Path, spec: SyntheticSpec, arch: str | None = None,
 UNCOMPILABLE = {  # name → (spec, arch name, tensor types, words of the error)
     "unknown-architecture": (preset("tiny-llama"), "falcon", {}, "falcon"),
     "unsupported-type": (SyntheticSpec(n_embd=256, n_ff=512), None,
-                         {"blk.1.ffn_down.weight": GGMLQuantizationType.Q2_K}, "Q2_K"),
+                         {"blk.1.ffn_down.weight": GGMLQuantizationType.IQ2_XXS}, "IQ2_XXS"),
     # a valid GGUF whose norm vector is quantized: no kernel reads a block-quantized vector
     "quantized-norm-vector": (preset("tiny-llama"), None, {"blk.0.attn_norm.weight": GGMLQuantizationType.Q8_0},
                               "attn_norm"),

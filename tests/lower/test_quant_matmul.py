@@ -28,7 +28,8 @@ from luce_compile.lower.quant_matmul import (
 TYPES = [t.name for t in SUPPORTED_TYPES]
 # Byte offsets of the fp16 scale fields in each block (ggml-common.h): random bytes there could be inf/NaN.
 FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}
-FP16_FIELDS |= {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_FIELDS |= {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,),
+                "IQ4_XS": (0,), "MXFP4": ()}  # MXFP4's E8M0 byte: E8M0_FIELD
 
 
 def random_raw(name: str, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
@@ -43,6 +44,8 @@ def random_raw(name: str, n_out: int, n_in: int, rng: np.random.Generator) -> np
     for offset in FP16_FIELDS[name]:
         scales = (rng.uniform(-1, 1, raw.shape[:2]) * 2.0 ** rng.integers(-10, -2, raw.shape[:2])).astype(np.float16)
         raw[..., offset : offset + 2] = scales.view(np.uint8).reshape(*scales.shape, 2)
+    if name == "MXFP4":  # every E8M0 byte is a finite scale, but one past 2^100 overflows a dot: 2^-10 .. 2^-3 here
+        raw[..., 0] = rng.integers(118, 126, raw.shape[:2])
     return raw.reshape(n_out, -1)
 
 
@@ -94,7 +97,7 @@ def raw_from_planes(planes: dict[str, np.ndarray], name: str) -> np.ndarray:
     """Rebuild the raw GGUF rows from the planes, written from ggml-common.h independently of `repack`."""
     if name in ("F32", "F16", "BF16"):
         return planes["w"].view(np.uint8)
-    n_out, n_blocks = planes["d"].shape
+    n_out, n_blocks = planes["e" if name == "MXFP4" else "d"].shape
 
     def as_bytes(key: str) -> np.ndarray:  # a plane's bytes per block, (n_out, n_blocks, bytes)
         return np.ascontiguousarray(planes[key]).view(np.uint8).reshape(n_out, n_blocks, -1)
@@ -112,9 +115,26 @@ def raw_from_planes(planes: dict[str, np.ndarray], name: str) -> np.ndarray:
         if "qh" in planes:
             parts.append(_bits_to_bytes(fields("qh", 1), 32, 1))
         parts.append(_runs_to_bytes(fields("qs", 4), 32))
-    else:  # Q6_K: ql[128], qh[64], scales[16], d
+    elif name == "Q6_K":  # ql[128], qh[64], scales[16], d
         ql, qh = _runs_to_bytes(fields("qs", 4), 64), _bits_to_bytes(fields("qh", 2), 32, 2)
         parts = [ql, qh, as_bytes("sc"), as_bytes("d")]
+    elif name == "Q2_K":  # scales[16] (scale | min << 4), qs[64] (2 bits in 32-byte runs), d, dmin
+        scales = planes["sc"].reshape(n_out, n_blocks, 16) | (planes["mn"].reshape(n_out, n_blocks, 16) << 4)
+        parts = [scales, _bits_to_bytes(fields("qs", 2), 32, 2), as_bytes("d"), as_bytes("dmin")]
+    elif name == "Q3_K":  # hmask[32], qs[64], scales[12], d
+        u = (planes["sc"].reshape(n_out, n_blocks, 16).astype(np.int16) + 32).astype(np.uint8)  # 6-bit scales
+        low = (u[..., 0:8] & 0x0F) | ((u[..., 8:16] & 0x0F) << 4)
+        high = np.bitwise_or.reduce((u >> 4).reshape(n_out, n_blocks, 4, 4) << np.array([0, 2, 4, 6], np.uint8)[
+            :, None], axis=-2)  # byte 8 + m: bits 2i of scale 4i + m
+        parts = [_bits_to_bytes(fields("qh", 1), 32, 1), _bits_to_bytes(fields("qs", 2), 32, 2), low, high,
+                 as_bytes("d")]
+    elif name == "IQ4_XS":  # d, scales_h (u16: 2 bits per sub-block), scales_l[4] (nibbles), qs[128]
+        u = (planes["sc"].reshape(n_out, n_blocks, 8).astype(np.int16) + 32).astype(np.uint16)
+        h = np.bitwise_or.reduce((u >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=-1).astype("<u2")
+        low = ((u[..., 0::2] & 0x0F) | ((u[..., 1::2] & 0x0F) << 4)).astype(np.uint8)
+        parts = [as_bytes("d"), h[..., None].view(np.uint8), low, _runs_to_bytes(fields("qs", 4), 16)]
+    else:  # IQ4_NL (d, qs[16]) and MXFP4 (e, qs[16])
+        parts = [as_bytes("e" if name == "MXFP4" else "d"), _runs_to_bytes(fields("qs", 4), 16)]
     return np.concatenate(parts, axis=-1).reshape(n_out, -1)
 
 
@@ -134,12 +154,15 @@ def test_repack_matches_plane_specs_and_is_lossless(name: str, rng: np.random.Ge
 @pytest.mark.unit
 @pytest.mark.parametrize("name", TYPES)
 def test_planes_hold_the_quantized_bits_not_floats(name: str):
-    """The planes are the raw bytes moved around: same size, except K-quant 6-bit scales unpacked to bytes."""
+    """The planes are the raw bytes moved around: same size, except packed sub-block scales unpacked to bytes."""
     n_out, n_in = 8, 512
     raw_bytes = n_out * n_in // GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
     raw_bytes *= GGML_QUANT_SIZES[GGMLQuantizationType[name]][1]
     plane_bytes = sum(np.prod(shape) * np.dtype(dt).itemsize for shape, dt in plane_specs(name, n_out, n_in).values())
-    unpacked_scales = 4 * n_out * n_in // 256 if name in ("Q4_K", "Q5_K") else 0  # 12 packed bytes → 16
+    # bytes per super-block the unpacking adds: Q4_K/Q5_K's and Q3_K's 12 packed bytes → 16, Q2_K's 16 scale/min
+    # bytes → 16 + 16, IQ4_XS's 6 bytes (scales_h, scales_l) → 8
+    extra = {"Q4_K": 4, "Q5_K": 4, "Q3_K": 4, "Q2_K": 16, "IQ4_XS": 2}.get(name, 0)
+    unpacked_scales = extra * n_out * n_in // 256
     assert plane_bytes == raw_bytes + unpacked_scales
 
 
@@ -229,8 +252,8 @@ def test_signature_is_x_planes_y_with_a_symbolic_batch():
 
 @pytest.mark.unit
 def test_unsupported_types_and_bad_shapes_are_refused_with_a_reason():
-    with pytest.raises(UnsupportedError, match="Q2_K"):
-        plane_specs("Q2_K", 8, 256)
+    with pytest.raises(UnsupportedError, match="IQ2_XXS"):
+        plane_specs("IQ2_XXS", 8, 256)
     with pytest.raises(UnsupportedError, match="unknown GGML type"):
         quant_matmul("Q4_7", 8, 256)
     with pytest.raises(GGUFError, match="multiple of 256"):
