@@ -16,7 +16,8 @@ Real-size models (issue 36: 7-14B, their real vocabularies) pad SmolLM2's vocabu
 and with `direct_blocks` write their quantized weights as random blocks of the same std (synthetic_blocks), made by a
 thread per core: a 14B in well under a minute instead of hours of quantizing in numpy.
 
-Usage: `python -m luce_compile.synthetic PRESET OUT.gguf` (PRESET: one of PRESETS).
+Usage: `python -m luce_compile.synthetic PRESET[@TYPE] OUT.gguf` (PRESET: one of PRESETS; `@TYPE` writes its shapes in
+one weight type, e.g. tiny-llama@IQ4_XS: `in_type`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ _FILE_TYPES = {
     "F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16, "BF16": LlamaFileType.MOSTLY_BF16,
     "Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_1": LlamaFileType.MOSTLY_Q4_1,
     "Q5_0": LlamaFileType.MOSTLY_Q5_0, "Q5_1": LlamaFileType.MOSTLY_Q5_1, "Q4_K": LlamaFileType.MOSTLY_Q4_K_M,
-    "Q5_K": LlamaFileType.MOSTLY_Q5_K_M, "Q6_K": LlamaFileType.MOSTLY_Q6_K,
+    "Q5_K": LlamaFileType.MOSTLY_Q5_K_M, "Q6_K": LlamaFileType.MOSTLY_Q6_K, "Q2_K": LlamaFileType.MOSTLY_Q2_K,
+    "Q3_K": LlamaFileType.MOSTLY_Q3_K_S, "IQ4_NL": LlamaFileType.MOSTLY_IQ4_NL, "IQ4_XS": LlamaFileType.MOSTLY_IQ4_XS,
+    "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 
 
@@ -213,9 +216,51 @@ PRESETS |= {
 
 
 def preset(name: str) -> SyntheticSpec:
-    if name not in PRESETS:
-        raise GGUFError(f"synthetic: unknown preset {name!r}; known: {', '.join(PRESETS)}.")
-    return PRESETS[name]
+    """A preset by name, or `PRESET@TYPE`: that preset's shapes in one weight type (`in_type`)."""
+    base, _, type_name = name.partition("@")
+    if base not in PRESETS:
+        raise GGUFError(f"synthetic: unknown preset {base!r}; known: {', '.join(PRESETS)} (each also as "
+                        f"PRESET@TYPE, TYPE one of {', '.join(_FILE_TYPES)}).")
+    return in_type(PRESETS[base], type_name) if type_name else PRESETS[base]
+
+
+# llama-quant.cpp's tensor_type_fallback: where a type's blocks do not divide a tensor's rows, llama-quantize writes
+# this type instead (and F16 where that does not divide them either)
+FALLBACK_TYPES = {"IQ4_XS": "IQ4_NL", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _fits(type_name: str, n_in: int) -> bool:
+    return n_in % GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0] == 0
+
+
+def in_type(spec: SyntheticSpec, type_name: str) -> SyntheticSpec:
+    """spec with its 2-D weights in `type_name` (its own mix dropped), with the rules of llama-quantize
+    (llama_tensor_get_type) that hold for every mix: the LM head (output.weight, or the tied token_embd) becomes Q6_K
+    unless the type is Q8_0 or unquantized, Q8_0 where Q6_K's blocks do not divide its rows; any other weight whose
+    rows the type's blocks do not divide takes FALLBACK_TYPES' type. Unlike llama-quantize's MXFP4_MOE, which keeps
+    MXFP4 for expert tensors only, a dense model's weights all become MXFP4 here, so that the type is exercised."""
+    if type_name not in _FILE_TYPES:
+        raise UnsupportedError(f"synthetic: quant type {type_name!r} is not supported ({', '.join(_FILE_TYPES)}).")
+    plain = dataclasses.replace(spec, quant=type_name, quant_overrides={})
+    if type_name in _FLOAT_TYPES:
+        return plain
+    head = "token_embd.weight" if spec.tied_output else "output.weight"
+    overrides = {}
+    for name, shape in tensor_shapes(plain).items():
+        if len(shape) != 2:
+            continue
+        want = type_name
+        if name == head and type_name != "Q8_0":
+            want = "Q6_K" if _fits("Q6_K", shape[-1]) else "Q8_0"
+        elif not _fits(type_name, shape[-1]):
+            want = FALLBACK_TYPES.get(type_name, "F16")
+            want = want if _fits(want, shape[-1]) else "F16"
+        if want != type_name:
+            overrides[name] = want
+    if overrides:
+        log.info("synthetic: %s@%s keeps other types where llama-quantize would: %s", spec.arch, type_name, overrides)
+    return dataclasses.replace(plain, quant_overrides=overrides)
 
 
 # ------------------------------------------------------------------------------------------------ tensors
@@ -471,12 +516,18 @@ _FORMAT_VERSION = "2"  # bump when the weights or metadata this module writes ch
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] not in PRESETS:
-        print(f"usage: python -m luce_compile.synthetic PRESET OUT.gguf\npresets: {', '.join(PRESETS)}",
-              file=sys.stderr)
+    usage = (f"usage: python -m luce_compile.synthetic PRESET[@TYPE] OUT.gguf\npresets: {', '.join(PRESETS)}\n"
+             f"types: {', '.join(_FILE_TYPES)}")
+    if len(argv) != 2 or argv[0].partition("@")[0] not in PRESETS:
+        print(usage, file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = write_synthetic(PRESETS[argv[0]], argv[1])
+    try:
+        spec = preset(argv[0])
+    except UnsupportedError as err:
+        print(f"{err}\n{usage}", file=sys.stderr)
+        return 2
+    path = write_synthetic(spec, argv[1])
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
 

@@ -40,8 +40,8 @@ def tiny_files(tmp_path_factory) -> dict[str, object]:
     ({"n_layer": 0}, GGUFError, "positive"),
     ({"arch": "qwen2", "head_dim": 32}, GGUFError, "qwen2 needs head_dim"),
     ({"sliding_window": 8}, UnsupportedError, "gemma3 features"),
-    ({"quant": "Q2_K"}, UnsupportedError, "'Q2_K' is not supported"),
-    ({"quant_overrides": {"ffn_down.weight": "IQ4_NL"}}, UnsupportedError, "'IQ4_NL'"),
+    ({"quant": "IQ2_XXS"}, UnsupportedError, "'IQ2_XXS' is not supported"),
+    ({"quant_overrides": {"ffn_down.weight": "IQ3_S"}}, UnsupportedError, "'IQ3_S'"),
 ])
 def test_bad_specs_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -191,6 +191,37 @@ def test_cli(tmp_path, capsys):
     assert "presets: tiny-llama" in capsys.readouterr().err
     assert synthetic.main(["tiny-qwen3", str(tmp_path / "q.gguf")]) == 0
     assert model_config(read_gguf(tmp_path / "q.gguf")).head_dim == 32
+
+
+@pytest.mark.unit
+def test_preset_at_type_follows_llama_quantize():
+    """PRESET@TYPE: every 2-D weight in the type, but the LM head (tied: token_embd) in Q6_K, and rows the type's
+    blocks do not divide in llama-quantize's fallback type (tiny-llama's 64- and 128-wide rows are no K-quant's)."""
+    spec = synthetic.preset("tiny-llama@IQ4_XS")
+    assert spec.quant == "IQ4_XS" and spec.n_embd == PRESETS["tiny-llama"].n_embd
+    types = {name: t.name for name, _, t in synthetic._plan(spec)}
+    assert types["token_embd.weight"] == "Q8_0"  # tied head: Q6_K's 256 does not divide 64 either
+    assert {types[f"blk.0.{n}.weight"] for n in ("attn_q", "attn_v", "ffn_up", "ffn_down")} == {"IQ4_NL"}
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    wide = synthetic.in_type(SyntheticSpec(n_embd=256, n_ff=512, tied_output=False), "Q3_K")
+    types = {name: t.name for name, _, t in synthetic._plan(wide)}
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q3_K"
+    assert {t for n, t in types.items() if n.startswith("blk.") and not n.endswith("norm.weight")} == {"Q3_K"}
+    assert synthetic.preset("tiny-llama@Q2_K").quant_overrides["blk.1.ffn_down.weight"] == "Q4_0"
+    assert not synthetic.preset("tiny-llama@Q8_0").quant_overrides  # Q8_0 heads keep Q8_0
+    assert synthetic.preset("smollm2-135m@F16").quant_overrides == {}  # the preset's own mix is dropped
+    with pytest.raises(UnsupportedError, match="'IQ2_XXS' is not supported"):
+        synthetic.preset("tiny-llama@IQ2_XXS")
+
+
+@pytest.mark.unit
+def test_cli_preset_at_type(tmp_path, capsys):
+    assert synthetic.main(["tiny-qwen3@MXFP4", str(tmp_path / "m.gguf")]) == 0
+    gguf = read_gguf(tmp_path / "m.gguf")
+    assert gguf.tensor("blk.0.attn_q.weight").ggml_type == T.MXFP4
+    assert gguf.tensor("token_embd.weight").ggml_type == T.Q8_0
+    assert synthetic.main(["tiny-qwen3@Q9_9", str(tmp_path / "x.gguf")]) == 2
+    assert "'Q9_9' is not supported" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ llama.cpp
