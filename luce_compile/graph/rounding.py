@@ -2,11 +2,12 @@
 activations as llama.cpp does (the CPU int8 build, the megakernel's q8_activations) and against llama.cpp itself.
 
 Before a matmul with a quantized weight, ggml rounds the activations to 8 bits (ggml-cpu.c, type_traits_cpu[].
-vec_dot_type): Q8_0 blocks for Q4_0/Q5_0/Q8_0 weights, Q8_1 (the same values plus an fp16 block sum used against
-the weight's block minimum) for Q4_1/Q5_1, Q8_K for K-quants; for F16 weights it rounds them to fp16. Its CPU GELU
-reads a table indexed by the input rounded to fp16 (ggml-cpu/vec.h, GGML_GELU_FP16). `GgmlRounding` adds exactly
-those roundings to the oracle, for the weight types it is given (all of them by default), and the megakernel's
-tf32 rounding of the inputs of F16/BF16 matvecs on tensor cores (float_mma) for the types given as `tf32_types`.
+vec_dot_type): Q8_0 blocks for Q4_0/Q5_0/Q8_0/IQ4_NL/MXFP4 weights, Q8_1 (the same values plus an fp16 block sum
+used against the weight's block minimum) for Q4_1/Q5_1, Q8_K for K-quants and IQ4_XS; for F16 weights it rounds
+them to fp16. Its CPU GELU reads a table indexed by the input rounded to fp16 (ggml-cpu/vec.h, GGML_GELU_FP16).
+`GgmlRounding` adds exactly those roundings to the oracle, for the weight types it is given (all of them by
+default), and the megakernel's tf32 rounding of the inputs of F16/BF16 matvecs on tensor cores (float_mma) for the
+types given as `tf32_types`.
 The megakernel's 8-bit matvecs round as llama.cpp's CUDA mmvq does, q8_1 blocks of 32 for every type, K-quants too
 (`GPU_Q8_1_TYPES`: Q4_K's and Q5_K's d·sc and −dmin·mn per 32 values are a Q4_1/Q5_1 block's d and m; Q6_K, with no
 minimum, takes their q8_0 values), where the CPU takes q8_K.
@@ -72,6 +73,11 @@ ACTIVATION_ROUNDING = {
     "Q4_K": q8_k,
     "Q5_K": q8_k,
     "Q6_K": q8_k,
+    "Q2_K": q8_k,
+    "Q3_K": q8_k,
+    "IQ4_XS": q8_k,
+    "IQ4_NL": q8_0,
+    "MXFP4": q8_0,
 }
 Q8_1_TYPES = ("Q4_1", "Q5_1")  # Q8_1 activations: q8_0's values plus s = fp16(d · Σq) against the block minimum
 GPU_Q8_1_TYPES = ("Q4_K", "Q5_K")  # with gpu_q8_1: q8_1 activations against their per-32 minimum (the megakernel)

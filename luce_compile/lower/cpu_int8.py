@@ -1,12 +1,16 @@
 """Integer dot-product matmuls (decode, verify, prefill), with llama.cpp's arithmetic (ggml-cpu's vec_dot_q4_0_q8_0,
-q4_1_q8_1, q5_0_q8_0, q5_1_q8_1, q8_0_q8_0, q4_K_q8_K, q5_K_q8_K, q6_K_q8_K): the activations are quantized to 8
-bits once per matmul input, then each block of a weight row is an exact integer dot product with the activation block.
-- 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): each block's integer dot is scaled by one float FMA with d_w·d_x
-  (and, for Q4_1/Q5_1, plus the min term m_w·s_x). Q4_0/Q5_0 dot the centred quants (q − 8, q − 16).
-- K-quants (256-value super-blocks): the integer dots of the sub-blocks (32 values for Q4_K/Q5_K, 16 for Q6_K)
-  are weighted by their integer sub-block scales into one int32 per super-block, scaled by d_w·d_x; Q4_K/Q5_K
-  subtract dmin_w·d_x·Σ_j mn_j·(sum of sub-block j's activation quants), the sums taken from Q8_K's bsums as
-  ggml does; Q6_K dots the centred quants (q − 32) as ggml_vec_dot_q6_K_q8_K_generic does.
+q4_1_q8_1, q5_0_q8_0, q5_1_q8_1, q8_0_q8_0, iq4_nl_q8_0, mxfp4_q8_0, q2_K_q8_K … q6_K_q8_K, iq4_xs_q8_K): the
+activations are quantized to 8 bits once per matmul input, then each block of a weight row is an exact integer dot
+product with the activation block.
+- 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4): each block's integer dot is scaled by one float FMA
+  with d_w·d_x (and, for Q4_1/Q5_1, plus the min term m_w·s_x). Q4_0/Q5_0 dot the centred quants (q − 8, q − 16);
+  IQ4_NL and MXFP4 the signed codebook values of their 4-bit indices (kvalues_iq4nl; e2m1 doubled, the E8M0 scale
+  halved to match: GGML_E8M0_TO_FP32_HALF).
+- K-quants and IQ4_XS (256-value super-blocks): the integer dots of the sub-blocks (32 values for Q4_K/Q5_K/IQ4_XS,
+  16 for Q2_K/Q3_K/Q6_K) are weighted by their integer sub-block scales into one int32 per super-block, scaled by
+  d_w·d_x; Q4_K/Q5_K/Q2_K subtract dmin_w·d_x·Σ_j mn_j·(sum of sub-block j's activation quants), the sums taken from
+  Q8_K's bsums as ggml does; Q6_K and Q3_K dot the centred quants (q − 32, q − 4) as
+  ggml_vec_dot_q6_K_q8_K_generic and q3_K's do; IQ4_XS dots codebook values under signed 6-bit scales (ls − 32).
 
 Activation formats (ggml's x86 quantize_row_q8_0 / q8_1 per 32 values, quantize_row_q8_K_ref per 256):
   Q8_0/Q8_1: d = amax/127 (float32, stored rounded to fp16), q = rint(x · 127/amax), and for Q8_1 s = fp16(d · Σq)
@@ -46,7 +50,7 @@ from tvm.target import Target, codegen
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.lower.quant_layout import as_ggml_type
-from luce_compile.lower.quant_matmul import stored_quant, weight_planes
+from luce_compile.lower.quant_matmul import e8m0_half, stored_quant, weight_planes
 from luce_compile.targets import sm_version
 
 log = logging.getLogger(__name__)
@@ -117,9 +121,31 @@ INT8_FORMATS: dict[GGMLQuantizationType, Q8Format] = {
     GGMLQuantizationType.Q4_K: Q8Format("Q8_K", "nibbles"),
     GGMLQuantizationType.Q5_K: Q8Format("Q8_K", "nibbles"),
     GGMLQuantizationType.Q6_K: Q8Format("Q8_K", "nibbles"),
+    GGMLQuantizationType.Q2_K: Q8Format("Q8_K", "nibbles"),
+    GGMLQuantizationType.Q3_K: Q8Format("Q8_K", "nibbles"),
+    GGMLQuantizationType.IQ4_XS: Q8Format("Q8_K", "nibbles"),
+    # the codebook types dot signed values (stored_quant gives them) as Q8_0 does, Σq for the many-row body's w + 128
+    GGMLQuantizationType.IQ4_NL: Q8Format("Q8_0", "nibbles", with_isum=True),
+    GGMLQuantizationType.MXFP4: Q8Format("Q8_0", "nibbles", with_isum=True),
 }
 # What the integer dot multiplies: the stored quant minus this (ggml's centring of the signed types)
-QUANT_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
+QUANT_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q3_K": 4}
+# K-quants whose integer sub-block scale covers 16 values (else 32)
+SIXTEENS = ("Q6_K", "Q3_K", "Q2_K")
+
+
+def superblocked(kind: str) -> bool:
+    """Whether a weight type's integer kernel works in 256-value super-blocks (its activations are Q8_K: the
+    K-quants and IQ4_XS), else in blocks of 32."""
+    return INT8_FORMATS[GGMLQuantizationType[kind]].name == "Q8_K"
+
+
+def block_scale(kind: str, planes, n: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
+    """A weight block's (or super-block's) float32 scale: its fp16 `d`, or MXFP4's E8M0 exponent (halved, as
+    GGML_E8M0_TO_FP32_HALF: the codebook holds e2m1 values doubled)."""
+    if kind == "MXFP4":
+        return e8m0_half(planes["e"][n, b])
+    return planes["d"][n, b].astype("float32")
 
 
 def int8_format(ggml_type: GGMLQuantizationType | str) -> Q8Format | None:
@@ -302,7 +328,7 @@ def int8_matmul(
     xq, xd = acts["xq"], acts["xd"]
     planes = weight_planes(qtype, n_out, n_in)
     offset = QUANT_OFFSET.get(qtype.name, 0)
-    dot = BSUM if qtype.name == "Q6_K" else QK8  # values per integer dot (per sub-block scale for K-quants)
+    dot = BSUM if qtype.name in SIXTEENS else QK8  # values per integer dot (per sub-block scale for K-quants)
 
     def position(k: tirx.Expr) -> tirx.Expr:
         return k // QK8 * QK8 + fmt.element_position(k % QK8)
@@ -333,20 +359,23 @@ def int8_matmul(
             lambda r, n, s: te.sum(planes["sc"][n, s * per + j].astype("int32") * isum[r, n, s * per + j], axis=j),
             name="superblock_dot",
         )
-    if "mn" in planes:  # Σ_j mn_j · Σ q_x over sub-block j (32 values: two bsums)
-        xb = acts["xb"]
-        j = te.reduce_axis(_i64(0, QK_K // QK8), name="jm")
+    if "mn" in planes:  # Σ_j mn_j · Σ q_x over sub-block j (32 values: two bsums; Q2_K's 16: one)
+        xb, per_min = acts["xb"], QK_K // dot
+        j = te.reduce_axis(_i64(0, per_min), name="jm")
+
+        def bsum(r: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
+            return xb[r, g] if dot == BSUM else xb[r, 2 * g] + xb[r, 2 * g + 1]
+
         imin = te.compute(
             _i64(rows, n_out, n_in // QK_K),
             lambda r, n, s: te.sum(
-                planes["mn"][n, s * 8 + j].astype("int32") * (xb[r, 2 * (s * 8 + j)] + xb[r, 2 * (s * 8 + j) + 1]),
-                axis=j,
+                planes["mn"][n, s * per_min + j].astype("int32") * bsum(r, s * per_min + j), axis=j
             ),
             name="superblock_min",
         )
 
     def term(r: tirx.Expr, n: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
-        value = xd[r, b] * _f32(planes["d"][n, b]) * _f32(isum[r, n, b])
+        value = xd[r, b] * block_scale(qtype.name, planes, n, b) * _f32(isum[r, n, b])
         if fmt.with_sum:
             return value + _f32(planes["m"][n, b]) * acts["xs"][r, b]
         if "mn" in planes:

@@ -17,23 +17,37 @@ or Q8_K's bsums for Q6_K's 16-value sub-blocks), the same integers as ggml's Σ 
 each group's (Q6_K: each half-group's) integer dot by the 8 rows' sub-block scales and subtract the mins with the
 bsums, as the GEMV does. Only the order of the float32 sums differs from the GEMV (blocks here, lanes there).
 
+The codebook types (IQ4_NL, IQ4_XS, MXFP4) stage their signed values + 128 as Q8_0 does, IQ4_XS subtracting
+128·Σx per 32 values from two bsums; Q3_K's q − 4 and Q2_K's per-16 mins use the bsums as Q6_K and Q4_K do.
 On AVX2 (vpmaddubsw + vpmaddwd, int8_gemv.dot4) Q8_0's w + 128 against x would saturate vpmaddubsw's int16 pair
-sums, so there Q8_0 stages the signed w and each quad takes the sign trick (|w| · x·sign(w), two more ops a quad:
-vpabsb and vpsignb) with no offset; the other types' quants are at most 6 bits and dot as they are.
+sums, so there Q8_0 (and the codebook types) stages the signed w and each quad takes the sign trick (|w| · x·sign(w),
+two more ops a quad: vpabsb and vpsignb) with no offset; the other types' quants are at most 6 bits and dot as they
+are.
 """
 
 from __future__ import annotations
 
-from luce_schedules.cpu.int8_gemv import GROUPS, LANES, Bufs, _weights, dot4, offset_safe, sign_moved
+from luce_schedules.cpu.int8_gemv import (
+    GROUPS,
+    LANES,
+    SIGNED,
+    Bufs,
+    _weights,
+    dot4,
+    e8m0_half,
+    offset_safe,
+    sign_moved,
+)
 from tvm import tirx
 from tvm.tirx.script.builder import ir as T
 
-from luce_compile.lower.cpu_int8 import QK8, QK_K
+from luce_compile.lower.cpu_int8 import QK8, QK_K, SIXTEENS, superblocked
 
 QUADS = QK8 // 4  # 4-byte quads per group of 32 values: one vpdpbusd each
 # the offset the unsigned weight operand carries (Q8_0: w + 128); the others store what they dot
-OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q8_0": 128}
-# Q6_K's 16-value sub-blocks in the "nibbles" order: quads 0, 1, 4, 5 hold elements 0..15 (cpu_int8's docstring)
+OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q3_K": 4, **{kind: 128 for kind in SIGNED}}
+# the 16-value sub-blocks of Q6_K, Q3_K and Q2_K in the "nibbles" order: quads 0, 1, 4, 5 hold elements 0..15
+# (cpu_int8's docstring)
 HALVES = ((0, 1, 4, 5), (2, 3, 6, 7))
 
 
@@ -49,14 +63,14 @@ def strip_vectors(n_out: int) -> int:
 
 def _offset(isa: str, kind: str) -> int:
     """What `_unsigned` adds to the centred quants of `kind` (0: none), subtracted again as offset·Σx."""
-    return 0 if kind == "Q8_0" and not offset_safe(isa) else OFFSET.get(kind, 0)
+    return 0 if kind in SIGNED and not offset_safe(isa) else OFFSET.get(kind, 0)
 
 
 def _unsigned(isa: str, kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
     """Weight row n's group g as the unsigned operand (int8x32 bits): the stored quants, Q8_0's w + 128 (signed w
     where that is not `offset_safe`: `_dot` then moves its sign onto x)."""
     w = _weights(kind, bufs, n, g)
-    if kind == "Q8_0":
+    if kind in SIGNED:  # Q8_0 and the codebook values
         return w ^ T.Broadcast(T.int8(-128), QK8) if _offset(isa, kind) else w
     return w  # Q6_K: the stored 6-bit q, as _weights gives it
 
@@ -68,15 +82,16 @@ class Staged:
         groups = n_in // QK8
         self.isa, self.kind, self.width = isa, kind, width
         self.offset = _offset(isa, kind)
-        self.signed = kind == "Q8_0" and not self.offset  # wq holds signed w: each quad takes the sign trick
+        self.signed = kind in SIGNED and not self.offset  # wq holds signed w: each quad takes the sign trick
         self.wq = T.decl_buffer((groups, QUADS, width * 4), "int8", scope="local")
-        if kind.endswith("_K"):
+        self.has_min = kind in ("Q4_K", "Q5_K", "Q2_K")
+        if superblocked(kind):
             supers = n_in // QK_K
-            per_group = 2 if kind == "Q6_K" else 1
+            per_group = 2 if kind in SIXTEENS else 1
             self.sc = T.decl_buffer((groups * per_group, width), "int32", scope="local")
             self.d = T.decl_buffer((supers, width), "float32", scope="local")
-            if kind != "Q6_K":
-                self.mn = T.decl_buffer((groups, width), "int32", scope="local")
+            if self.has_min:
+                self.mn = T.decl_buffer((groups * per_group, width), "int32", scope="local")
                 self.dmin = T.decl_buffer((supers, width), "float32", scope="local")
         else:
             self.d = T.decl_buffer((groups, width), "float32", scope="local")
@@ -91,24 +106,25 @@ class Staged:
             w = T.Bind(_unsigned(self.isa, self.kind, bufs, n, g))
             for j in range(QUADS):
                 T.buffer_store(self.wq, T.Shuffle([w], list(range(4 * j, 4 * j + 4))), [g, j, T.Ramp(i * 4, 1, 4)])
-            if self.kind.endswith("_K"):
+            if superblocked(self.kind):
                 self._stage_k(bufs, n, i, g)
             else:
-                T.buffer_store(self.d, T.Cast("float32", bufs["d"][n, g]), [g, i])
+                d = e8m0_half(bufs["e"][n, g], 1) if self.kind == "MXFP4" else T.Cast("float32", bufs["d"][n, g])
+                T.buffer_store(self.d, d, [g, i])
                 if "m" in bufs:
                     T.buffer_store(self.m, T.Cast("float32", bufs["m"][n, g]), [g, i])
 
     def _stage_k(self, bufs: Bufs, n: tirx.Expr, i: tirx.Expr, g: tirx.Expr) -> None:
-        if self.kind == "Q6_K":
-            for h in range(2):
-                T.buffer_store(self.sc, T.Cast("int32", bufs["sc"][n, 2 * g + h]), [2 * g + h, i])
-        else:
-            T.buffer_store(self.sc, T.Cast("int32", bufs["sc"][n, g]), [g, i])
-            T.buffer_store(self.mn, T.Cast("int32", bufs["mn"][n, g]), [g, i])
+        per_group = 2 if self.kind in SIXTEENS else 1
+        for h in range(per_group):
+            j = per_group * g + h
+            T.buffer_store(self.sc, T.Cast("int32", bufs["sc"][n, j]), [j, i])
+            if self.has_min:
+                T.buffer_store(self.mn, T.Cast("int32", bufs["mn"][n, j]), [j, i])
         with T.If(g % GROUPS == 0), T.Then():
             s = g // GROUPS
             T.buffer_store(self.d, T.Cast("float32", bufs["d"][n, s]), [s, i])
-            if self.kind != "Q6_K":
+            if self.has_min:
                 T.buffer_store(self.dmin, T.Cast("float32", bufs["dmin"][n, s]), [s, i])
 
     def lanes(self, buf: tirx.Buffer, row: tirx.Expr, v: int) -> tirx.Expr:
@@ -153,10 +169,15 @@ def block_terms(st: Staged, bufs: Bufs, xw: tirx.Buffer, a: tirx.Expr, b: tirx.E
 def group_terms(st: Staged, bufs: Bufs, xw: tirx.Buffer, a: tirx.Expr, g: tirx.Expr, v: int, isum: tirx.Expr):
     """isum (int32x8) plus group g's integer dot weighted by the rows' sub-block scales (K-quants; Q6_K: one scale
     per half-group of 16 values, centred with the bsums)."""
-    if st.kind != "Q6_K":
-        return isum + _dot(st, xw, a, g, v, tuple(range(QUADS))) * st.lanes(st.sc, g, v)
+    if st.kind not in SIXTEENS:
+        dot = _dot(st, xw, a, g, v, tuple(range(QUADS)))
+        if st.offset:  # IQ4_XS's w + 128: its 32 values' Σx are two bsums
+            dot = dot - _i32x8((bufs["xb"][a, 2 * g] + bufs["xb"][a, 2 * g + 1]) * T.int32(st.offset))
+        return isum + dot * st.lanes(st.sc, g, v)
     for h, quads in enumerate(HALVES):
-        half = _dot(st, xw, a, g, v, quads) - _i32x8(bufs["xb"][a, 2 * g + h] * T.int32(st.offset))
+        half = _dot(st, xw, a, g, v, quads)
+        if st.offset:
+            half = half - _i32x8(bufs["xb"][a, 2 * g + h] * T.int32(st.offset))
         isum = isum + half * st.lanes(st.sc, 2 * g + h, v)
     return isum
 
@@ -165,12 +186,16 @@ def super_terms(st: Staged, bufs: Bufs, a: tirx.Expr, s: tirx.Expr, v: int, isum
     """acc plus super-block s's integer sum scaled by d_w·d_x, less Q4_K/Q5_K's mins (dmin_w·d_x·Σ mn·bsums)."""
     xd = T.Broadcast(bufs["xd"][a, s], LANES)
     acc = T.fma(st.lanes(st.d, s, v) * xd, T.Cast("float32x8", isum), acc)
-    if st.kind == "Q6_K":
+    if not st.has_min:
         return acc
     imin = None
     for j8 in range(GROUPS):
         g = s * GROUPS + j8
-        term = st.lanes(st.mn, g, v) * _i32x8(bufs["xb"][a, 2 * g] + bufs["xb"][a, 2 * g + 1])
+        if st.kind in SIXTEENS:  # Q2_K: a min per 16 values, one bsum each
+            term = (st.lanes(st.mn, 2 * g, v) * _i32x8(bufs["xb"][a, 2 * g])
+                    + st.lanes(st.mn, 2 * g + 1, v) * _i32x8(bufs["xb"][a, 2 * g + 1]))
+        else:
+            term = st.lanes(st.mn, g, v) * _i32x8(bufs["xb"][a, 2 * g] + bufs["xb"][a, 2 * g + 1])
         imin = term if imin is None else imin + term
     return T.fma(st.lanes(st.dmin, s, v) * (T.Broadcast(T.float32(0), LANES) - xd), T.Cast("float32x8", imin), acc)
 
@@ -180,7 +205,7 @@ def gemm_body(isa: str, kind: str, bufs: Bufs, y: tirx.Buffer, n_out: int, n_in:
     rows at a time (independent accumulators), then the rows left one at a time."""
     vectors = strip_vectors(n_out)
     width = LANES * vectors
-    units = n_in // (QK_K if kind.endswith("_K") else QK8)
+    units = n_in // (QK_K if superblocked(kind) else QK8)
     xq = bufs["xq"]
     xw = T.decl_buffer((xq.shape[0], n_in // 4), "int32", data=xq.data)  # the activations as 4-byte quads
     total = T.Cast("int32", y.shape[0])
@@ -196,7 +221,7 @@ def gemm_body(isa: str, kind: str, bufs: Bufs, y: tirx.Buffer, n_out: int, n_in:
             for k in range(count * vectors):
                 T.buffer_store(acc, T.Broadcast(T.float32(0), LANES), [k, every])
             slots = [(r, v, r * vectors + v) for r in range(count) for v in range(vectors)]
-            if not kind.endswith("_K"):
+            if not superblocked(kind):
                 with T.serial(0, units) as u:
                     for r, v, k in slots:
                         T.buffer_store(acc, block_terms(st, bufs, xw, first + r, u, v, acc[k, every]), [k, every])

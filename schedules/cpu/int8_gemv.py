@@ -27,6 +27,12 @@ the same sums:
   (q − 32) likewise dots its stored 6-bit q and subtracts 32·Σ_j sc_j·bsum_j per super-block (Q8_K's bsums, as
   int8_gemm and ggml's AVX2 q6_K dot do): the sign trick cost AVX2 4 ops a group (Zen 3: Q6_K 896x4864 -13% at
   one row, -18% at eight).
+- Issue 40's types: IQ4_NL, IQ4_XS and MXFP4 turn 32 nibbles into their signed codebook values with one vpshufb
+  (`_codebook`, as ggml's x86 iq4_nl/iq4_xs/mxfp4 dots) and then dot as the signed Q8_0 does (|w| ≤ 127, so AVX2's
+  pair sums stay exact); MXFP4's E8M0 scales become float32 by their bits (`e8m0_half`). Q2_K's and Q3_K's 2-bit
+  fields (and Q3_K's third bit) are spread like the fifth bit (one byte shuffle, a bit test per field bit); Q3_K's
+  q − 4 comes in as 4·Σ_j sc_j·bsum_j, as Q6_K's q − 32; Q2_K's per-16 mins take one bsum each. Not tuned: they
+  share the Q4_K/Q6_K knobs.
 - Several activation rows (the batched decode's B, verify's k + 1): each weight row's `unroll` units are unpacked
   once into local buffers (quants; Q8_0's −128·Σw) and dotted with up to TILE = 16 activation rows in
   turn, as ggml's vec_dot with nrc and its repacked GEMMs amortise the weights over rows. Each row keeps the GEMV's
@@ -69,7 +75,17 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.target import Target
 from tvm.tirx.script.builder import ir as T
 
-from luce_compile.lower.cpu_int8 import INT8_GEMV_ATTR, QK8, QK_K, QUANT_OFFSET, int8_isa, int8_matmul
+from luce_compile.lower.cpu_int8 import (
+    INT8_GEMV_ATTR,
+    QK8,
+    QK_K,
+    QUANT_OFFSET,
+    SIXTEENS,
+    int8_isa,
+    int8_matmul,
+    superblocked,
+)
+from luce_compile.lower.quant_matmul import CODEBOOKS
 
 log = logging.getLogger(__name__)
 LANES = 8  # int32 / float32 lanes of one 256-bit vector
@@ -144,16 +160,35 @@ def _spread(qh: tirx.Buffer, n: tirx.Expr, g: tirx.Expr, bits: int) -> tirx.Expr
     return T.Shuffle([raw] * per_byte, [e // per_byte for e in ELEMENT])  # Shuffle wants ≥ 32 lanes of input
 
 
-def _high_bits(qh: tirx.Buffer, n: tirx.Expr, g: tirx.Expr, bits: int) -> tirx.Expr:
-    """The bits above the nibble (Q5: 1 bit → 16, Q6_K: 2 bits → 16, 32) of group g, as uint8x32 in nibbles order."""
+def _high_bits(qh: tirx.Buffer, n: tirx.Expr, g: tirx.Expr, bits: int, base: int = 16) -> tirx.Expr:
+    """The bits above the nibble (Q5: 1 bit → 16, Q6_K: 2 bits → 16, 32) of group g, as uint8x32 in nibbles order;
+    with `base` 1 (Q2_K's and Q3_K's 2 low bits) or 4 (Q3_K's third bit) a field of other weight."""
     spread = _spread(qh, n, g, bits)
     zero = T.Broadcast(T.uint8(0), 32)
     per_byte = 8 // bits
     high = zero
     for bit in range(bits):
         mask = _vector([1 << (bits * (e % per_byte) + bit) for e in ELEMENT], "uint8")
-        high = high | T.Select((spread & mask) != zero, T.Broadcast(T.uint8(16 << bit), 32), zero)
+        high = high | T.Select((spread & mask) != zero, T.Broadcast(T.uint8(base << bit), 32), zero)
     return high
+
+
+def _codebook(kind: str, indices: tirx.Expr) -> tirx.Expr:
+    """int8x32: the codebook values (IQ4_NL/IQ4_XS's kvalues_iq4nl, MXFP4's e2m1 doubled) of 32 indices 0..15, by
+    one vpshufb on the 16-entry table in both 128-bit halves, as ggml's x86 iq4_nl/iq4_xs/mxfp4 dots look them up."""
+    table = _vector([v for _ in range(2) for v in CODEBOOKS[kind]], "int8")
+    return T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", table, T.reinterpret("int8x32", indices))
+
+
+def e8m0_half(e: tirx.Expr, lanes: int) -> tirx.Expr:
+    """float32xlanes (or float32) 2^(e − 128) of uint8 exponents: quant_matmul.e8m0_half, lanes at once."""
+    u32, f32 = (f"uint32x{lanes}", f"float32x{lanes}") if lanes > 1 else ("uint32", "float32")
+    e32 = T.Cast(u32, e)
+
+    def const(v: int) -> tirx.Expr:
+        return T.Broadcast(T.uint32(v), lanes) if lanes > 1 else T.uint32(v)
+
+    return T.reinterpret(f32, T.Select(e32 < const(2), const(0x00200000) << e32, (e32 - const(1)) << const(23)))
 
 
 def sign_moved(w: tirx.Expr, x: tirx.Expr) -> tirx.Expr:
@@ -178,7 +213,8 @@ def _x_offset(w: tirx.Expr) -> tirx.Expr:
     return T.Broadcast(T.int32(0), LANES) - _vpdpbusd(T.Broadcast(T.int8(-128), 32), w)
 
 
-SIGNED = ("Q8_0",)  # weight types whose dot operand is signed (`_group_dot`; the others are unsigned)
+# weight types whose dot operand is signed (`_group_dot`; the others are unsigned): Q8_0 and the codebook types
+SIGNED = ("Q8_0", *CODEBOOKS)
 
 
 def _weights(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
@@ -186,6 +222,13 @@ def _weights(kind: str, bufs: Bufs, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
     bits) for the unsigned types, the signed w for SIGNED. What a batch of activation rows shares."""
     if kind == "Q8_0":
         return bufs["qs"][n, T.Ramp(g * QK8, 1, QK8)]
+    if kind in CODEBOOKS:
+        return _codebook(kind, _nibbles(bufs["qs"], n, g))
+    if kind in ("Q2_K", "Q3_K"):  # 2 low bits (4 per byte of qs), Q3_K's third from qh
+        quants = _high_bits(bufs["qs"], n, g, 2, base=1)
+        if kind == "Q3_K":
+            quants = quants | _high_bits(bufs["qh"], n, g, 1, base=4)
+        return T.reinterpret("int8x32", quants)  # Q3_K: q − 4 comes in as 4·Σ_j sc_j·bsum_j (_unit_terms)
     quants = _nibbles(bufs["qs"], n, g)
     if kind.startswith("Q5"):
         quants = quants | _high_bits(bufs["qh"], n, g, 1)
@@ -261,14 +304,15 @@ def _unit_terms(
     """acc plus unit u of weight row n against activation row a. 32-value types: a unit is G = acc's lanes blocks,
     whose integer dots are folded into one int32xG (exact), converted and scaled by G d_w·d_x at once, with the min
     terms m_w·s_x; K-quants (acc float32x8): a unit is a super-block."""
-    if not kind.endswith("_K"):
+    if not superblocked(kind):
         count = acc.ty.dtype.lanes  # 1 for a scalar
         blocks = T.Ramp(u * count, 1, count) if count > 1 else u  # a Ramp of one lane is refused
         f32 = f"float32x{count}" if count > 1 else "float32"
         total = _fold([_group_dot(isa, kind, bufs, a, g, weights(g)) for g in (u * count + j for j in range(count))])
         if "xi" in bufs and kind in QUANT_OFFSET:  # Q4_0/Q5_0 (not Q8_0): Σ q·x − offset·Σx, ggml's Σ (q − offset)·x
             total = total - bufs["xi"][a, blocks] * _splat(T.int32(QUANT_OFFSET[kind]), count)
-        scale = T.Cast(f32, bufs["d"][n, blocks]) * bufs["xd"][a, blocks]
+        d = e8m0_half(bufs["e"][n, blocks], count) if kind == "MXFP4" else T.Cast(f32, bufs["d"][n, blocks])
+        scale = d * bufs["xd"][a, blocks]
         acc = T.fma(scale, T.Cast(f32, total), acc)
         if "xs" in bufs:
             acc = T.fma(T.Cast(f32, bufs["m"][n, blocks]), bufs["xs"][a, blocks], acc)
@@ -277,7 +321,7 @@ def _unit_terms(
     isum = T.Broadcast(T.int32(0), LANES)
     for j in range(GROUPS):
         g = u * GROUPS + j
-        if kind == "Q6_K":  # one int8 scale per 16 values: lanes 0, 1, 4, 5 | 2, 3, 6, 7 (module docstring)
+        if kind in SIXTEENS:  # one scale per 16 values: lanes 0, 1, 4, 5 | 2, 3, 6, 7 (module docstring)
             pair = T.Cast("int32x2", bufs["sc"][n, T.Ramp(g * 2, 1, 2)])
             scale = T.Shuffle([pair] * 4, [0, 0, 1, 1, 0, 0, 1, 1])
         else:
@@ -286,16 +330,21 @@ def _unit_terms(
             isum = isum + _group_dot(isa, kind, bufs, a, g, weights(g), scale)
         else:
             isum = isum + _group_dot(isa, kind, bufs, a, g, weights(g)) * scale
-    if kind == "Q6_K":  # Σ_j sc_j·Σ (q − 32)·x = Σ_j sc_j·Σ q·x − 32·Σ_j sc_j·bsum_j (16-value sub-blocks j)
+    if kind in QUANT_OFFSET:  # Q6_K: Σ_j sc_j·Σ (q − 32)·x = Σ_j sc_j·Σ q·x − 32·Σ_j sc_j·bsum_j (16 values j); Q3_K 4
         products = T.Cast("int32x16", bufs["sc"][n, T.Ramp(u * 16, 1, 16)]) * bufs["xb"][a, T.Ramp(u * 16, 1, 16)]
         centre = T.Shuffle([products], list(range(8))) + T.Shuffle([products], list(range(8, 16)))
         isum = isum - centre * T.Broadcast(T.int32(QUANT_OFFSET[kind]), LANES)
     acc = T.fma(_f32x8(d * xd), T.Cast("float32x8", isum), acc)
     if "mn" not in bufs:
         return acc
-    # Σ_j mn_j·(bsums[2j] + bsums[2j+1]): 16 products of mn_{j//2}·bsums, halves added (any pairing sums the same)
-    mn = T.Cast("int32x8", bufs["mn"][n, T.Ramp(u * GROUPS, 1, GROUPS)])
-    products = T.Shuffle([mn] * 2, [j // 2 for j in range(16)]) * bufs["xb"][a, T.Ramp(u * 16, 1, 16)]
+    # Σ_j mn_j·(bsums[2j] + bsums[2j+1]): 16 products of mn_{j//2}·bsums, halves added (any pairing sums the same);
+    # Q2_K's 16 mins take one bsum each
+    if kind in SIXTEENS:
+        mins = T.Cast("int32x16", bufs["mn"][n, T.Ramp(u * 16, 1, 16)])
+    else:
+        mn = T.Cast("int32x8", bufs["mn"][n, T.Ramp(u * GROUPS, 1, GROUPS)])
+        mins = T.Shuffle([mn] * 2, [j // 2 for j in range(16)])
+    products = mins * bufs["xb"][a, T.Ramp(u * 16, 1, 16)]
     imin = T.Shuffle([products], list(range(8))) + T.Shuffle([products], list(range(8, 16)))
     dmin = T.Cast("float32", bufs["dmin"][n, u])
     return T.fma(_f32x8(T.float32(0) - dmin * xd), T.Cast("float32x8", imin), acc)
@@ -331,7 +380,7 @@ def int8_gemv(
     from luce_schedules.cpu import int8_gemm  # it builds on this module's helpers
 
     definition = int8_matmul(kind, n_out, n_in, batch=batch)
-    k_quant = kind.endswith("_K")
+    k_quant = superblocked(kind)
     lanes = LANES if k_quant else block_group(n_in)  # the accumulator's float32 lanes
     per_unit = GROUPS if k_quant else lanes  # groups of 32 values per unit
     units = n_in // QK_K if k_quant else n_in // QK8 // lanes
@@ -403,7 +452,7 @@ def _tiles_body(
                 T.buffer_store(y, _lane_sum(acc, r * TILE + a, lanes), [t * TILE + a, (c * chunk + g) * rows + r])
 
 
-WEIGHT_PLANES = ("qs", "qh", "d", "m", "sc", "mn", "dmin")
+WEIGHT_PLANES = ("qs", "qh", "d", "m", "sc", "mn", "dmin", "e")
 
 
 def _prefetch(bufs: Bufs, n: tirx.Expr, first: tirx.Expr, count: int, groups: int) -> None:
@@ -490,7 +539,7 @@ class Int8GEMV(KnobbedRule):
         k = self.knobs(knobs)
         rows = fit(n_out, k["rows"])
         # `unroll` is in blocks of 32 values: whole units of the kernel (super-blocks, or groups of blocks)
-        unit = QK_K if kind.endswith("_K") else QK8 * block_group(n_in)
+        unit = QK_K if superblocked(kind) else QK8 * block_group(n_in)
         unroll = _unroll(n_in // unit, max(1, k["unroll"] * QK8 // unit), staged=batch != 1)
         kernel = int8_gemv(kind, n_out, n_in, rows, fit(n_out // rows, k["chunk"]), unroll, batch, isa, k["ahead"])
         if _signature(kernel) != _signature(func):
