@@ -24,6 +24,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from luce_compile.errors import GGUFError
+from luce_compile.gguf.quants import KVALUES_IQ4NL, KVALUES_MXFP4, pack_q3_k_scales
 
 log = logging.getLogger(__name__)
 T = GGMLQuantizationType
@@ -129,6 +130,55 @@ def _q5_k(blocks: np.ndarray, scale: Callable[[float], np.float16]) -> None:  # 
 def _q6_k(blocks: np.ndarray, scale: Callable[[float], np.float16]) -> None:  # ql[128] | qh[64] | sc:int8[16] | d
     blocks[:, 192:208] = np.tile(np.array([1, -1], dtype=np.int8), 8).view(np.uint8)
     _put_f16(blocks, 208, scale(float(np.sqrt(_uniform_rms(64) ** 2 + 0.25))))  # E[(q - 32)²], q uniform 0..63
+
+
+@_register(T.Q2_K)
+def _q2_k(blocks: np.ndarray, scale: Callable[[float], np.float16]) -> None:  # scales[16] | qs[64] | d | dmin
+    # as _k_affine: sc = 2, m = 3, dmin = d gives y = d·(2q − 3) over {−3, −1, 1, 3}·d
+    d = scale(2 * _uniform_rms(4))
+    blocks[:, 0:16] = 2 | (3 << 4)
+    _put_f16(blocks, 80, d)
+    _put_f16(blocks, 82, d)
+
+
+@_register(T.Q3_K)
+def _q3_k(blocks: np.ndarray, scale: Callable[[float], np.float16]) -> None:  # hmask | qs[64] | scales[12] | d
+    # q − 4 over −4..3 (mean −1/2): sub-block scales alternate +1, −1 (stored 33, 31), as Q6_K's, so halves cancel
+    signs = np.tile(np.array([33, 31], dtype=np.uint8), 8)[None, :]
+    blocks[:, 96:108] = pack_q3_k_scales(signs)
+    _put_f16(blocks, 108, scale(float(np.sqrt(_uniform_rms(8) ** 2 + 0.25))))
+
+
+def _codebook_rms(table: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(table.astype(np.float64) ** 2)))
+
+
+@_register(T.IQ4_NL)
+def _iq4_nl(blocks: np.ndarray, scale: Callable[[float], np.float16]) -> None:  # d:f16 | qs[16]
+    # kvalues_iq4nl is not symmetric (mean −5.9): d alternates sign from block to block, so the levels are ±kv·d
+    d = scale(_codebook_rms(KVALUES_IQ4NL))
+    _put_f16(blocks, 0, d)
+    blocks[1::2, 0:2] = np.frombuffer(np.float16(-d).astype("<f2").tobytes(), np.uint8)
+
+
+@_register(T.IQ4_XS)
+def _iq4_xs(blocks: np.ndarray, scale: Callable[[float], np.float16]) -> None:  # d | scales_h | scales_l[4] | qs
+    # the sign alternates per sub-block instead: ls − 32 = +1, −1 (ls 33, 31: low nibbles 1, 15; high bits 2, 1)
+    _put_f16(blocks, 0, scale(_codebook_rms(KVALUES_IQ4NL)))
+    blocks[:, 2:4] = np.frombuffer(np.uint16(sum((2 if ib % 2 == 0 else 1) << (2 * ib) for ib in range(8)))
+                                   .astype("<u2").tobytes(), np.uint8)
+    blocks[:, 4:8] = 0x01 | (0x0F << 4)
+
+
+@_register(T.MXFP4)
+def _mxfp4(blocks: np.ndarray, scale: Callable[[float], np.float16]) -> None:  # e:E8M0 | qs[16]
+    # kvalues_mxfp4 is symmetric; its scale is a power of two, so blocks take 2^k or 2^(k+1) (k = floor(log2 of the
+    # scale wanted)) at random in the proportion that gives the wanted mean square
+    want = float(scale(_codebook_rms(KVALUES_MXFP4)))
+    k = int(np.floor(np.log2(want)))
+    p_low = (4 - (want / 2.0**k) ** 2) / 3  # p·4^k + (1 − p)·4^(k+1) = want²
+    low = blocks[:, 0] < round(p_low * 256)  # the random byte decides
+    blocks[:, 0] = np.where(low, k + 128, k + 129)
 
 
 def random_blocks(rng: np.random.Generator, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],

@@ -381,13 +381,18 @@ def _symmetric_levels(x: np.ndarray, qmax: int, top: int) -> tuple[np.ndarray, n
     return d, sc, np.clip(q, -qmax, qmax).astype(np.int8)
 
 
+def pack_q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """(n, 16) stored 6-bit scales (sc + 32, 0..63) → Q3_K's 12 bytes: the inverse of q3_k_scales."""
+    top = (s >> 4).reshape(-1, 4, 4) << np.array([0, 2, 4, 6], dtype=np.uint8)[None, :, None]  # (n, i // 4, i % 4)
+    return np.concatenate([(s[:, 0:8] & 0x0F) | ((s[:, 8:16] & 0x0F) << 4), top.sum(axis=1, dtype=np.uint8)],
+                          axis=-1).astype(np.uint8)
+
+
 def _quantize_q3_k(x: np.ndarray) -> np.ndarray:
     """y = d·(sc − 32)·(q − 4) per 16 values. Symmetric: levels −3..3 (the format's −4 is not used) and sub-block
     scales 0..31 of the format's −32..31, the step rounded up so nothing clips."""
     d, sc, q = _symmetric_levels(x.reshape(-1, 16, 16), 3, 31)
-    s = sc + 32  # (n, 16) stored 6-bit scales: the inverse of q3_k_scales
-    top = (s >> 4).reshape(-1, 4, 4) << np.array([0, 2, 4, 6], dtype=np.uint8)[None, :, None]  # (n, i // 4, i % 4)
-    packed = np.concatenate([(s[:, 0:8] & 0x0F) | ((s[:, 8:16] & 0x0F) << 4), top.sum(axis=1, dtype=np.uint8)], axis=-1)
+    packed = pack_q3_k_scales(sc + 32)
     u = (q.reshape(-1, QK_K) + 4).astype(np.uint8)  # 1..7: the hmask bit is set where u ≥ 4 (q ≥ 0)
     high = (u >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[None, :, None]
     return np.concatenate([high.sum(axis=1, dtype=np.uint8), _pack_2bit_runs(u & 3), packed, _halves(d)], axis=-1)
