@@ -283,3 +283,15 @@ def test_real_tensors_repack_losslessly(model: str, tensor: str, request: pytest
     info = gguf.tensors[tensor]
     raw = np.asarray(gguf.raw(tensor))[:512]  # the first rows: enough blocks, fast
     assert np.array_equal(raw_from_planes(repack(raw, info.ggml_type), info.ggml_type.name), raw)
+
+
+@pytest.mark.unit
+def test_mxfp4_every_exponent_is_bit_exact(rng: np.random.Generator):
+    """MXFP4's E8M0 scale by its bits, for all 256 exponents: the subnormal 2^-128, 2^-127 (e < 2) and the largest
+    (random_raw keeps to 2^-10 .. 2^-3 so that dot products stay finite)."""
+    raw = rng.integers(0, 256, (256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    planes = repack(raw, "MXFP4")
+    got = run_func(quant_embedding("MXFP4", 256, 32), np.arange(256, dtype=np.int32), *planes.values(),
+                   out_shape=(256, 32), out_dtype="float32")
+    assert np.array_equal(got.view(np.uint32), reference_dequant(raw, "MXFP4").view(np.uint32))
