@@ -364,15 +364,19 @@ def _reshape(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
 
 def _rope(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
     x, positions = ins
-    if o.weights:
-        raise UnsupportedError("lower: RoPE frequency factors (rope_freqs.weight) are not lowered yet.")
+    factors = o.weights.get("freq_factors")  # llama 3's rope_freqs.weight: a float32 vector input
     _, _, h, d = x.shape
     a = o.attrs
-    func = m._kernel(("rope", a["layout"], h, d, a["dim"], a["base"], a["freq_scale"]), lambda: rope_func(
+    key = ("rope", a["layout"], h, d, a["dim"], a["base"], a["freq_scale"], bool(factors))
+    func = m._kernel(key, lambda: rope_func(
         a["layout"], h, d, a["dim"], a["base"], a["freq_scale"], dtype=m.options.dtype,
-        name=f"rope_{a['layout']}_{h}x{d}_{int(a['base'])}"))
+        name=f"rope_{a['layout']}_{h}x{d}_{int(a['base'])}{'_ff' if factors else ''}", freq_factors=bool(factors)))
     out = nn.Tensor.placeholder(x.shape, m.options.dtype)
-    return op.tensor_ir_op(func, func.attrs["global_symbol"], [x, positions], out)
+    extra = []
+    if factors:
+        (plane,) = m._planes(factors)
+        extra = [plane if plane.dtype == "float32" else op.astype(plane, "float32")]
+    return op.tensor_ir_op(func, func.attrs["global_symbol"], [x, positions, *extra], out)
 
 
 def _attention(m: GraphModule, o: Op, ins: list, kv: PagedKVCache, **_) -> nn.Tensor:
