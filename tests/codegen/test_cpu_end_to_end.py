@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 REAL = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
 ARCHS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3")
-QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+          "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4")  # the last five: issue 40
 REAL_DECODE_STEPS = 64
 TINY_DECODE_STEPS = 16
 # sentences a long prompt is drawn from (a fresh order each run): real text keeps real models on a natural path
