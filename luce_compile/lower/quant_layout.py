@@ -6,8 +6,8 @@ is dequantized: every plane holds the original bits, only moved. The conventions
 
 - `qs` (n_out, n_in/8) uint32: the low 4 bits of element k sit at bits 4*(k%8) of word k//8 (GGUF's Q4_0/Q4_1
   and K-quant blocks put element j and j+16 (or j+32, j+64) in one byte; here consecutive elements are adjacent).
-  IQ4_NL, IQ4_XS and MXFP4 keep their 4-bit codebook indices there the same way; Q2_K and Q3_K their 2 low bits, two
-  per element (bits 2*(k%16) of word k//16).
+  IQ4_NL, IQ4_XS and MXFP4 keep their 4-bit codebook indices there the same way; Q2_K and Q3_K their 2 low bits, 16
+  per word, in a slot order per group of 32 that the int8 kernels unpack with one shuffle and one shift (`_2bit`).
 - `qh` uint32, one bit per element for the 5-bit types and Q3_K (bit k%32 of word k//32, the order Q5_0/Q5_1 already
   use) and two bits per element for Q6_K (bits 2*(k%16) of word k//16).
 - scales stay float16 (`d`, `m`, `dmin`, one per block or super-block); the 6-bit K-quant sub-block scales and mins
@@ -213,9 +213,18 @@ def _q6_k(b: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
+# position p (0..31) of a group of 32 in the int8 kernels' "nibbles" order holds element 2·(p % 16) + p // 16
+# (cpu_int8.Q8Format.position_element); 2-bit slot 4j + f (byte j, bits 2f) holds position 8f + j (TWO_BIT_SLOTS)
+_NIBBLES_ORDER = np.array([2 * (p % 16) + p // 16 for p in range(32)])
+TWO_BIT_SLOTS = np.array([_NIBBLES_ORDER[8 * (s % 4) + s // 4] for s in range(32)])  # slot → element of its group
+
+
 def _2bit(qs: np.ndarray) -> np.ndarray:
-    """Q2_K/Q3_K low bits → element order: byte l of each 32-byte run holds elements l + 32i in bits 2i..2i+1."""
-    return _bits(qs, 32, 2)
+    """Q2_K/Q3_K low bits (byte l of each 32-byte GGUF run holds elements l + 32i in bits 2i..2i+1) → the `qs`
+    plane's slot order: in each group of 32, slot s holds element TWO_BIT_SLOTS[s], so that a group's 8 bytes,
+    copied to four 8-byte lanes and shifted by 0, 2, 4, 6, give its quants in the kernels' nibbles order."""
+    elements = _bits(qs, 32, 2).reshape(*qs.shape[:-1], -1, 32)  # (..., groups, 32) in element order
+    return elements[..., TWO_BIT_SLOTS]
 
 
 def _q2_k(b: np.ndarray) -> dict[str, np.ndarray]:

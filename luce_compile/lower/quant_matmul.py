@@ -79,8 +79,12 @@ def _q6(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
 
 
 def _q2(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
-    """Q2_K's quant of element k, and Q3_K's low 2 bits: `qs` with 16 per word."""
-    return _field(planes["qs"][n, k // 16], k % 16, 2)
+    """Q2_K's quant of element k, and Q3_K's low 2 bits: `qs` with 16 per word, in quant_layout's slot order (element
+    e of a group of 32 is at position p = 16·(e % 2) + e // 2, in slot 4·(p % 8) + p // 8)."""
+    e = k % 32
+    p = (e % 2) * 16 + e // 2
+    slot = (p % 8) * 4 + p // 8
+    return _field(planes["qs"][n, k // 32 * 2 + slot // 16], slot % 16, 2)
 
 
 def _q3(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:

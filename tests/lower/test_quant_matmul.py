@@ -93,6 +93,16 @@ def _k_scale_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     return np.concatenate([lo_d, lo_m, (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)], axis=-1)
 
 
+def _two_bit_elements(slots: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K `qs` slots → element order: per group of 32, byte j's field f (slot 4j + f) is the kernels' position
+    8f + j, which holds element 2·(p % 16) + p // 16."""
+    by_byte = slots.reshape(*slots.shape[:-1], -1, 8, 4)  # (..., group, j, f)
+    positions = np.swapaxes(by_byte, -1, -2).reshape(*slots.shape[:-1], -1, 32)  # (..., group, p = 8f + j)
+    elements = np.empty_like(positions)
+    elements[..., [2 * (p % 16) + p // 16 for p in range(32)]] = positions
+    return elements.reshape(slots.shape)
+
+
 def raw_from_planes(planes: dict[str, np.ndarray], name: str) -> np.ndarray:
     """Rebuild the raw GGUF rows from the planes, written from ggml-common.h independently of `repack`."""
     if name in ("F32", "F16", "BF16"):
@@ -120,14 +130,14 @@ def raw_from_planes(planes: dict[str, np.ndarray], name: str) -> np.ndarray:
         parts = [ql, qh, as_bytes("sc"), as_bytes("d")]
     elif name == "Q2_K":  # scales[16] (scale | min << 4), qs[64] (2 bits in 32-byte runs), d, dmin
         scales = planes["sc"].reshape(n_out, n_blocks, 16) | (planes["mn"].reshape(n_out, n_blocks, 16) << 4)
-        parts = [scales, _bits_to_bytes(fields("qs", 2), 32, 2), as_bytes("d"), as_bytes("dmin")]
+        parts = [scales, _bits_to_bytes(_two_bit_elements(fields("qs", 2)), 32, 2), as_bytes("d"), as_bytes("dmin")]
     elif name == "Q3_K":  # hmask[32], qs[64], scales[12], d
         u = (planes["sc"].reshape(n_out, n_blocks, 16).astype(np.int16) + 32).astype(np.uint8)  # 6-bit scales
         low = (u[..., 0:8] & 0x0F) | ((u[..., 8:16] & 0x0F) << 4)
         high = np.bitwise_or.reduce((u >> 4).reshape(n_out, n_blocks, 4, 4) << np.array([0, 2, 4, 6], np.uint8)[
             :, None], axis=-2)  # byte 8 + m: bits 2i of scale 4i + m
-        parts = [_bits_to_bytes(fields("qh", 1), 32, 1), _bits_to_bytes(fields("qs", 2), 32, 2), low, high,
-                 as_bytes("d")]
+        parts = [_bits_to_bytes(fields("qh", 1), 32, 1), _bits_to_bytes(_two_bit_elements(fields("qs", 2)), 32, 2),
+                 low, high, as_bytes("d")]
     elif name == "IQ4_XS":  # d, scales_h (u16: 2 bits per sub-block), scales_l[4] (nibbles), qs[128]
         u = (planes["sc"].reshape(n_out, n_blocks, 8).astype(np.int16) + 32).astype(np.uint16)
         h = np.bitwise_or.reduce((u >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=-1).astype("<u2")
