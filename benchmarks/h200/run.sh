@@ -18,6 +18,8 @@
 # .gpucheck/spec --workloads qwen2.5-coder-1.5b qwen2.5-coder-0.5b, and H=.gpucheck/spec) then replays speculation on
 # the pair.
 # PEROP=1 also times each artifact's decode with the per-op kernels (bench --no-megakernel): ours-perop.json.
+# SERVED=1 adds the served batch-invariance check to each workload's checks (device_check run --served: 8 concurrent
+# greedy requests on `serve --deterministic`'s scheduler against each alone).
 # TORCH=0 and PROFILE=0 leave out the torch peer and the megakernel's per-task profile (a call short of device time).
 # A workload prepared elsewhere (prepare.py --dir .gpucheck/h200-8b) joins by a link: ln -s ../h200-8b/W $H/W.
 # 8-bit megakernel matvecs: prepare.py --megakernel-q8 --dir .gpucheck/h200-q8, then H=.gpucheck/h200-q8 (the
@@ -69,7 +71,7 @@ python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, 
 # checks other workloads, e.g. all four in the first of two calls while only two are timed, CHECKS="" none
 for w in ${CHECKS-$WORKLOADS}; do
   mkdir -p "$RAW/$w"
-  python3 scripts/device_check.py run $H/$w --gguf "$WORK/$w.gguf" --no-timing --out "$RAW/$w/check.json" \
+  python3 scripts/device_check.py run $H/$w --gguf "$WORK/$w.gguf" --no-timing ${SERVED:+--served} --out "$RAW/$w/check.json" \
     > "$RAW/$w/check.log" 2>&1
   stamp "$w check rc=$?"
 done
