@@ -16,10 +16,10 @@ from luce_compile.gguf.reader import GGUFFile
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 
 # llama.cpp's llama_model_rope_type: NORM rotates adjacent pairs (x0,x1),(x2,x3)…; NEOX rotates halves (x_i, x_{i+d/2}).
-ROPE_LAYOUT = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+ROPE_LAYOUT = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "qwen3moe": "neox"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,12 @@ class ModelConfig:
     embed_scale: float = 1.0  # token embeddings are multiplied by this (gemma: sqrt(n_embd))
     activation: str = "silu"  # gated FFN activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
     tied_output: bool = True  # no output.weight: the LM head is token_embd
+    # mixture of experts (qwen3moe): every layer's FFN is n_expert experts of width n_ff_exp, n_expert_used chosen
+    # per token by softmax(router logits), their weights renormalized to sum 1 when expert_weights_norm
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_weights_norm: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -142,6 +148,8 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     )
     if arch == "gemma3":
         cfg.update(_gemma3(gguf, k, n_layer, n_embd, head_dim))
+    if arch == "qwen3moe":
+        cfg.update(_moe(gguf, k))
     config = ModelConfig(**cfg)
     check_tensors(gguf, config)
     return config
@@ -171,6 +179,28 @@ def _gemma3(gguf: GGUFFile, k: _Keys, n_layer: int, n_embd: int, head_dim: int) 
     )
 
 
+def _moe(gguf: GGUFFile, k: _Keys) -> dict[str, Any]:
+    """llama_model::load_hparams for QWEN3MOE: expert_count and expert_used_count are required, the expert width is
+    expert_feed_forward_length; qwen3moe.cpp calls build_moe_ffn with norm_w = true (expert_weights_norm, where a
+    file says otherwise, wins)."""
+    n_expert = _positive_int(gguf, "expert_count", k.need("expert_count"))
+    used = _positive_int(gguf, "expert_used_count", k.need("expert_used_count"))
+    if used > n_expert:
+        raise GGUFError(f"GGUF {gguf.path}: expert_used_count {used} exceeds expert_count {n_expert}.")
+    return dict(n_expert=n_expert, n_expert_used=used,
+                n_ff_exp=_positive_int(gguf, "expert_feed_forward_length", k.need("expert_feed_forward_length")),
+                expert_weights_norm=bool(k.get("expert_weights_norm", True)))
+
+
+def _ffn_tensors(c: ModelConfig, b: str) -> dict[str, tuple[int, ...]]:
+    if not c.n_expert:
+        return {b + "ffn_gate.weight": (c.n_ff, c.n_embd), b + "ffn_up.weight": (c.n_ff, c.n_embd),
+                b + "ffn_down.weight": (c.n_embd, c.n_ff)}
+    e, f = c.n_expert, c.n_ff_exp  # experts stacked: numpy (expert, out, in), ggml's ne (in, out, expert)
+    return {b + "ffn_gate_inp.weight": (e, c.n_embd), b + "ffn_gate_exps.weight": (e, f, c.n_embd),
+            b + "ffn_up_exps.weight": (e, f, c.n_embd), b + "ffn_down_exps.weight": (e, c.n_embd, f)}
+
+
 def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the graph reads, with its numpy shape (out, in)."""
     q_out, kv_out, v_out = c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_head_kv * c.head_dim_v
@@ -183,9 +213,7 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             b + "attn_norm.weight": (c.n_embd,), b + "attn_q.weight": (q_out, c.n_embd),
             b + "attn_k.weight": (kv_out, c.n_embd), b + "attn_v.weight": (v_out, c.n_embd),
             b + "attn_output.weight": (c.n_embd, c.n_head * c.head_dim_v), b + "ffn_norm.weight": (c.n_embd,),
-            b + "ffn_gate.weight": (c.n_ff, c.n_embd), b + "ffn_up.weight": (c.n_ff, c.n_embd),
-            b + "ffn_down.weight": (c.n_embd, c.n_ff),
-        }
+        } | _ffn_tensors(c, b)
         if c.attn_bias:
             shapes |= {b + "attn_q.bias": (q_out,), b + "attn_k.bias": (kv_out,), b + "attn_v.bias": (v_out,)}
         if c.qk_norm:

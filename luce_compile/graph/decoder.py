@@ -125,6 +125,12 @@ def _ffn_block(b: _Builder, style: DecoderStyle, il: int, x: str) -> str:
         return t in style.optional_biases and b.has(p + t + ".bias")
 
     h = b.norm(x, p + "ffn_norm.weight", p + "ffn_norm")
+    if b.config.n_expert:  # qwen3moe.cpp: the FFN is build_moe_ffn, the same norm before and residual add after
+        c = b.config
+        weights = {r: p + f"ffn_{r}.weight" for r in ("gate_inp", "gate_exps", "up_exps", "down_exps")}
+        out = b.emit(OpKind.MOE, (h,), p + "ffn_moe_out", weights, n_expert=c.n_expert,
+                     n_expert_used=c.n_expert_used, norm_w=c.expert_weights_norm, activation=c.activation)
+        return b.emit(OpKind.ADD, (out, x), p + "l_out")
     gate = b.linear(h, p + "ffn_gate", p + "ffn_gate", bias("ffn_gate"))
     up = b.linear(h, p + "ffn_up", p + "ffn_up", bias("ffn_up"))
     act = b.emit(OpKind.GLU, (gate, up), p + "ffn_glu", activation=b.config.activation)

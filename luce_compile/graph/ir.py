@@ -50,6 +50,11 @@ class OpKind(StrEnum):
     glu          gate, up → act(gate) · up; attrs["activation"] "silu" (SwiGLU) or "gelu_tanh" (GeGLU, the tanh
                  form that ggml_gelu uses).
     softcap      x → cap · tanh(x / cap), cap = attrs["cap"] (final logit softcapping).
+    moe          x (B,S,E) → (B,S,E), llama.cpp's build_moe_ffn: router logits l = x @ weights["gate_inp"].T
+                 (n_expert, E); p = softmax(l); the attrs["n_expert_used"] experts of largest p; their weights
+                 w_j = p_j, divided by Σ_j w_j when attrs["norm_w"]; out = Σ_j w_j · down_j(act(gate_j(x)) ·
+                 up_j(x)) with expert j's rows of the stacked weights["gate_exps"], ["up_exps"] (n_expert, F, E)
+                 and ["down_exps"] (n_expert, E, F); act = attrs["activation"] as in glu.
     """
 
     EMBEDDING = "embedding"
@@ -63,6 +68,7 @@ class OpKind(StrEnum):
     ADD = "add"
     GLU = "glu"
     SOFTCAP = "softcap"
+    MOE = "moe"
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,18 @@ def _infer_attention(g: Graph, op: Op, ins: list[Value]) -> Value:
     return Value((*q.shape[:2], h * v.shape[3]))
 
 
+def _infer_moe(g: Graph, op: Op, x: Value) -> Value:
+    e, used = op.attrs["n_expert"], op.attrs["n_expert_used"]
+    n_embd = x.shape[-1]
+    _expect(op, "router shape", _weight_shape(g, op, "gate_inp"), (e, n_embd))
+    f = _weight_shape(g, op, "up_exps")[1]
+    for role, shape in (("gate_exps", (e, f, n_embd)), ("up_exps", (e, f, n_embd)), ("down_exps", (e, n_embd, f))):
+        _expect(op, f"{role} shape", _weight_shape(g, op, role), shape)
+    if not 0 < used <= e or op.attrs["activation"] not in ("silu", "gelu_tanh"):
+        raise GraphError(f"graph: op {op}: needs 0 < n_expert_used ≤ n_expert and a silu or gelu_tanh activation.")
+    return x
+
+
 def _infer_one(g: Graph, op: Op, ins: list[Value]) -> Value:
     """The output type of one single-output op, checking its inputs and weights."""
     x = ins[0]
@@ -198,6 +216,8 @@ def _infer_one(g: Graph, op: Op, ins: list[Value]) -> Value:
             return x
         case OpKind.SCALE | OpKind.SOFTCAP:
             return x
+        case OpKind.MOE:
+            return _infer_moe(g, op, x)
     raise GraphError(f"graph: op {op} has an unknown kind.")
 
 

@@ -199,3 +199,29 @@ class Oracle:
     def _softcap(self, op: Op, x: np.ndarray) -> np.ndarray:
         cap = op.attrs["cap"]
         return cap * np.tanh(x / cap)
+
+    def _moe_matmul(self, tensor: str, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """x (T,K) @ w.T for one expert's rows w (N,K) of `tensor` (or the router): GgmlRounding rounds x here."""
+        return x @ w.T
+
+    def _moe(self, op: Op, x: np.ndarray) -> np.ndarray:
+        """build_moe_ffn (OpKind.MOE), token by token: only the chosen experts' rows are read."""
+        a, names = op.attrs, op.weights
+        xs = x.reshape(-1, x.shape[-1])  # (T, E)
+        logits = self._moe_matmul(names["gate_inp"], xs, self.weight(names["gate_inp"]))  # (T, n_expert)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :a["n_expert_used"]]  # (T, k): ggml_top_k
+        weights = np.take_along_axis(probs, chosen, -1)
+        if a["norm_w"]:
+            weights = weights / weights.sum(-1, keepdims=True)
+        act = silu if a["activation"] == "silu" else gelu_tanh
+        gate, up, down = (self.weight(names[r]) for r in ("gate_exps", "up_exps", "down_exps"))
+        out = np.zeros_like(xs)
+        for t, experts in enumerate(chosen):
+            row = xs[t:t + 1]
+            for j, e in enumerate(experts):
+                h = act(self._moe_matmul(names["gate_exps"], row, gate[e])) * \
+                    self._moe_matmul(names["up_exps"], row, up[e])
+                out[t] += weights[t, j] * self._moe_matmul(names["down_exps"], h, down[e])[0]
+        return out.reshape(x.shape)

@@ -127,6 +127,18 @@ class GgmlRounding(Oracle):
 
     _lm_head = _matmul
 
+    def _moe_matmul(self, tensor, x, w):
+        """An expert's (or the router's) matmul: x rounded as for a plain matmul with that weight type."""
+        kind = self.gguf.tensor(tensor).ggml_type.name
+        if kind in self.tf32_types:
+            return super()._moe_matmul(tensor, tf32(x), w)
+        if self.types is not None and kind not in self.types:
+            return super()._moe_matmul(tensor, x, w)
+        if kind in self.q8_1_types:
+            raise NotImplementedError(f"rounding: {kind} experts (q8_1 activations) are not emulated yet.")
+        rounding = q8_0 if self.gpu_q8_1 and kind in GPU_Q8_0_TYPES else ACTIVATION_ROUNDING.get(kind)
+        return super()._moe_matmul(tensor, rounding(x) if rounding else x, w)
+
     def _glu(self, op, gate, up):
         if not self.gelu_table or op.attrs["activation"] != "gelu_tanh":
             return super()._glu(op, gate, up)
