@@ -47,7 +47,7 @@ from luce_compile.synthetic_blocks import FILLERS, random_blocks
 
 log = logging.getLogger(__name__)
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 TOKENIZER_SOURCE = "smollm2-135m"
 N_VOCAB = 49152  # SmolLM2's vocabulary: every synthetic model uses its tokenizer
 SPEC_KEY = "luce.synthetic.spec"  # the spec as JSON, so a file says how it was made
@@ -94,6 +94,11 @@ class SyntheticSpec:
     # quantized 2-D weights as random blocks with set scales (synthetic_blocks), not quantized normal values: for
     # billions of weights (a 4096² matrix: Q4_K 0.01 s against 4.2 s, Q6_K 80x, Q8_0 18x faster, 2 cores, loaded)
     direct_blocks: bool = field(default=False, metadata=_OMIT_AT_DEFAULT)
+    # qwen3moe: experts per layer, chosen per token, and each expert's FFN width (n_ff is written, as the converter
+    # writes config.json's intermediate_size, but a qwen3moe graph does not use it)
+    n_expert: int = field(default=0, metadata=_OMIT_AT_DEFAULT)
+    n_expert_used: int = field(default=0, metadata=_OMIT_AT_DEFAULT)
+    n_ff_exp: int = field(default=0, metadata=_OMIT_AT_DEFAULT)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quant_overrides", dict(self.quant_overrides))  # not shared with the caller
@@ -110,6 +115,9 @@ class SyntheticSpec:
             raise GGUFError("synthetic: llama.cpp's qwen2 needs head_dim * n_head == n_embd; use qwen3 instead.")
         if self.arch != "gemma3" and (self.sliding_window or self.final_logit_softcap):
             raise UnsupportedError(f"synthetic: sliding windows and softcapping are gemma3 features, not {self.arch}.")
+        if (self.arch == "qwen3moe") != (0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0):
+            raise GGUFError(f"synthetic: qwen3moe, and only it, needs 0 < n_expert_used <= n_expert and n_ff_exp > 0; "
+                            f"got {self.arch} with {self.n_expert_used}/{self.n_expert} experts of {self.n_ff_exp}.")
         for t in (self.quant, *self.quant_overrides.values()):
             if t not in _FILE_TYPES:
                 raise UnsupportedError(f"synthetic: quant type {t!r} is not supported ({', '.join(_FILE_TYPES)}).")
@@ -130,7 +138,7 @@ class SyntheticSpec:
 
 
 def _q4_k_m_overrides(n_layer: int, attn_v: tuple[str, str], ffn_down: tuple[str, str], by_name: bool = False,
-                      **fixed: str) -> dict[str, str]:
+                      down: str = "ffn_down", **fixed: str) -> dict[str, str]:
     """A Q4_K_M file's quant mix: llama.cpp's use_more_bits layers (first and last eighth, every third between) get
     the first type of attn_v and ffn_down, the other layers the second; `fixed` names whole tensors (token_embd=…).
     llama-quantize counts the layers in the order of the source file's tensors: `by_name` for a file whose tensors
@@ -142,7 +150,7 @@ def _q4_k_m_overrides(n_layer: int, attn_v: tuple[str, str], ffn_down: tuple[str
     overrides = {f"{name}.weight": t for name, t in fixed.items()}
     for i, more in enumerate(more_bits):
         overrides[f"blk.{i}.attn_v.weight"] = attn_v[0] if more else attn_v[1]
-        overrides[f"blk.{i}.ffn_down.weight"] = ffn_down[0] if more else ffn_down[1]
+        overrides[f"blk.{i}.{down}.weight"] = ffn_down[0] if more else ffn_down[1]
     return overrides
 
 
@@ -158,6 +166,9 @@ PRESETS: dict[str, SyntheticSpec] = {
     # head_dim 32 ≠ n_embd / n_head, so key_length is written and q is wider than the residual
     "tiny-qwen3": SyntheticSpec(arch="qwen3", head_dim=32, rope_base=1e6, rms_eps=1e-6),
     # 2 local layers then 1 global, a window short enough for test prompts to cross it, and logit softcapping
+    # 8 experts of width 64, 2 chosen per token: prompts of a few tokens route to most of them
+    "tiny-qwen3moe": SyntheticSpec(arch="qwen3moe", head_dim=32, rope_base=1e6, rms_eps=1e-6, n_expert=8,
+                                   n_expert_used=2, n_ff_exp=64),
     "tiny-gemma3": SyntheticSpec(arch="gemma3", n_layer=3, head_dim=32, n_head_kv=1, rms_eps=1e-6, rope_base=1e6,
                                  sliding_window=8, sliding_window_pattern=3, final_logit_softcap=30.0),
     "smollm2-135m": SyntheticSpec(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_ctx=8192,
@@ -201,6 +212,14 @@ PRESETS |= {
     "qwen3-8b": SyntheticSpec(arch="qwen3", n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,
                               n_ff=12288, n_ctx=40960, rope_base=1e6, rms_eps=1e-6, quant="Q8_0", tied_output=False,
                               n_vocab=151936, direct_blocks=True),
+    # Qwen3-30B-A3B (config.json: 128 experts of 768, 8 used; intermediate_size 6144 is written, unused); its Q4_K_M
+    # as llama-quantize makes it: ffn_down_exps counts as ffn_down (name match) for the more-bits layers, the router
+    # ffn_gate_inp stays F32
+    "qwen3-30b-a3b": SyntheticSpec(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+                                   n_ff=6144, n_ctx=40960, rope_base=1e6, rms_eps=1e-6, n_vocab=151936, n_expert=128,
+                                   n_expert_used=8, n_ff_exp=768, **_Q4_K_M,
+                                   quant_overrides=_q4_k_m_overrides(48, *_MORE_BITS_Q6_K, by_name=True,
+                                                                     down="ffn_down_exps", output="Q6_K")),
     "qwen2.5-14b": SyntheticSpec(n_layer=48, n_embd=5120, n_head=40, n_head_kv=8, n_ff=13824, n_vocab=152064,
                                  **_QWEN, **_Q4_K_M,
                                  quant_overrides=_q4_k_m_overrides(48, *_MORE_BITS_Q6_K, by_name=True, output="Q6_K")),
@@ -248,7 +267,7 @@ def in_type(spec: SyntheticSpec, type_name: str) -> SyntheticSpec:
     head = "token_embd.weight" if spec.tied_output else "output.weight"
     overrides = {}
     for name, shape in tensor_shapes(plain).items():
-        if len(shape) != 2:
+        if len(shape) < 2 or name.endswith(ROUTER):
             continue
         want = type_name
         if name == head and type_name != "Q8_0":
@@ -275,13 +294,19 @@ def tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
                    b + "attn_k.weight": (kv_out, spec.n_embd), b + "attn_v.weight": (kv_out, spec.n_embd)}
         if spec.arch == "qwen2":
             shapes |= {b + "attn_q.bias": (q_out,), b + "attn_k.bias": (kv_out,), b + "attn_v.bias": (kv_out,)}
-        if spec.arch in ("qwen3", "gemma3"):
+        if spec.arch in ("qwen3", "gemma3", "qwen3moe"):
             shapes |= {b + "attn_q_norm.weight": (spec.head_size,), b + "attn_k_norm.weight": (spec.head_size,)}
         shapes[b + "attn_output.weight"] = (spec.n_embd, q_out)
         if spec.arch == "gemma3":
             shapes[b + "post_attention_norm.weight"] = (spec.n_embd,)
-        shapes |= {b + "ffn_norm.weight": (spec.n_embd,), b + "ffn_gate.weight": (spec.n_ff, spec.n_embd),
-                   b + "ffn_up.weight": (spec.n_ff, spec.n_embd), b + "ffn_down.weight": (spec.n_embd, spec.n_ff)}
+        shapes[b + "ffn_norm.weight"] = (spec.n_embd,)
+        if spec.n_expert:  # the converter's order: router, then the experts stacked (expert, out, in)
+            e, f = spec.n_expert, spec.n_ff_exp
+            shapes |= {b + ROUTER: (e, spec.n_embd), b + "ffn_gate_exps.weight": (e, f, spec.n_embd),
+                       b + "ffn_down_exps.weight": (e, spec.n_embd, f), b + "ffn_up_exps.weight": (e, f, spec.n_embd)}
+        else:
+            shapes |= {b + "ffn_gate.weight": (spec.n_ff, spec.n_embd), b + "ffn_up.weight": (spec.n_ff, spec.n_embd),
+                       b + "ffn_down.weight": (spec.n_embd, spec.n_ff)}
         if spec.arch == "gemma3":
             shapes[b + "post_ffw_norm.weight"] = (spec.n_embd,)
     shapes["output_norm.weight"] = (spec.n_embd,)
@@ -291,8 +316,9 @@ def tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
 
 
 def tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> GGMLQuantizationType:
-    """F32 for 1-D tensors; else the longest matching override, else spec.quant. Checks the row fits the blocks."""
-    if len(shape) == 1:
+    """F32 for 1-D tensors and the MoE router (llama-quantize never quantizes ffn_gate_inp); else the longest
+    matching override, else spec.quant. Checks the row fits the blocks."""
+    if len(shape) == 1 or name.endswith(ROUTER):
         return GGMLQuantizationType.F32
     matches = [k for k in spec.quant_overrides if name == k or name.endswith("." + k)]
     type_name = spec.quant_overrides[max(matches, key=len)] if matches else spec.quant
@@ -303,6 +329,9 @@ def tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> GGMLQ
                         f"{block}) cannot hold; override its type or choose sizes that are multiples of {block}.")
     assert ggml_type in SUPPORTED_TYPES
     return ggml_type
+
+
+ROUTER = "ffn_gate_inp.weight"
 
 
 def _rng(spec: SyntheticSpec, name: str) -> np.random.Generator:
@@ -418,6 +447,10 @@ def _write_metadata(w: GGUFWriter, spec: SyntheticSpec) -> None:
     if spec.arch == "llama":
         w.add_vocab_size(spec.n_vocab)
         w.add_rope_dimension_count(spec.head_size)
+    if spec.n_expert:
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
+        w.add_expert_feed_forward_length(spec.n_ff_exp)
     if spec.sliding_window:
         w.add_sliding_window(spec.sliding_window)
         if spec.sliding_window_pattern != 6:  # llama.cpp's gemma3 default
@@ -453,7 +486,7 @@ def _padded_tokenizer(n_vocab: int) -> dict[str, Any]:
 
 def _tensor_bytes(spec: SyntheticSpec, name: str, shape: tuple[int, ...], ggml_type: GGMLQuantizationType
                   ) -> np.ndarray:
-    if spec.direct_blocks and len(shape) == 2 and ggml_type in FILLERS:
+    if spec.direct_blocks and len(shape) >= 2 and ggml_type in FILLERS:
         return random_blocks(_rng(spec, name), ggml_type, shape, float(weight_std(spec, name, shape)))
     return quantize(tensor_values(spec, name, shape), ggml_type)
 
