@@ -316,17 +316,42 @@ def int8_matmul(
     Reductions: "block_dot" (int32 per 32 values, 16 for Q6_K); for the K-quants "superblock_dot" (int32, the
     sub-block scales) and, for Q4_K/Q5_K, "superblock_min" (int32, the mins times the bsums); then "scale_sum"
     (float32 over the blocks or super-blocks)."""
+    qtype, fmt = checked_int8_type(ggml_type, n_in)
+    rows = _rows(batch)
+    acts = {
+        name: te.placeholder(_i64(*shape), dtype, name=name) for name, (shape, dtype) in fmt.specs(n_in, rows).items()
+    }
+    planes = weight_planes(qtype, n_out, n_in)
+    y = int8_dot(qtype, acts, planes, rows, n_out, n_in)
+    args = [*acts.values(), *planes.values(), y]
+    kind = "gemv" if rows == 1 else "gemm"
+    symbol = name or f"int8_{kind}_{qtype.name.lower()}_{n_out}x{n_in}"
+    return te.create_prim_func(args).with_attr("global_symbol", symbol).with_attr(INT8_GEMV_ATTR, qtype.name)
+
+
+def checked_int8_type(ggml_type: GGMLQuantizationType | str, n_in: int) -> tuple[GGMLQuantizationType, Q8Format]:
     qtype = as_ggml_type(ggml_type)
     fmt = int8_format(qtype)
     if fmt is None:
         raise UnsupportedError(f"lower: no integer kernel for {qtype.name}; types: {[t.name for t in INT8_FORMATS]}")
     _check_n_in(n_in, fmt)
-    rows = _rows(batch)
-    acts = {
-        name: te.placeholder(_i64(*shape), dtype, name=name) for name, (shape, dtype) in fmt.specs(n_in, rows).items()
-    }
+    return qtype, fmt
+
+
+def _activation_row(r: tirx.Expr) -> tirx.Expr:
+    return r
+
+
+def _weight_row(r: tirx.Expr, n: tirx.Expr) -> tirx.Expr:
+    return n
+
+
+def int8_dot(qtype: GGMLQuantizationType, acts: dict[str, te.Tensor], planes: dict[str, te.Tensor], rows: Rows,
+             n_out: int, n_in: int, xrow: Callable = _activation_row, wrow: Callable = _weight_row) -> te.Tensor:
+    """The TE stages of int8_matmul, y (rows, n_out): output row r dots activation row xrow(r) with weight row
+    wrow(r, n) (the identities for a matmul; lower/moe.py's expert matmuls gather rows by the router's choice)."""
+    fmt = int8_format(qtype)
     xq, xd = acts["xq"], acts["xd"]
-    planes = weight_planes(qtype, n_out, n_in)
     offset = QUANT_OFFSET.get(qtype.name, 0)
     dot = BSUM if qtype.name in SIXTEENS else QK8  # values per integer dot (per sub-block scale for K-quants)
 
@@ -340,7 +365,8 @@ def int8_matmul(
     isum = te.compute(
         _i64(rows, n_out, n_in // dot),
         lambda r, n, b: te.sum(
-            (stored_quant(qtype, planes, n, b * dot + i) - offset) * xq[r, position(b * dot + i)].astype("int32"),
+            (stored_quant(qtype, planes, wrow(r, n), b * dot + i) - offset)
+            * xq[xrow(r), position(b * dot + i)].astype("int32"),
             axis=i,
         ),
         name="block_dot",
@@ -348,7 +374,7 @@ def int8_matmul(
     if centred:
         isum = te.compute(
             _i64(rows, n_out, n_in // dot),
-            lambda r, n, b: isum[r, n, b] - centred * acts["xi"][r, b],
+            lambda r, n, b: isum[r, n, b] - centred * acts["xi"][xrow(r), b],
             name="centred_dot",
         )
     if fmt.with_bsums:
@@ -356,7 +382,8 @@ def int8_matmul(
         j = te.reduce_axis(_i64(0, per), name="j")
         isum = te.compute(
             _i64(rows, n_out, n_in // QK_K),
-            lambda r, n, s: te.sum(planes["sc"][n, s * per + j].astype("int32") * isum[r, n, s * per + j], axis=j),
+            lambda r, n, s: te.sum(planes["sc"][wrow(r, n), s * per + j].astype("int32") * isum[r, n, s * per + j],
+                                   axis=j),
             name="superblock_dot",
         )
     if "mn" in planes:  # Σ_j mn_j · Σ q_x over sub-block j (32 values: two bsums; Q2_K's 16: one)
@@ -364,30 +391,27 @@ def int8_matmul(
         j = te.reduce_axis(_i64(0, per_min), name="jm")
 
         def bsum(r: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
-            return xb[r, g] if dot == BSUM else xb[r, 2 * g] + xb[r, 2 * g + 1]
+            return xb[xrow(r), g] if dot == BSUM else xb[xrow(r), 2 * g] + xb[xrow(r), 2 * g + 1]
 
         imin = te.compute(
             _i64(rows, n_out, n_in // QK_K),
             lambda r, n, s: te.sum(
-                planes["mn"][n, s * per_min + j].astype("int32") * bsum(r, s * per_min + j), axis=j
+                planes["mn"][wrow(r, n), s * per_min + j].astype("int32") * bsum(r, s * per_min + j), axis=j
             ),
             name="superblock_min",
         )
 
     def term(r: tirx.Expr, n: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
-        value = xd[r, b] * block_scale(qtype.name, planes, n, b) * _f32(isum[r, n, b])
+        w, x = wrow(r, n), xrow(r)
+        value = xd[x, b] * block_scale(qtype.name, planes, w, b) * _f32(isum[r, n, b])
         if fmt.with_sum:
-            return value + _f32(planes["m"][n, b]) * acts["xs"][r, b]
+            return value + _f32(planes["m"][w, b]) * acts["xs"][x, b]
         if "mn" in planes:
-            return value - xd[r, b] * _f32(planes["dmin"][n, b]) * _f32(imin[r, n, b])
+            return value - xd[x, b] * _f32(planes["dmin"][w, b]) * _f32(imin[r, n, b])
         return value
 
     j = te.reduce_axis(_i64(0, n_in // fmt.block), name="j")
-    y = te.compute(_i64(rows, n_out), lambda r, n: te.sum(term(r, n, j), axis=j), name="scale_sum")
-    args = [*acts.values(), *planes.values(), y]
-    kind = "gemv" if rows == 1 else "gemm"
-    symbol = name or f"int8_{kind}_{qtype.name.lower()}_{n_out}x{n_in}"
-    return te.create_prim_func(args).with_attr("global_symbol", symbol).with_attr(INT8_GEMV_ATTR, qtype.name)
+    return te.compute(_i64(rows, n_out), lambda r, n: te.sum(term(r, n, j), axis=j), name="scale_sum")
 
 
 class _Module(Protocol):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from math import prod
 
 import tvm
 from luce_runtime.contract import KV_PAGES_PROBE, REQUIRED_FUNCTIONS, Fn, KVCacheArgs
@@ -34,6 +35,7 @@ from luce_compile.gguf.reader import TensorInfo
 from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, Op, OpKind
 from luce_compile.lower.cpu_int8 import int8_linear, resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype
+from luce_compile.lower.moe import lower_moe
 from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul, with_tensor_core_twin
 from luce_compile.lower.rope import rope_func
@@ -67,7 +69,8 @@ def weight_specs(info: TensorInfo) -> dict[str, tuple[tuple[int, ...], str]]:
         # BF16 vectors are widened to F32 when repacked (exact): the graph uses them as activation-dtype values
         dtype = {"F32": "float32", "F16": "float16", "BF16": "float32"}[info.ggml_type.name]
         return {"w": (info.shape, dtype)}
-    return plane_specs(info.ggml_type, *info.shape)
+    # a stacked expert tensor (expert, out, in) is its experts' rows one after another (lower/moe.py)
+    return plane_specs(info.ggml_type, prod(info.shape[:-1]), info.shape[-1])
 
 
 class GraphModule(nn.Module):
@@ -419,6 +422,7 @@ _LOWER: dict[OpKind, Callable[..., nn.Tensor]] = {
     OpKind.ADD: lambda m, o, ins, **_: ins[0] + ins[1],
     OpKind.GLU: _glu,
     OpKind.SOFTCAP: _softcap,
+    OpKind.MOE: lower_moe,
 }
 
 

@@ -1,0 +1,210 @@
+"""Mixture of experts (OpKind.MOE, llama.cpp's build_moe_ffn) lowered for the CPU: only the chosen experts' rows are
+read, per token.
+
+One MOE op becomes, for R = B·S token rows and k = n_expert_used:
+  router    logits (R, n_expert) = x @ ffn_gate_inp.T: an ordinary matmul (the router is F32 in every GGUF:
+            llama-quantize never quantizes ffn_gate_inp), float32 as ggml's F32 vec_dot.
+  route     `route_func`: softmax, the k largest (ggml_top_k: descending, the lower expert first on a tie), their
+            probabilities, renormalized to sum 1 when norm_w. Gives ids (R, k) int32 and weights (R, k).
+  sort      `sort_func`: the P = R·k rows (token p // k, slot p % k) grouped by expert (a counting sort), so that
+            consecutive rows of the expert matmuls read one expert's weights: a prompt reads each chosen expert's
+            rows from memory about once, from cache for its other tokens (llama.cpp's mul_mat_id groups the same way).
+  experts   `expert_matmul` / `int8_expert_matmul`: sorted row q dots weight row experts[q]·n_out + n of the stacked
+            tensor, whose planes are (n_expert·n_out, …) (the GGUF's (expert, out, in) rows flattened: quant_layout
+            repacks any leading dims as rows). gate and up read token tokens[q]'s input (quantized once, as ggml
+            quantizes src1 once for mul_mat_id); down reads the sorted rows as they are.
+  combine   down's rows back in token order (inverse), out (R, E) = Σ_j weights[:, j] · down[:, j].
+Under precision int8 the expert matmuls take 8-bit activations with llama.cpp's vec_dot arithmetic (cpu_int8.int8_dot,
+the same TE stages as every int8 matmul, with gathered weight rows); f32 keeps exact float32.
+
+Expert rows are gathered by a run-time index, so the hand kernels of schedules/cpu (int8_gemv, quant_matmul) do not
+take these functions: they run as TVM's CPU pipeline builds them from the TE (correct; scalar). A GPU target is
+refused in `check_target` before any work: the grouped expert GEMMs and the router-driven GEMV are not written.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+from tvm.script import tirx as T
+
+from luce_compile.errors import UnsupportedError
+from luce_compile.graph.ir import Op
+from luce_compile.lower.cpu_int8 import checked_int8_type, int8_dot, int8_format, quantize_q8
+from luce_compile.lower.quant_matmul import dequant_expr, weight_planes
+
+F32 = "float32"
+
+
+def _i64(*dims: int | tirx.Expr) -> tuple[tirx.Expr, ...]:
+    return tuple(tirx.IntImm("int64", d) if isinstance(d, int) else d for d in dims)
+
+
+def check_target(target_kind: str, arch: str) -> None:
+    """MoE lowers for the CPU (llvm) only; anything else is refused with what is missing."""
+    if target_kind != "llvm":
+        raise UnsupportedError(
+            f"lower: {arch} (mixture of experts) has CPU kernels only; the {target_kind} target needs grouped expert "
+            "GEMMs for prefill and a router-driven expert GEMV for decode (and the megakernel's router-driven "
+            "tasks), none of which exist yet (issue 40 item 2). Compile with --target cpu.")
+
+
+def route_func(n_expert: int, used: int, norm_w: bool, name: str) -> tirx.PrimFunc:
+    """logits (R, n_expert) float32 → ids (R, used) int32, weights (R, used) float32 (module docstring). An expert's
+    rank is the number of experts that beat it (larger probability, or equal and a lower index): n_expert² compares
+    a token, 16k for 128 experts, nothing next to one expert's rows."""
+    rows = tirx.Var("rows", "int64")
+    logits = te.placeholder(_i64(rows, n_expert), F32, name="logits")
+    e1 = te.reduce_axis(_i64(0, n_expert), name="e1")
+    top = te.compute(_i64(rows), lambda r: te.max(logits[r, e1], axis=e1), name="top")
+    ex = te.compute(_i64(rows, n_expert), lambda r, e: tirx.exp(logits[r, e] - top[r]), name="exp")
+    e2 = te.reduce_axis(_i64(0, n_expert), name="e2")
+    total = te.compute(_i64(rows), lambda r: te.sum(ex[r, e2], axis=e2), name="total")
+    probs = te.compute(_i64(rows, n_expert), lambda r, e: ex[r, e] * (tirx.const(1.0, F32) / total[r]), name="probs")
+    o = te.reduce_axis(_i64(0, n_expert), name="o")
+    rank = te.compute(
+        _i64(rows, n_expert),
+        lambda r, e: te.sum(tirx.Select(tirx.Or(probs[r, o] > probs[r, e], tirx.And(probs[r, o] == probs[r, e], o < e)),
+                                        1, 0), axis=o),
+        name="rank")
+    e3 = te.reduce_axis(_i64(0, n_expert), name="e3")
+    ids = te.compute(_i64(rows, used), lambda r, j: te.sum(tirx.Select(rank[r, e3] == j, e3.var.astype("int32"), 0),
+                                                           axis=e3), name="ids")
+    e4 = te.reduce_axis(_i64(0, n_expert), name="e4")
+    chosen = te.compute(_i64(rows, used), lambda r, j: te.sum(
+        tirx.Select(rank[r, e4] == j, probs[r, e4], tirx.const(0.0, F32)), axis=e4), name="chosen")
+    weights = chosen
+    if norm_w:
+        jj = te.reduce_axis(_i64(0, used), name="jj")
+        norm = te.compute(_i64(rows), lambda r: te.sum(chosen[r, jj], axis=jj), name="norm")
+        weights = te.compute(_i64(rows, used), lambda r, j: chosen[r, j] / norm[r], name="weights")
+    return te.create_prim_func([logits, ids, weights]).with_attr("global_symbol", name)
+
+
+def sort_func(n_expert: int, used: int, name: str) -> tirx.PrimFunc:
+    """The (token, slot) rows grouped by expert, a counting sort (stable: tokens in order within an expert): ids (P,)
+    int32 → experts (P,) the expert of sorted row q, tokens (P,) its token (its source row // used), inverse (P,)
+    the sorted position of row p. Serial: P + n_expert steps, nothing next to the expert matmuls."""
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def sort(ids_h: T.handle, experts_h: T.handle, tokens_h: T.handle, inverse_h: T.handle):
+        T.func_attr({"global_symbol": name, "tirx.noalias": True, "tirx.is_scheduled": True})
+        rows = T.int64()
+        ids = T.match_buffer(ids_h, (rows,), "int32")
+        experts = T.match_buffer(experts_h, (rows,), "int32")
+        tokens = T.match_buffer(tokens_h, (rows,), "int32")
+        inverse = T.match_buffer(inverse_h, (rows,), "int32")
+        with T.sblock("root"):  # Relax's pattern analysis wants one root block
+            start = T.alloc_buffer((n_expert + 1,), "int32")
+            for e in range(n_expert + 1):
+                start[e] = 0
+            for p in range(rows):
+                start[ids[p] + 1] = start[ids[p] + 1] + 1
+            for e in range(n_expert):
+                start[e + 1] = start[e + 1] + start[e]
+            for p in range(rows):
+                q = start[ids[p]]
+                experts[q] = ids[p]
+                tokens[q] = T.Cast("int32", p // used)
+                inverse[p] = q
+                start[ids[p]] = q + 1
+    # fmt: on
+
+    return sort
+
+
+def _gathered(n_out: int, experts: te.Tensor, tokens: te.Tensor | None):
+    """(activation row, weight row) of output row q and column n: tokens[q] (or q itself), expert experts[q]'s row n."""
+    xrow = (lambda q: q) if tokens is None else (lambda q: tokens[q].astype("int64"))
+    return xrow, (lambda q, n: experts[q].astype("int64") * n_out + n)
+
+
+def _row_inputs(gather: bool) -> tuple[tirx.Var, tirx.Var, te.Tensor, te.Tensor | None]:
+    p_rows = tirx.Var("rows", "int64")
+    x_rows = tirx.Var("tokens", "int64") if gather else p_rows
+    experts = te.placeholder(_i64(p_rows), "int32", name="experts")
+    tokens = te.placeholder(_i64(p_rows), "int32", name="tokens") if gather else None
+    return p_rows, x_rows, experts, tokens
+
+
+def expert_matmul(qtype, n_expert: int, n_out: int, n_in: int, gather: bool, name: str) -> tirx.PrimFunc:
+    """float32: (x (X, n_in), experts (P,) int32, [tokens (P,) int32], *planes (n_expert·n_out, …)) → y (P, n_out),
+    y[q] = x[tokens[q] if gather else q] @ W[experts[q]].T, W dequantized in the kernel (quant_matmul.dequant_expr)."""
+    p_rows, x_rows, experts, tokens = _row_inputs(gather)
+    x = te.placeholder(_i64(x_rows, n_in), F32, name="x")
+    planes = weight_planes(qtype, n_expert * n_out, n_in)
+    xrow, wrow = _gathered(n_out, experts, tokens)
+    k = te.reduce_axis(_i64(0, n_in), name="k")
+    y = te.compute(_i64(p_rows, n_out), lambda p, n: te.sum(
+        x[xrow(p), k] * dequant_expr(qtype, planes, wrow(p, n), k), axis=k), name="expert_matmul")
+    rows = [experts] if tokens is None else [experts, tokens]
+    return te.create_prim_func([x, *rows, *planes.values(), y]).with_attr("global_symbol", name)
+
+
+def int8_expert_matmul(qtype, n_expert: int, n_out: int, n_in: int, gather: bool, name: str) -> tirx.PrimFunc:
+    """8-bit activations: (xq, xd, [xs], [xb], [xi] of X rows, experts (P,), [tokens (P,)], *planes) → y (P, n_out),
+    each row llama.cpp's vec_dot of its expert's weight row with its token's quantized row (cpu_int8.int8_dot)."""
+    qtype, fmt = checked_int8_type(qtype, n_in)
+    p_rows, x_rows, experts, tokens = _row_inputs(gather)
+    acts = {n: te.placeholder(_i64(*shape), dtype, name=n) for n, (shape, dtype) in fmt.specs(n_in, x_rows).items()}
+    planes = weight_planes(qtype, n_expert * n_out, n_in)
+    xrow, wrow = _gathered(n_out, experts, tokens)
+    y = int8_dot(qtype, acts, planes, p_rows, n_out, n_in, xrow, wrow)
+    rows = [experts] if tokens is None else [experts, tokens]
+    return te.create_prim_func([*acts.values(), *rows, *planes.values(), y]).with_attr("global_symbol", name)
+
+
+def _experts(m, x: nn.Tensor, tensor: str, rows: list[nn.Tensor], n_rows) -> nn.Tensor:
+    """The chosen experts' rows of one stacked tensor: rows = [experts] (x already in sorted order) or [experts,
+    tokens] (x per token); x (X, K) → (n_rows, N) in sorted order."""
+    info = m.graph.weights[tensor]
+    n_expert, n, k = info.shape
+    qname = info.ggml_type.name.lower()
+    fmt = int8_format(info.ggml_type) if m.precision == "int8" else None
+    gather = len(rows) == 2
+    suffix = f"{qname}_{n_expert}x{n}x{k}{'_gather' if gather else ''}"
+    out = nn.Tensor.placeholder((n_rows, n), F32)
+    if fmt is None:
+        func = m._kernel(("moe_mm", info.ggml_type, n_expert, n, k, gather), lambda: expert_matmul(
+            info.ggml_type, n_expert, n, k, gather, f"expert_matmul_{suffix}"))
+        return op.tensor_ir_op(func, func.attrs["global_symbol"], [x, *rows, *m._planes(tensor)], out)
+    key = (id(x), fmt)
+    if key not in m._quantized:  # gate and up quantize their shared input once (cpu_int8.int8_linear's cache)
+        quantize = m._kernel(("q8", fmt, k, "dynamic"), lambda: quantize_q8(k, fmt, batch="dynamic"))
+        x_rows = x.shape[0]
+        outs = [nn.Tensor.placeholder(shape, dtype) for shape, dtype in fmt.specs(k, x_rows).values()]
+        m._quantized[key] = (x, op.tensor_ir_op(quantize, quantize.attrs["global_symbol"], [x], outs))
+    quantized = list(m._quantized[key][1])
+    func = m._kernel(("moe_int8", info.ggml_type, n_expert, n, k, gather), lambda: int8_expert_matmul(
+        info.ggml_type, n_expert, n, k, gather, f"int8_expert_matmul_{suffix}"))
+    return op.tensor_ir_op(func, func.attrs["global_symbol"], [*quantized, *rows, *m._planes(tensor)], out)
+
+
+def lower_moe(m, o: Op, ins: list, **_) -> nn.Tensor:
+    """relax_model's lowering of one MOE op (module docstring); m is the GraphModule."""
+    check_target(m.target.kind.name, m.graph.config.arch)
+    a, w = o.attrs, o.weights
+    x = ins[0]
+    b, s, e = x.shape
+    used = a["n_expert_used"]
+    x2 = op.reshape(x, (b * s, e))  # (R, E)
+    logits = m.linear(x2, w["gate_inp"], None)  # (R, n_expert)
+    route = m._kernel(("moe_route", a["n_expert"], used, a["norm_w"]), lambda: route_func(
+        a["n_expert"], used, a["norm_w"], f"moe_route_{a['n_expert']}_top{used}{'_norm' if a['norm_w'] else ''}"))
+    ids, weights = op.tensor_ir_op(route, route.attrs["global_symbol"], [logits], [
+        nn.Tensor.placeholder((b * s, used), "int32"), nn.Tensor.placeholder((b * s, used), F32)])
+    rows = b * s * used
+    flat = op.reshape(ids, (rows,))  # (P,): row p = token p // used, slot p % used
+    sort = m._kernel(("moe_sort", a["n_expert"], used), lambda: sort_func(
+        a["n_expert"], used, f"moe_sort_{a['n_expert']}_top{used}"))
+    experts, tokens, inverse = op.tensor_ir_op(sort, sort.attrs["global_symbol"], [flat], [
+        nn.Tensor.placeholder((rows,), "int32") for _ in range(3)])
+    # rows grouped by expert: consecutive rows read one expert's weights, which stay in cache (prefill's grouping)
+    gate = _experts(m, x2, w["gate_exps"], [experts, tokens], rows)  # (P, F), sorted
+    up = _experts(m, x2, w["up_exps"], [experts, tokens], rows)
+    act = op.silu(gate) if a["activation"] == "silu" else op.gelu(gate, approximate="tanh")
+    down = op.take(_experts(m, act * up, w["down_exps"], [experts], rows), inverse, axis=0)  # (P, E), token order
+    slots = op.reshape(down, (b * s, used, e)) * op.reshape(weights, (b * s, used, 1))
+    return op.reshape(op.sum(slots, axis=1), (b, s, e))
