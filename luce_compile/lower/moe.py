@@ -35,6 +35,7 @@ from luce_compile.lower.cpu_int8 import checked_int8_type, int8_dot, int8_format
 from luce_compile.lower.quant_matmul import dequant_expr, weight_planes
 
 F32 = "float32"
+EXPERT_ATTR = "luce.moe_expert"  # marks the expert matmuls for schedules/cpu/moe.py (value: the weight type)
 
 
 def _i64(*dims: int | tirx.Expr) -> tuple[tirx.Expr, ...]:
@@ -140,7 +141,8 @@ def expert_matmul(qtype, n_expert: int, n_out: int, n_in: int, gather: bool, nam
     y = te.compute(_i64(p_rows, n_out), lambda p, n: te.sum(
         x[xrow(p), k] * dequant_expr(qtype, planes, wrow(p, n), k), axis=k), name="expert_matmul")
     rows = [experts] if tokens is None else [experts, tokens]
-    return te.create_prim_func([x, *rows, *planes.values(), y]).with_attr("global_symbol", name)
+    func = te.create_prim_func([x, *rows, *planes.values(), y]).with_attr("global_symbol", name)
+    return func.with_attr(EXPERT_ATTR, qtype.name)
 
 
 def int8_expert_matmul(qtype, n_expert: int, n_out: int, n_in: int, gather: bool, name: str) -> tirx.PrimFunc:
@@ -153,7 +155,8 @@ def int8_expert_matmul(qtype, n_expert: int, n_out: int, n_in: int, gather: bool
     xrow, wrow = _gathered(n_out, experts, tokens)
     y = int8_dot(qtype, acts, planes, p_rows, n_out, n_in, xrow, wrow)
     rows = [experts] if tokens is None else [experts, tokens]
-    return te.create_prim_func([*acts.values(), *rows, *planes.values(), y]).with_attr("global_symbol", name)
+    func = te.create_prim_func([*acts.values(), *rows, *planes.values(), y]).with_attr("global_symbol", name)
+    return func.with_attr(EXPERT_ATTR, qtype.name)
 
 
 def _experts(m, x: nn.Tensor, tensor: str, rows: list[nn.Tensor], n_rows) -> nn.Tensor:
