@@ -110,6 +110,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{info['path']}  (GGUF v{info['gguf_version']}, {info['name']})")
     print(f"arch {c['arch']}: {c['n_layer']} layers, hidden {c['n_embd']}, heads {c['n_head']}/{c['n_head_kv']} "
           f"× {c['head_dim']}, ffn {c['n_ff']}, vocab {c['n_vocab']}, context {c['n_ctx_train']}")
+    if c.get("n_expert"):
+        print(f"experts {c['n_expert']} × ffn {c['n_ff_exp']}, {c['n_expert_used']} used a token"
+              f"{', weights renormalized' if c['expert_weights_norm'] else ''}")
     print(f"rope {c['rope_layout']} base {c['rope_base']:g} dims {c['rope_dim']}; rms eps {c['rms_eps']:g}; "
           f"{'tied' if c['tied_output'] else 'separate'} output; activation {c['activation']}")
     if any(c["sliding"]):
