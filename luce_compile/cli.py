@@ -206,6 +206,7 @@ def cmd_targets(args: argparse.Namespace) -> int:
     for t in TARGETS.values():
         source = log_target(t.name, logs) if logs.is_dir() else None
         rows.append({"name": t.name, "hardware": t.hardware, "kind": t.kind, "status": t.status, "note": t.note,
+                     "megakernel": t.megakernel, "megakernel_note": t.megakernel_note,
                      "tuning_logs": source, "tuning": tuning_note(t.name, source)})
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -214,6 +215,7 @@ def cmd_targets(args: argparse.Namespace) -> int:
           "never run; planned = not buildable yet")
     for r in rows:
         print(f"{r['name']:8} {r['status']:9} {r['kind']:5} {r['hardware']:22} {r['note']}")
+        print(f"{'':8} megakernel: {r['megakernel']}: {r['megakernel_note']}")
         print(f"{'':8} tuning: {r['tuning']}")
     return 0
 
@@ -408,7 +410,7 @@ def serve_path(model: str, target: str, kv_cache: str = "f32") -> Path:
     """An artifact (directory or packed file) as is; a GGUF (or model name) compiled first, through the cache."""
     path = Path(model)
     if (path / "manifest.json").is_file():
-        built = json.loads((path / "manifest.json").read_text())["kernels"].get("kv_cache", "f32")
+        built = json.loads((path / "manifest.json").read_text()).get("kernels", {}).get("kv_cache", "f32")
         if kv_cache not in ("f32", built):  # f32 is the flag's default: an artifact's own type is taken as is
             raise LuceError(f"serve: {path} was compiled with --kv-cache {built}; its kernels cannot take "
                             f"{kv_cache}: compile the GGUF again with --kv-cache {kv_cache}, or serve the GGUF.")

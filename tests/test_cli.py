@@ -66,9 +66,12 @@ def test_synthetic_preset_names_a_model():
 
 
 @pytest.mark.unit
-def test_serve_limits_reach_the_server_options(tmp_path, monkeypatch):
-    """--max-waiting and --max-body-mb become ServeOptions: the 429 bound and the 413 limit."""
+def test_serve_limits_reach_the_server_options(tmp_path, monkeypatch, capsys):
+    """--max-waiting and --max-body-mb become ServeOptions: the 429 bound and the 413 limit; --kv-memory and the KV
+    plan's batch and context too, and the plan's line is printed at start."""
     import luce_runtime.serve as serve_pkg
+    from luce_runtime.kv_memory import KVPlan
+    from luce_runtime.serve import app
 
     from luce_compile.cli import main
 
@@ -77,7 +80,12 @@ def test_serve_limits_reach_the_server_options(tmp_path, monkeypatch):
     (art / "manifest.json").write_text("{}")  # only its presence is read before serve() is called
     got = []
     monkeypatch.setattr(serve_pkg, "serve", got.append)
-    assert main(["serve", str(art), "--max-waiting", "3", "--max-body-mb", "0.5"]) == 0
+    # the KV pool the server will make (it reads the artifact): its batch and context are what serve() gets
+    plan = KVPlan("float16", 6144, 1 << 30, "--kv-memory", context=8192, sequences=3, extra=4)
+    monkeypatch.setattr(app, "kv_plan", lambda options: plan)
+    assert main(["serve", str(art), "--max-waiting", "3", "--max-body-mb", "0.5", "--kv-memory", "1G"]) == 0
     assert got[0].max_waiting == 3 and got[0].max_body_bytes == 2**19 and got[0].artifact == art
+    assert (got[0].max_batch, got[0].max_context, got[0].kv_memory) == (3, 8192, 1 << 30)
     assert main(["serve", str(art)]) == 0
     assert got[1].max_waiting == 0 and got[1].max_body_bytes == 4 * 2**20  # 0: 4 x max_batch, decided by the server
+    assert capsys.readouterr().err.count("KV cache float16, 6.0 KiB a token: 57,344 tokens of context") == 2
