@@ -1,26 +1,41 @@
 """CPU rule for the expert matmuls of luce_compile.lower.moe (functions marked EXPERT_ATTR): y[q, n] over the rows
 q that the router chose, each row gathering its expert's weight rows.
 
-The hand kernels (int8_gemv, quant_matmul) assume one weight matrix for every row, so these are scheduled from
-their TE: the output's (row, column) loops are fused over `chunk` columns and run in parallel, and every producer
-stage (int8: block_dot, centred_dot, superblock_dot, superblock_min) is computed at the column, so its
-intermediate is one output's few values instead of a (rows, n_out, n_in/32) array (TVM's default materializes them
-all: 800 MB for 512 tokens of a Qwen3-30B-A3B expert). Rows arrive grouped by expert (moe.sort_func), so a task's
-consecutive rows mostly read the same weight rows from cache. The arithmetic of every output is unchanged (each
-sum keeps its order): outputs are bit-identical to the unscheduled function's.
-Measured on this 2-core Zen 3 (shared, so ±10%), a 4-layer MoE of n_embd 1024, 32 experts of 512, 4 used,
-Q4_K/Q6_K, int8, 2026-12-06: decode 71.3 → 62.4 ms a token, a 128-token prefill 3.93 → 2.50 s. The dot products
-stay scalar (the TE's bit extraction per element): the next step is the int8 GEMV's vector body (int8_gemv.py) with a
-per-row weight offset, which this rule's grouping already suits.
+- int8 (a target with a byte dot, cpu_int8.int8_isa): `expert_gemv`, int8_gemv.py's decode body with the weight row
+  experts[q]·n_out + n and the activation row tokens[q]: a parallel task per (row, `chunk` columns), each output the
+  int8 GEMV's value for its token and expert row, bit for bit.
+- float32 (and int8 without a byte dot): from the TE, the output's (row, column) loops fused over `chunk` columns in
+  parallel, every producer stage computed at the column, so an intermediate is one output's few values instead of
+  TVM's default (rows, n_out, n_in/32) arrays (800 MB for 512 tokens of a Qwen3-30B-A3B expert); bit-identical to
+  the unscheduled function.
+Rows arrive grouped by expert (moe.sort_func), so a prompt's consecutive rows read one expert's weights from cache.
+Measured on this 2-core Zen 3 (shared: load 6-7 during the runs, so only the large changes mean anything), a 4-layer
+MoE of n_embd 1024, 32 experts of 512, 4 used, Q4_K/Q6_K, int8, 2026-12-06: a 128-token prefill 3.5-3.9 s with
+TVM's default build, 2.5 s with the TE schedule, 0.9-1.0 s with the vector body; decode 48-71 → 34-42 ms a token
+(its LM head, 49152 × 1024 Q6_K, is twice the experts' work on this shape).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+from luce_schedules.cpu.int8_gemv import (
+    GROUPS,
+    LANES,
+    _byte_view,
+    _lane_sum,
+    _stage_weights,
+    _unit_terms,
+    _unroll,
+    block_group,
+)
 from luce_schedules.knobs import KnobbedRule, Knobs, fit
 from tvm import s_tir, tirx
+from tvm.script.ir_builder import IRBuilder
 from tvm.target import Target
+from tvm.tirx.script.builder import ir as T
+
+from luce_compile.lower.cpu_int8 import QK8, QK_K, int8_isa, superblocked
 
 EXPERT_ATTR = "luce.moe_expert"  # set by lower/moe.py on its expert matmuls (value: the weight type's name)
 
@@ -35,6 +50,10 @@ class ExpertMatmul(KnobbedRule):
             return None
         if target.kind.name != "llvm":
             return None
+        isa = int8_isa(target)
+        if "xq" in [p.name for p in func.params] and isa is not None:  # int8: the GEMV's vector body, gathered
+            kernel = expert_gemv(func, isa, self.knobs(knobs)["chunk"])
+            return s_tir.Schedule(kernel.with_attr("global_symbol", func.attrs["global_symbol"]))
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
         out, producers = blocks[-1], blocks[:-1]
@@ -45,3 +64,48 @@ class ExpertMatmul(KnobbedRule):
         for block in reversed(producers):  # the consumer nearest the output first
             sch.compute_at(block, inner)
         return sch
+
+
+def expert_gemv(func: tirx.PrimFunc, isa: str, chunk: int, unroll_blocks: int = 8) -> tirx.PrimFunc:
+    """lower/moe.int8_expert_matmul's function (same arguments) with int8_gemv.py's decode body: a parallel task per
+    (sorted row q, `chunk` output columns); row q dots its token's quantized activations with weight rows
+    experts[q]·n_out + n, unpacked into registers unit by unit (`_unit_terms`: the GEMV's integer dots and scales,
+    so each output is the GEMV's value for that row)."""
+    kind = str(func.attrs[EXPERT_ATTR])
+    y_param = func.params[-1]
+    n_out = int(y_param.shape[1])
+    n_in = int(func.params[0].shape[1])
+    k_quant = superblocked(kind)
+    lanes = LANES if k_quant else block_group(n_in)
+    per_unit = GROUPS if k_quant else lanes
+    units = n_in // QK_K if k_quant else n_in // QK8 // lanes
+    unit = QK_K if k_quant else QK8 * lanes
+    unroll = _unroll(units, max(1, unroll_blocks * QK8 // unit))
+    chunk = fit(n_out, chunk)
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("main")
+        T.func_attr({"tirx.noalias": True})
+        bufs = {b.name: T.arg(b.name, T.buffer(tuple(b.shape), b.dtype, layout=None)) for b in func.params}
+        y, experts, tokens = bufs[y_param.name], bufs["experts"], bufs.get("tokens")
+        for name in ("qs", "qh"):
+            if name in bufs and bufs[name].dtype == "uint32":
+                bufs[name] = _byte_view(bufs[name])
+        tasks = n_out // chunk
+        with T.parallel(0, T.Cast("int32", y.shape[0]) * tasks) as c:
+            acc = T.decl_buffer((1, lanes), "float32", scope="local")
+            every = T.Ramp(0, 1, lanes) if lanes > 1 else 0
+            zero = T.Broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0)
+            q = T.Bind(c // tasks)
+            a = T.Bind(tokens[q] if tokens is not None else q)
+            with T.serial(0, chunk) as g:
+                col = T.Bind((c % tasks) * chunk + g)
+                n = T.Bind(experts[q] * n_out + col)
+                T.buffer_store(acc, zero, [0, every])
+                with T.serial(0, units // unroll) as u0:
+                    weights = _stage_weights(isa, kind, bufs, n, u0 * unroll * per_unit, None)
+                    total = acc[0, every]
+                    for j in range(unroll):
+                        total = _unit_terms(isa, kind, bufs, a, n, u0 * unroll + j, total, weights)
+                    T.buffer_store(acc, total, [0, every])
+                T.buffer_store(y, _lane_sum(acc, 0, lanes), [q, col])
+    return builder.get()
