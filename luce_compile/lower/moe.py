@@ -17,9 +17,9 @@ One MOE op becomes, for R = B·S token rows and k = n_expert_used:
 Under precision int8 the expert matmuls take 8-bit activations with llama.cpp's vec_dot arithmetic (cpu_int8.int8_dot,
 the same TE stages as every int8 matmul, with gathered weight rows); f32 keeps exact float32.
 
-Expert rows are gathered by a run-time index, so the hand kernels of schedules/cpu (int8_gemv, quant_matmul) do not
-take these functions: they run as TVM's CPU pipeline builds them from the TE (correct; scalar). A GPU target is
-refused in `check_target` before any work: the grouped expert GEMMs and the router-driven GEMV are not written.
+The expert matmuls carry EXPERT_ATTR for schedules/cpu/moe.py (int8: the int8 GEMV's vector body with gathered rows;
+float32: a parallel schedule of the TE); routing and sorting are small and stay as written. A GPU target is refused
+in `check_target` before any work: the grouped expert GEMMs and the router-driven GEMV are not written.
 """
 
 from __future__ import annotations
