@@ -107,3 +107,25 @@ def test_int8_build_agrees_with_llama_cpp(name, int8_build):
         agree, total = agree + int(same.sum()), total + len(ids)
     print(f"{name}: greedy ids agree with llama.cpp at {agree}/{total} positions")
     assert agree / total >= 0.97, (agree, total)
+
+
+def test_int8_batched_decode_equals_each_sequence_alone(int8_build):
+    """Three sequences decoded in one batch (their rows routed to different experts in one call) give each sequence's
+    logits alone: every expert row is the int8 GEMV's value for its token, whatever the batch (BATCH_TOL)."""
+    from luce_runtime.engine import Engine, EngineOptions
+
+    from luce_compile.checks import BATCH_TOL
+
+    gguf, alone_engine = int8_build("k-quants")
+    batched = Engine(alone_engine.artifact.root, EngineOptions(max_batch=4, max_context=256, megakernel=False))
+    prompts = [_prompt(seed, n) for seed, n in ((7, 5), (8, 11), (9, 3))]
+    seqs = [batched.add_sequence() for _ in prompts]
+    rows = batched.prefill(seqs, prompts)
+    tokens = [[int(np.argmax(r))] for r in rows]
+    for _ in range(4):
+        rows = batched.decode(seqs, [t[-1] for t in tokens])
+        for t, r in zip(tokens, rows, strict=True):
+            t.append(int(np.argmax(r)))
+    for prompt, toks, last in zip(prompts, tokens, rows, strict=True):
+        alone = engine_logits(alone_engine, prompt, toks[:-1])
+        assert rel_err(last, alone[-1].astype(np.float64)) <= BATCH_TOL
