@@ -473,13 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true",
                    help="replace an existing artifact at -o (anything else there is always refused)")
     s.add_argument("--no-megakernel", action="store_true",
-                   help="CUDA targets: build without the decode megakernels (one persistent kernel per decode step "
+                   help="GPU targets: build without the decode megakernels (one persistent kernel per decode step "
                         "of 1-8 sequences, which the engine otherwise runs); every step takes the per-op kernels")
     s.add_argument("--megakernel-q8", action="store_const", const=True, default=None,
-                   help="CUDA targets, on by default with --precision auto/f16 (this flag is an alias kept for "
-                        "old scripts; --precision f32 turns it off): the megakernels' quantized matvecs quantize "
-                        "their input to 8-bit blocks and use integer dot products, as llama.cpp's mmvq does (decode "
-                        "steps 2-42%% shorter on the H200's benchmark models; logits move by that rounding, ~1e-2)")
+                   help="GPU targets, on by default on CUDA with --precision auto/f16 (an alias kept for old scripts "
+                        "there; --precision f32 turns it off; on ROCm it turns it on): the megakernels' quantized "
+                        "matvecs quantize their input to 8-bit blocks and use integer dot products, as llama.cpp's "
+                        "mmvq does (decode steps 2-42%% shorter on the H200's benchmark models; logits move by that "
+                        "rounding, ~1e-2)")
     s.add_argument("--megakernel-tf32", action="store_const", const=True, default=None,
                    help="CUDA targets, on by default with --precision auto/f16 (an alias, as --megakernel-q8): the "
                         "megakernels' F16/BF16 matvecs run on tf32 tensor cores (weights exact, inputs rounded to "

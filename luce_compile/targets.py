@@ -34,6 +34,10 @@ class TargetInfo:
     note: str
     facts: dict[str, Any] = field(default_factory=dict)  # SM count, shared memory, warp size, …
     archs: tuple[str, ...] = ()  # CUDA: every sm_XX the fatbin carries (one unless a comma list was asked for)
+    # the decode megakernel's own status (measured | compiled | none) and how it was checked: it is one kernel
+    # that can hang or spill where the per-op kernels run, so `luce-compile targets` says it apart
+    megakernel: str = "none"
+    megakernel_note: str = "the per-op kernels only"
 
     def tvm_target(self):
         import tvm
@@ -65,16 +69,25 @@ def _cuda(name: str, hardware: str, status: str, note: str, sm_count: int, l2_mb
           opt_in_shared_kib: int) -> TargetInfo:
     # 48 KiB is the static shared memory any kernel may use without opting in to more (cudaFuncSetAttribute);
     # opted in, a block may have opt_in_shared_kib (CUDA programming guide, compute capabilities table)
+    # registers_per_sm: 64K 32-bit registers on every SM from sm_50 to sm_120 (the same table)
     facts = {"sm_count": sm_count, "l2_bytes": l2_mb << 20, "warp_size": 32, "max_threads_per_block": 1024,
              "max_shared_memory_per_block": 49152, "max_shared_memory_opt_in": opt_in_shared_kib << 10,
-             "mem_bandwidth_gb_s": gb_s}
-    return TargetInfo(name, hardware, "cuda", status, note, facts, (name,))
+             "mem_bandwidth_gb_s": gb_s, "registers_per_sm": 65536}
+    megakernel = ("measured", "run on an H200: matches the oracle, timed") if status == "measured" else \
+        ("compiled", "built; registers, spills and shared memory checked in the cubin here (cuobjdump); never run")
+    return TargetInfo(name, hardware, "cuda", status, note, facts, (name,), *megakernel)
 
 
 def _rocm(name: str, hardware: str, status: str, note: str, compute_units: int, gb_s: int) -> TargetInfo:
+    # an RDNA3/RDNA4 CU has 2 SIMDs; vgprs_per_simd: the wave32 register file LLVM 22 models for gfx1100, gfx1151
+    # and gfx1201 (1,536: a kernel held to 5 waves a SIMD keeps 256 VGPRs there, 192 on gfx1102's 1,024), the bound
+    # of the VGPRs a lane x the waves of a block on one CU
     facts = {"sm_count": compute_units, "warp_size": 32, "max_threads_per_block": ROCM_MAX_THREADS,
-             "max_shared_memory_per_block": 65536, "mem_bandwidth_gb_s": gb_s}
-    return TargetInfo(name, hardware, "rocm", status, note, facts)
+             "max_shared_memory_per_block": 65536, "mem_bandwidth_gb_s": gb_s, "simds_per_cu": 2,
+             "vgprs_per_simd": 1536}
+    return TargetInfo(name, hardware, "rocm", status, note, facts, (), "compiled",
+                      "built through LLVM's AMDGPU backend; VGPRs, scratch, LDS and wave size checked in the HSACO, "
+                      "the task protocol in the simulator; never run")
 
 
 _COMPILED = "compiled and binary-checked here (cuobjdump); never run"

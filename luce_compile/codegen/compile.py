@@ -45,6 +45,7 @@ from luce_compile.tune.records import Tuning, default_logs_dir
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
+GPU_KINDS = ("cuda", "rocm")  # the TVM kinds whose artifacts carry decode megakernels (fuse/build.py)
 
 
 def file_sha256(path: Path) -> str:
@@ -80,14 +81,14 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     integer dot products where the CPU has them, "f32" the exact float32 kernels (oracle checks), "int8" insists.
     Tunable kernels take the knobs of their records in `tune_logs` (default: the shipped autotune_logs/; a target
     without records of its own takes the nearest measured target's), or their rule defaults with use_tune_logs off;
-    nothing is searched here. The manifest's kernels.tuning says what each kernel got. On CUDA targets the decode
+    nothing is searched here. The manifest's kernels.tuning says what each kernel got. On GPU targets the decode
     step is also built as megakernels (fuse/build.py; the engine runs them for batches up to 8), unless
     `megakernel` is off (--no-megakernel); the manifest's "megakernel" section says why a build has none.
     `megakernel_q8`: the megakernels' quantized matvecs (every type but F32/F16/BF16) take llama.cpp's 8-bit
     activations and integer dot products (MegakernelOptions.q8_activations); the per-op kernels keep float
     activations. `megakernel_tf32`: the megakernels' F16/BF16 matvecs run on tf32 tensor cores, their inputs rounded
-    to tf32 (MegakernelOptions.float_mma). Both default (None) to on where the precision resolves to f16 (CUDA's
-    auto: the fast build, as llama.cpp's CUDA backend rounds by default) and off with f32, the exact build the
+    to tf32 (MegakernelOptions.float_mma; CUDA only). Both default (None) to on where the precision resolves to f16
+    (CUDA's auto: the fast build, as llama.cpp's CUDA backend rounds by default) and off with f32, the exact build the
     oracle checks; the manifest's megakernel options record the choice. `kv_cache`: the KV cache's type (--kv-cache,
     lower/kv_cache.py: f32 by default, f16 half its bytes), recorded as the manifest's kernels.kv_cache and the
     runtime contract's kv_dtype.
@@ -96,9 +97,10 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     check_destination(out_dir, overwrite)  # before minutes of work, and again when the result is moved into place
     info = get_target(target)
-    for flag, on in (("--megakernel-q8", megakernel_q8), ("--megakernel-tf32", megakernel_tf32)):
-        if on and (info.kind != "cuda" or not megakernel):
-            raise LuceError(f"compile: {flag} changes the decode megakernels, which only CUDA targets build; "
+    for flag, on, kinds, which in (("--megakernel-q8", megakernel_q8, GPU_KINDS, "GPU"),
+                                   ("--megakernel-tf32", megakernel_tf32, ("cuda",), "CUDA")):
+        if on and (info.kind not in kinds or not megakernel):
+            raise LuceError(f"compile: {flag} changes the decode megakernels, which only {which} targets build; "
                             f"{info.name}{'' if megakernel else ' with --no-megakernel'} has none. Drop the flag.")
     say("hashing the model")
     gguf_sha = file_sha256(gguf_path)
@@ -106,12 +108,12 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     kv_cache_dtype(kv_cache)  # refuses a KV cache type that is not built, before work
     fast = precision == "f16"  # the GPU's default build: the megakernels round as llama.cpp's CUDA kernels do
     megakernel_q8 = fast if megakernel_q8 is None else megakernel_q8
-    megakernel_tf32 = fast if megakernel_tf32 is None else megakernel_tf32
+    megakernel_tf32 = (fast and info.kind == "cuda") if megakernel_tf32 is None else megakernel_tf32
     tuning = load_tuning(info, tune_logs, use_tune_logs)
     # the records are part of the key: new records (or --no-tune-logs) make a new build, never a stale reuse
     key = (f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}-{tuning.digest()}"
-           f"{'' if megakernel or info.kind != 'cuda' else '-nomk'}"
-           f"{'-mkq8' if megakernel and megakernel_q8 and info.kind == 'cuda' else ''}"
+           f"{'' if megakernel or info.kind not in GPU_KINDS else '-nomk'}"
+           f"{'-mkq8' if megakernel and megakernel_q8 and info.kind in GPU_KINDS else ''}"
            f"{'-mktf32' if megakernel and megakernel_tf32 and info.kind == 'cuda' else ''}"
            f"{'' if kv_cache == 'f32' else f'-kv{kv_cache}'}")
     cached = cache_dir() / "artifacts" / key
@@ -183,15 +185,15 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     library = work / "model.so"
     binaries = export_checked(executable, info, library)  # refuses a GPU library without real device binaries
     extra_files: dict[str, Path] = {}
-    megakernel_fields: dict = {}  # the manifest's "megakernel" section: CUDA targets only
-    if info.kind == "cuda" and megakernel:
+    megakernel_fields: dict = {}  # the manifest's "megakernel" section: GPU targets only
+    if info.kind in GPU_KINDS and megakernel:
         from luce_compile.fuse.build import artifact_megakernels
 
         say("generating the decode megakernels")
         megakernel_fields["megakernel"], extra_files = artifact_megakernels(graph, info.name, work, kv_dtype,
                                                                             q8_activations=megakernel_q8,
                                                                             float_mma=megakernel_tf32)
-    elif info.kind == "cuda":
+    elif info.kind in GPU_KINDS:
         megakernel_fields["megakernel"] = {"skipped": "built with --no-megakernel"}
     say("writing the artifact (weights repacked into kernel planes)")
     contract = RuntimeContract(kv_dtype=kv_dtype,

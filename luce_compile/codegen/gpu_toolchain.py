@@ -185,8 +185,9 @@ _ROCM_BITCODE = ("ocml", "oclc_daz_opt_off", "oclc_correctly_rounded_sqrt_on", "
 
 
 @contextlib.contextmanager
-def rocm_toolchain(mcpu: str) -> Iterator[None]:
-    """While active, TVM's ROCm build finds lld and the device libraries and links the wave32 flavour."""
+def rocm_toolchain(mcpu: str, extra_ir: tuple[str, ...] = ()) -> Iterator[None]:
+    """While active, TVM's ROCm build finds lld and the device libraries and links the wave32 flavour, and the LLVM
+    IR files `extra_ir` (text or bitcode: functions the kernels call that TIR cannot express, emit_cuda/intrinsics)."""
     import tvm
     from tvm.support import rocm as tvm_rocm
 
@@ -198,6 +199,7 @@ def rocm_toolchain(mcpu: str) -> Iterator[None]:
     bitcode = Path(root) / "amdgcn" / "bitcode"
     isa = bitcode / f"oclc_isa_version_{mcpu.removeprefix('gfx')}.bc"
     files = [str(bitcode / f"{n}.bc") for n in _ROCM_BITCODE] + ([str(isa)] if isa.is_file() else [])
+    files += [str(f) for f in extra_ir]
 
     def bitcode_path(_rocdl_dir=None):
         return tvm.runtime.convert(files)
@@ -306,14 +308,15 @@ def cuda_source(mod, target, **compile_kwargs) -> str:  # noqa: ANN001  (tvm.IRM
 
 
 @contextlib.contextmanager
-def gpu_toolchain(kind: str, archs: tuple[str, ...], mcpu: str = "") -> Iterator[str]:
-    """Everything a build for a cuda/rocm target needs around tvm.compile; yields how CUDA codegen was enabled."""
+def gpu_toolchain(kind: str, archs: tuple[str, ...], mcpu: str = "", extra_ir: tuple[str, ...] = ()) -> Iterator[str]:
+    """Everything a build for a cuda/rocm target needs around tvm.compile; yields how CUDA codegen was enabled.
+    `extra_ir`: LLVM IR files a ROCm build links into its kernels."""
     if kind == "cuda":
         how = ensure_cuda_codegen()
         with cuda_fatbin_hook(archs):
             yield how
     elif kind == "rocm":
-        with rocm_toolchain(mcpu):
+        with rocm_toolchain(mcpu, extra_ir):
             yield "rocm"
     else:
         yield "none"

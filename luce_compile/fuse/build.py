@@ -1,4 +1,6 @@
-"""Build the megakernels of a model for a CUDA target: one persistent PrimFunc per batch size, in one module.
+"""Build the megakernels of a model for a GPU target (CUDA, or ROCm through LLVM's AMDGPU backend): one persistent
+PrimFunc per batch size, in one module. The emitter's target-specific operations are fuse/emit_cuda/intrinsics.py's,
+chosen by the target in scope while it emits.
 
 `megakernel_b{B}` runs one decode step of B sequences. The programs (task tables, arena layout, weight stacks) are
 deterministic functions of the graph and these options, so the runtime side can rebuild and check them
@@ -66,20 +68,34 @@ def program_fingerprint(prog: Program) -> str:
     return h.hexdigest()[:16]
 
 
+def target_options(options: MegakernelOptions, info) -> MegakernelOptions:
+    """The options as a target builds them: shared memory resolved (MegakernelOptions.for_target); on AMD, the
+    tensor-core bodies off (they are PTX mma), no L2 prefetch (gfx11/gfx1201 have no prefetch instruction) and at
+    most the threads a workgroup may have (TVM marks every ROCm kernel amdgpu-flat-work-group-size 1,256)."""
+    options = options.for_target(info.facts)
+    if info.kind != "rocm":
+        return options
+    return dataclasses.replace(options, q8_mma=False, float_mma=False, prefetch_bytes=0,
+                               threads=min(options.threads, int(info.facts["max_threads_per_block"])))
+
+
 def compile_megakernels(graph: Graph, target_name: str, out: Path, options: MegakernelOptions) -> dict[int, Program]:
     """Emit and compile the megakernels into the shared library `out`; returns the programs by batch size."""
+    import tempfile
+
     import tvm
 
     from luce_compile.codegen.gpu_toolchain import gpu_toolchain
-    from luce_compile.fuse.emit_cuda import emit_megakernel
+    from luce_compile.fuse.emit_cuda import emit_megakernel, intrinsics
     from luce_compile.targets import get_target
 
     info = get_target(target_name)
-    if info.kind != "cuda":
-        raise UnsupportedError(f"fuse: the megakernel is generated for CUDA targets so far, not {info.name}; "
+    if info.kind not in ("cuda", "rocm"):
+        raise UnsupportedError(f"fuse: the megakernel is generated for GPU targets (CUDA, ROCm), not {info.name}; "
                                "build with --no-megakernel.")
-    options = options.for_target(info.facts)
+    options = target_options(options, info)
     programs = plan_programs(graph, info.facts, options)
+    target = info.tvm_target()
 
     def emit(b: int, p: Program):
         try:
@@ -90,15 +106,20 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
             log.info("megakernel_b%d: %s; 256 threads a block instead of %d", b, e, options.threads)
             return emit_megakernel(p, name=kernel_name(b), options=dataclasses.replace(options, threads=256))
 
-    funcs = {kernel_name(b): emit(b, p) for b, p in programs.items()}
+    with target:  # the intrinsics the emitter calls are the target's
+        funcs = {kernel_name(b): emit(b, p) for b, p in programs.items()}
     for b, p in programs.items():  # the argument order callers must follow (the runtime passes them by position)
         func = funcs[kernel_name(b)]
         p.param_names = [str(v.name) for v in func.params]
         p.param_dtypes = {str(v.name): _buffer_dtype(v) for v in func.params}
-    target = info.tvm_target()
     start = time.perf_counter()
-    with gpu_toolchain(info.kind, info.archs or (info.name,), info.name), target:
-        executable = tvm.compile(tvm.IRModule(funcs), target=target, tir_pipeline="tirx")
+    with tempfile.TemporaryDirectory(prefix="luce-mk-") as tmp:
+        extra_ir = ()
+        if info.kind == "rocm":  # the ordered memory operations TVM's LLVM codegen cannot emit, linked in
+            extra_ir = (str(Path(tmp) / intrinsics.AMDGPU_IR_FILE),)
+            Path(extra_ir[0]).write_text(intrinsics.AMDGPU_IR)
+        with gpu_toolchain(info.kind, info.archs or (info.name,), info.name, extra_ir), target:
+            executable = tvm.compile(tvm.IRModule(funcs), target=target, tir_pipeline="tirx")
     log.info("megakernels %s compiled in %.1f s", list(funcs), time.perf_counter() - start)
     out.parent.mkdir(parents=True, exist_ok=True)
     executable.export_library(str(out))
@@ -122,9 +143,9 @@ def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: s
         return {"skipped": "sliding-window layers (TVM's cache pages them as a ring)"}, {}
     from luce_compile.targets import get_target
 
-    options = MegakernelOptions(max_context=min(int(graph.config.n_ctx_train), 4096), kv_dtype=kv_dtype,
-                                q8_activations=q8_activations,
-                                float_mma=float_mma).for_target(get_target(target_name).facts)
+    options = target_options(MegakernelOptions(max_context=min(int(graph.config.n_ctx_train), 4096),
+                                               kv_dtype=kv_dtype, q8_activations=q8_activations,
+                                               float_mma=float_mma), get_target(target_name))
     try:
         programs = compile_megakernels(graph, target_name, work / MODULE_FILE, options)
     except UnsupportedError as e:

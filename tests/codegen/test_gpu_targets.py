@@ -184,9 +184,10 @@ def test_registry_facts_and_multi_arch():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sm_90", "gfx1201"])
 def test_cuda_artifacts_carry_the_decode_megakernels(name, built, tiny_gguf):
-    """CUDA artifacts carry the megakernels (one per batch size, real cubins), their task tables (the programs the
-    generator plans from this graph) and, per stacked weight argument, the per-op planes of its layers, which
-    the runtime stacks into exactly the GGUF's planes; ROCm artifacts have none yet."""
+    """GPU artifacts carry the megakernels (one per batch size, real cubins or HSACO), their task tables (the
+    programs the generator plans from this graph) and, per stacked weight argument, the per-op planes of its layers,
+    which the runtime stacks into exactly the GGUF's planes. CUDA's default build is the fast one; ROCm's precision
+    resolves to f32 (no tensor-core matmuls there), and its megakernels never take the tensor-core bodies."""
     import numpy as np
     from luce_runtime.artifact import load_artifact
     from luce_runtime.megakernel import _stack_weights
@@ -199,13 +200,15 @@ def test_cuda_artifacts_carry_the_decode_megakernels(name, built, tiny_gguf):
 
     artifact, info = built(name), get_target(name)
     manifest = json.loads((artifact / "manifest.json").read_text())
-    if info.kind != "cuda":
-        assert "megakernel" not in manifest
-        return
     mk = manifest["megakernel"]
     assert mk["batches"] == [1, 2, 4, 8] and {mk["module"], mk["tables"]} <= set(manifest["files"])
-    # the default build is the fast one: 8-bit and tf32 matvecs, recorded in the manifest (f32 is the exact build)
-    assert manifest["kernels"]["precision"] == "f16" and mk["options"]["q8_activations"] and mk["options"]["float_mma"]
+    if info.kind == "cuda":
+        # the default build is the fast one: 8-bit and tf32 matvecs, recorded in the manifest (f32: the exact build)
+        assert manifest["kernels"]["precision"] == "f16" and mk["options"]["q8_activations"]
+        assert mk["options"]["float_mma"]
+    else:
+        assert manifest["kernels"]["precision"] == "f32" and not mk["options"]["q8_activations"]
+        assert not (mk["options"]["float_mma"] or mk["options"]["q8_mma"]) and mk["options"]["threads"] == 256
     (binary,) = check_library(artifact / mk["module"], info).binaries
     assert {f"{kernel_name(b)}_kernel" for b in mk["batches"]} <= set(binary.kernels[info.name])
     graph, _ = open_graph(tiny_gguf)

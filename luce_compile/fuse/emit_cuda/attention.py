@@ -10,6 +10,7 @@ from tvm.tirx.script.builder import ir as B
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse import program as P
+from luce_compile.fuse.emit_cuda import intrinsics as ix
 from luce_compile.fuse.emit_cuda.core import F32, f32, i32
 
 
@@ -128,17 +129,17 @@ class AttentionMixin:
                     self.store(s, hh, score)
                     score = s[hh]  # the stored score: `score` above reads s[hh], which the store just replaced
                     m_new = self.local()
-                    self.store(m_new, 0, tirx.max(m[hh], T.cuda.warp_max(score)))
+                    self.store(m_new, 0, tirx.max(m[hh], ix.warp_reduce(score, "max", self.lane)))
                     pv = self.local()
                     self.store(pv, 0, tirx.if_then_else(valid, tirx.exp(score - m_new[0]), f32(0)))
                     corr = self.local()
                     self.store(corr, 0, tirx.exp(m[hh] - m_new[0]))
-                    self.store(lsum, hh, lsum[hh] * corr[0] + T.cuda.warp_sum(pv[0]))
+                    self.store(lsum, hh, lsum[hh] * corr[0] + ix.warp_reduce(pv[0], "sum", self.lane))
                     self.store(self.smem, p_at + (self.warp * group + hh) * 32 + self.lane, pv[0])
                     for c in range(per_lane):
                         self.store(o, hh * per_lane + c, o[hh * per_lane + c] * corr[0])
                     self.store(m, hh, m_new[0])
-                B.evaluate(T.cuda.warp_sync())
+                ix.warp_sync()
                 # p·v without a branch a key: the warp's 32 keys lie on at most 32 / ps + 1 pages, read once; a key
                 # past the chunk reads a clamped visible key with weight 0; so all 32 keys' loads can be in flight
                 # at once (a branch and a page-table load a key made them 64 dependent round trips)
@@ -162,7 +163,7 @@ class AttentionMixin:
                         for hh in range(group):
                             i = hh * per_lane + c
                             self.store(o, i, o[i] + self.smem[p_at + (self.warp * group + hh) * 32 + kk] * v[0])
-                B.evaluate(T.cuda.warp_sync())
+                ix.warp_sync()
         self.phase(4)  # thread 0's warp's keys done (the others may still run)
         # the warps' partials → shared, then one (max, sum, o) per head
         for hh in range(group):
@@ -233,12 +234,12 @@ class AttentionMixin:
         its loads after). The task publishes after this, so its consumers see the merged output."""
         self.sync()  # every thread's partial writes issued
         with self.when(self.tx == 0):
-            B.evaluate(T.ptx.fence.acq_rel.gpu())
+            ix.fence_acq_rel()
             before = self.local("int32")
-            self.store(before, 0, T.cuda.atomic_add(T.address_of(self.counters[self.col(P.ARRIVAL)]), i32(1)))
+            self.store(before, 0, ix.atomic_add(T.address_of(self.counters[self.col(P.ARRIVAL)]), i32(1)))
             last = before[0] == i32(n_splits) * self.epoch - 1
             with self.when(last):
-                B.evaluate(T.ptx.fence.acq_rel.gpu())  # acquire: the other chunks' partials, for every thread
+                ix.fence_acq_rel()  # acquire: the other chunks' partials, for every thread
             self.store(self.redi, 0, tirx.if_then_else(last, i32(1), i32(0)))
         self.sync()
         with self.when(self.redi[0] == 1):

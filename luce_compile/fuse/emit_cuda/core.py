@@ -16,6 +16,7 @@ from tvm.tirx.script.builder import ir as B
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse import program as P
+from luce_compile.fuse.emit_cuda import intrinsics as ix
 from luce_compile.fuse.options import STATIC_KIB, MegakernelOptions
 from luce_compile.fuse.taskgraph import TaskKind
 from luce_compile.graph.ir import LOGITS, OpKind
@@ -86,7 +87,7 @@ class EmitterCore:
 
     @staticmethod
     def sync() -> None:
-        B.evaluate(T.tvm_storage_sync("shared"))
+        ix.block_sync()
 
     def cta(self, value: tirx.Expr, how: str, dtype: str = F32) -> tirx.Expr:
         """A block-wide sum/max/min, in every thread."""
@@ -99,7 +100,7 @@ class EmitterCore:
         scratch = self.red if dtype == F32 else self.redi
         for i, value in enumerate(values):
             part = self.local(dtype)  # every lane shuffles: the reduction must not sink into the lane-0 branch
-            self.store(part, 0, T.cuda.warp_reduce(value, how, 32))
+            self.store(part, 0, ix.warp_reduce(value, how, self.lane))
             with self.when(self.lane == 0):
                 self.store(scratch, i * self.warps + self.warp, part[0])
         self.sync()
@@ -185,7 +186,7 @@ class EmitterCore:
             bx, tx = B.env_thread("blockIdx.x"), B.env_thread("threadIdx.x")
             with B.launch_thread(bx, len(p.queue_len)), B.launch_thread(tx, self.threads):
                 self.tx, self.warp, self.lane = tx, tx // 32, tx % 32
-                scope = "shared.dyn" if self.shared_floats > 12 * 1024 else "shared"
+                scope = ix.shared_scope(self.shared_floats)
                 self.smem = B.alloc_buffer((self.shared_floats,), F32, scope=scope)
                 # the same words as int32: the quantized activations (q8_activations)
                 self.smem_i = B.decl_buffer((self.shared_floats,), "int32", data=self.smem.data, scope=scope)
@@ -223,14 +224,12 @@ class EmitterCore:
                     self.stamp(bx, i, 2)
                     with self.when(tx == 0):  # CUTLASS's barrier: the block's writes (bar.sync), a release
                         # fence, then relaxed reductions (no round trip); fence.sc (__threadfence) costs more
-                        B.evaluate(T.ptx.fence.acq_rel.gpu())
+                        ix.fence_acq_rel()
                         for c in (P.COUNTER, P.STAGE_COUNTER):
-                            B.evaluate(T.ptx.red.relaxed.gpu.global_.add.s32(
-                                T.address_of(self.counters[self.col(c)]), i32(1)))
+                            ix.red_add(T.address_of(self.counters[self.col(c)]), i32(1))
                         if self.p.has_groups:
                             with self.when(self.col(P.GROUP_COUNTER) >= 0):
-                                B.evaluate(T.ptx.red.relaxed.gpu.global_.add.s32(
-                                    T.address_of(self.counters[self.col(P.GROUP_COUNTER)]), i32(1)))
+                                ix.red_add(T.address_of(self.counters[self.col(P.GROUP_COUNTER)]), i32(1))
         return ib.get()
 
     def phase(self, which: int) -> None:
@@ -241,7 +240,7 @@ class EmitterCore:
     def stamp(self, bx, position, which: int) -> None:
         with self.when((self.tx == 0) & (self.profiling != 0)):
             # the global timer (ns, one clock for every SM): stages line up across SMs, handoffs can be measured
-            self.store(self.profile, [bx, position, which], T.cuda.mov_sreg(64, "globaltimer"))
+            self.store(self.profile, [bx, position, which], ix.global_timer_ns())
 
     def wait(self, counter, target, bx, position, spins) -> None:
         """Spin (one thread a dependency) until counters[counter] >= target. Acquire loads (served by L2,
@@ -255,10 +254,10 @@ class EmitterCore:
         self.store(n, 0, i32(0))
         # loads, not atomic read-modify-writes: up to 132 pollers of one counter would queue their atomics at L2
         # ahead of the producers' increments
-        B.evaluate(T.ptx.ld.acquire.gpu.global_.b32(seen[0], addr))
+        ix.load_acquire(seen, addr)
         with B.While((seen[0] < target) & (n[0] < spins[0])):
-            B.evaluate(T.cuda.nano_sleep(i32(self.poll_sleep_ns)))  # back-off: less L2 contention
-            B.evaluate(T.ptx.ld.acquire.gpu.global_.b32(seen[0], addr))
+            ix.sleep_ns(self.poll_sleep_ns)  # back-off: less L2 contention
+            ix.load_acquire(seen, addr)
             self.store(n, 0, n[0] + 1)
         with self.when(seen[0] < target):
             self.store(self.status, [bx, 0], position + 1)
@@ -316,7 +315,7 @@ class EmitterCore:
             t = it * self.threads + self.tx
             with self.when(t * per_line < n + (per_line if contiguous else 0)):
                 e = tirx.min(t * per_line, n - 1)
-                B.evaluate(T.ptx.prefetch.global_.L2(T.address_of(at(e))))
+                ix.prefetch_l2(T.address_of(at(e)))
 
     def opcode(self, op: P.Opcode) -> None:
         if op.kind == TaskKind.ARGMAX:

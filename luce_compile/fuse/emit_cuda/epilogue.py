@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 
 from tvm import tirx
-from tvm.script import tirx as T
 from tvm.tirx.script.builder import ir as B
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse import program as P
+from luce_compile.fuse.emit_cuda import intrinsics as ix
 from luce_compile.fuse.emit_cuda.core import F32, f32
 from luce_compile.graph.ir import Op, OpKind
 
@@ -80,7 +80,7 @@ class EpilogueMixin:
                 self.store(part, 0, f32(0))
                 each_feature(lambda c, v: self.store(part, 0, part[0] + v * v))
                 scale = self.local()
-                self.store(scale, 0, tirx.rsqrt(T.cuda.warp_sum(part[0]) / f32(d) + eps))
+                self.store(scale, 0, tirx.rsqrt(ix.warp_reduce(part[0], "sum", self.lane) / f32(d) + eps))
                 each_feature(lambda c, v: self.store(self.smem, env(out, i, h * d + c),
                                                      v * scale[0] * self.vector(op, e.weights["weight"], c)))
 

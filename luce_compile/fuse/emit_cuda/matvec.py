@@ -7,11 +7,11 @@ partials."""
 from __future__ import annotations
 
 from tvm import DataType, tirx
-from tvm.script import tirx as T
 from tvm.tirx.script.builder import ir as B
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse import program as P
+from luce_compile.fuse.emit_cuda import intrinsics as ix
 from luce_compile.fuse.emit_cuda.core import F32, _nothing, f32
 from luce_compile.fuse.emit_cuda.q8 import Q8_BLOCK
 from luce_compile.graph.ir import OpKind
@@ -257,7 +257,7 @@ class MatvecMixin:
                         self._float_pass(op, unit, rows, r0, hi, g, granules, staged, xval, acc, xv, wv)
             n_acc = n_m * rows * nb
             for a in range(n_acc):
-                self.store(acc, a, T.cuda.warp_sum(acc[a]))
+                self.store(acc, a, ix.warp_reduce(acc[a], "sum", self.lane))
             if split > 1:  # the slices' sums meet in shared memory
                 with self.when(self.lane == 0):
                     for a in range(n_acc):

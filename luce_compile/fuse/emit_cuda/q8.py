@@ -6,10 +6,10 @@ block scales (_q8_block_scales, _q8_accumulate) are shared with the tensor-core 
 from __future__ import annotations
 
 from tvm import tirx
-from tvm.script import tirx as T
 from tvm.tirx.script.builder import ir as B
 
 from luce_compile.fuse import program as P
+from luce_compile.fuse.emit_cuda import intrinsics as ix
 from luce_compile.fuse.emit_cuda.core import F32, f32, i32
 from luce_compile.fuse.options import Q8_ORDER
 from luce_compile.lower.quant_matmul import exact_int_to_float
@@ -50,7 +50,7 @@ def _sixth_bits(qh: tirx.Expr, shift) -> tuple[tirx.Expr, tirx.Expr]:
 
 def dp4a(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
     """c + the dot of the four signed bytes of a and b (CUDA's __dp4a)."""
-    return tirx.call_pure_extern("int32", "__dp4a", a, b, c)
+    return ix.dot4(a, b, c)
 
 
 class Q8Mixin:
@@ -128,7 +128,6 @@ class Q8Mixin:
         vals = self.local(F32, ahead * 8)
         amax, inv = self.local(), self.local()
         q, qsum, word = self.local("int32", 8), self.local("int32"), self.local("int32", 2)
-        full = tirx.const(0xFFFFFFFF, "uint32")
         gam = self.local(F32, 8) if norm is not None else None
         with B.serial(0, -(-n_it // ahead)) as it:
             for u in range(ahead):
@@ -151,13 +150,13 @@ class Q8Mixin:
                     m = tirx.max(m, tirx.abs(vals[u * 8 + j]))
                 self.store(amax, 0, m)
                 for lane_mask in (1, 2):
-                    self.store(amax, 0, tirx.max(amax[0], T.cuda._shfl_xor_sync(full, amax[0], lane_mask, 32)))
+                    self.store(amax, 0, tirx.max(amax[0], ix.shfl_xor(amax[0], lane_mask, self.lane)))
                 self.store(inv, 0, tirx.Select(amax[0] > f32(0), f32(127) / amax[0], f32(0)))
                 for j in range(8):
                     self.store(q, j, tirx.nearbyint(vals[u * 8 + j] * inv[0]).astype("int32"))
                 self.store(qsum, 0, q[0] + q[1] + q[2] + q[3] + q[4] + q[5] + q[6] + q[7])
                 for lane_mask in (1, 2):
-                    self.store(qsum, 0, qsum[0] + T.cuda._shfl_xor_sync(full, qsum[0], lane_mask, 32))
+                    self.store(qsum, 0, qsum[0] + ix.shfl_xor(qsum[0], lane_mask, self.lane))
                 for h in range(2):
                     feats = [2 * j + h for j in range(4)] if order == "nibbles" else [4 * h + j for j in range(4)]
                     byte = [tirx.reinterpret("uint32", q[f]) & tirx.const(0xFF, "uint32") for f in feats]
