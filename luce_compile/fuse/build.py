@@ -86,6 +86,7 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
     import tvm
 
     from luce_compile.codegen.gpu_toolchain import gpu_toolchain
+    from luce_compile.codegen.kernel_resources import check_megakernels
     from luce_compile.fuse.emit_cuda import emit_megakernel, intrinsics
     from luce_compile.targets import get_target
 
@@ -97,14 +98,21 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
     programs = plan_programs(graph, info.facts, options)
     target = info.tvm_target()
 
+    launch: dict[str, tuple[int, int]] = {}  # kernel → (threads a block, dynamic shared bytes the launch asks)
+
     def emit(b: int, p: Program):
+        used = options
         try:
-            return emit_megakernel(p, name=kernel_name(b), options=options)
+            func = emit_megakernel(p, name=kernel_name(b), options=options)
         except UnsupportedError as e:
             if options.threads == 256 or "shared memory" not in str(e):
                 raise
             log.info("megakernel_b%d: %s; 256 threads a block instead of %d", b, e, options.threads)
-            return emit_megakernel(p, name=kernel_name(b), options=dataclasses.replace(options, threads=256))
+            used = dataclasses.replace(options, threads=256)
+            func = emit_megakernel(p, name=kernel_name(b), options=used)
+        floats = (used.shared_kib or STATIC_KIB) * 256  # the emitter's shared buffer (emit_cuda/core.py)
+        launch[kernel_name(b)] = (used.threads, 4 * floats if intrinsics.shared_scope(floats) == "shared.dyn" else 0)
+        return func
 
     with target:  # the intrinsics the emitter calls are the target's
         funcs = {kernel_name(b): emit(b, p) for b, p in programs.items()}
@@ -123,6 +131,14 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
     log.info("megakernels %s compiled in %.1f s", list(funcs), time.perf_counter() - start)
     out.parent.mkdir(parents=True, exist_ok=True)
     executable.export_library(str(out))
+    # registers, spills, shared memory / LDS and threads against the target's limits, read from the binary
+    resources = check_megakernels(out, info, launch)
+    for b, p in programs.items():
+        p.resources = [r for r in resources if r.kernel == kernel_name(b)]
+        for r in p.resources:
+            log.info("%s on %s: %d threads, %d registers, %d B shared + %d B dynamic, %d B spilled (%d stores)",
+                     r.kernel, r.arch, r.threads, r.registers, r.static_shared, r.dynamic_shared, r.spill_bytes,
+                     r.spill_stores)
     return programs
 
 
@@ -175,4 +191,6 @@ def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: s
     section = {"module": MODULE_FILE, "tables": TABLES_FILE, "batches": sorted(programs),
                "max_context": options.max_context, "page_size": options.page_size, "kv_dtype": kv_dtype,
                "kv": dict(kv), "options": dataclasses.asdict(options), "kernels": kernels}
+    # what each kernel asks of the GPU, per arch, as checked against the target (codegen/kernel_resources.py)
+    section["resources"] = [r.to_manifest() for p in programs.values() for r in p.resources]
     return section, {MODULE_FILE: work / MODULE_FILE, TABLES_FILE: work / TABLES_FILE}

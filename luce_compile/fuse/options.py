@@ -83,4 +83,6 @@ class MegakernelOptions:
         if self.shared_kib:
             return self
         opt_in = int(facts.get("max_shared_memory_opt_in", 48 << 10)) >> 10
-        return dataclasses.replace(self, shared_kib=min(SHARED_KIB_MAX, opt_in - 3) if opt_in > 48 else STATIC_KIB)
+        # 4 KiB left for the static buffers (up to 3,712 bytes: SmolLM2 at b8 on sm_120); with 3, the sm_120 b8
+        # kernel asked 102,016 bytes of the 101,376 a block may have (codegen/kernel_resources.py's check)
+        return dataclasses.replace(self, shared_kib=min(SHARED_KIB_MAX, opt_in - 4) if opt_in > 48 else STATIC_KIB)

@@ -97,6 +97,7 @@ class Program:
     values: dict = field(default_factory=dict)  # the graph's value types (graph.values() infers them: once)
     param_names: list[str] = field(default_factory=list)  # the compiled kernel's arguments, in order (fuse/build.py)
     param_dtypes: dict[str, str] = field(default_factory=dict)  # tensor arguments' dtypes (fuse/build.py)
+    resources: list = field(default_factory=list)  # the compiled kernel's KernelResources, per arch (fuse/build.py)
 
     @property
     def graph(self) -> Graph:
