@@ -9,10 +9,11 @@ TARGET_DIR and DRAFT_DIR are device_check workload folders whose artifact/ holds
    megakernel's rows up to its largest batch, where the artifact has one), beside one greedy decode step
    (Engine.decode_greedy, the megakernel where the engine chose it), medians; each rolled back after.
 2. Replay: for the first --prompts prompts of each task of the trace, a random prompt of the same length; plain greedy
-   decoding of as many tokens as the CPU run generated, then speculation making the engine calls SpeculativeDecoder
-   makes (the draft model's sync and k - 1 greedy steps, or prompt lookup's free proposal; one greedy target verify
-   of k + 1 rows, Engine.verify_greedy; the rollback of the rejected), with each step's drafted and
-   accepted counts read from the trace, since random weights would accept nothing. Tokens/s from the first
+   decoding of as many tokens as the CPU run generated, then speculation through the one generation loop
+   (luce_runtime.generation, which `run`, `bench` and `serve` step): the drafter makes its real engine calls (the
+   draft model's sync and k - 1 greedy steps, or prompt lookup's scan) and then proposes, in place of its own
+   tokens, the target's next n greedy ids and one it does not choose, so that the loop's own greedy verify
+   (Engine.verify_greedy) accepts the trace's n of k (random weights would accept nothing). Tokens/s from the first
    generated token to the last, as on the CPU.
 """
 
@@ -33,16 +34,50 @@ VERIFY_ROWS = (1, 2, 4, 8, 16)
 DRAFTERS = ("draft model", "prompt lookup")
 
 
-class LookupReplay:
-    """Prompt lookup's proposal costs a host scan of the history (microseconds): k tokens of the history, no device
-    work. Which tokens does not matter: the trace says how many the target accepts."""
+class Forced:
+    """A drafter whose step i proposes steps[i][0] tokens of which the target accepts steps[i][1]: it makes its
+    inner drafter's engine calls (their cost is the drafter's), then proposes the target's own next greedy ids
+    (`target_ids`, its plain decoding of the same prompt) up to the accepted count and a token after them that the
+    target does not choose. Its `length` is the trace's k (a DraftLength for the loop)."""
 
-    name = "prompt lookup"
+    def __init__(self, inner, prompt_len: int, target_ids: list[int], steps: list[tuple[int, int]], vocab: int):
+        self.inner, self.prompt_len, self.target_ids, self.vocab = inner, prompt_len, target_ids, vocab
+        self.steps, self.step = steps, 0
+        self.name = getattr(inner, "name", "lookup")
+
+    @property
+    def k(self) -> int:
+        return self.steps[self.step][0] if self.step < len(self.steps) else 0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.step += bool(drafted)
 
     def propose(self, history: list[int], k: int, sampler):
         from luce_runtime.speculative import Draft
 
-        return Draft(list(history[-k:]))
+        fed = self.inner.propose(history, k, sampler).fed
+        n = min(self.steps[self.step][1], k)
+        at = len(history) - self.prompt_len  # the target's next id is target_ids[at]
+        want = self.target_ids[at:at + n + 1]
+        miss = (want[-1] + 1) % self.vocab if len(want) > n else 0  # past the plain ids: any token
+        return Draft([*want[:n], *[miss] * (k - n)], fed=fed)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+class LookupReplay:
+    """Prompt lookup's proposal costs a host scan of the history (microseconds), no device work."""
+
+    name = "prompt lookup"
+
+    def __init__(self):
+        from luce_runtime.speculative import NgramDrafter
+
+        self.ngram = NgramDrafter()
+
+    def propose(self, history: list[int], k: int, sampler):
+        return self.ngram.propose(history, k, sampler)
 
     def reset(self) -> None:
         pass
@@ -80,44 +115,50 @@ def verify_costs(engine, vocab: int, rng: np.random.Generator, context: int = 25
     return out
 
 
-def plain(engine, prompt: list[int], tokens: int) -> float:
-    """Seconds from the first greedy token to the last of `tokens` (as Engine.generate decodes)."""
-    with engine.sequence() as seq:
-        token = int(np.argmax(engine.prefill([seq], [prompt])[0]))
-        engine.device.sync()
-        start = time.perf_counter()
-        for _ in range(tokens - 1):
-            token = engine.decode_greedy([seq], [token])[0]
-        engine.device.sync()
-        return time.perf_counter() - start
+def plain(engine, prompt: list[int], tokens: int, extra: int = 0) -> tuple[float, list[int]]:
+    """(seconds from the first greedy token to the `tokens`-th, the greedy ids of tokens + extra): plain decoding
+    through the generation loop, as Engine.generate decodes (no id ends it: a set number of tokens)."""
+    from luce_runtime.generation import generate
+    from luce_runtime.sampler import SamplingParams
+
+    ids, start, seconds = [], None, 0.0
+    for t in generate(engine, prompt, SamplingParams(temperature=0, max_tokens=tokens + extra), ignore_eos=True):
+        ids.append(t)
+        if len(ids) == 1:
+            engine.device.sync()
+            start = time.perf_counter()
+        if len(ids) == tokens:
+            engine.device.sync()
+            seconds = time.perf_counter() - start
+    return seconds, ids
 
 
-def speculative(engine, drafter, prompt: list[int], steps: list[tuple[int, int]]) -> tuple[int, float, int]:
-    """(tokens, seconds from the first token to the last, drafts accepted) of speculation whose step i drafts
-    steps[i][0] tokens and has steps[i][1] of them accepted: SpeculativeDecoder.step's engine calls, the acceptance
-    forced (a step drafting more than the engine verifies at decode cost is cut to that, as the decoder cuts it)."""
-    from luce_runtime.sampler import Sampler, SamplingParams
+def cut(engine, steps: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The trace's steps as the loop drafts them: at most one row fewer than the engine verifies at decode cost."""
+    cheap = engine.verify_rows_at_decode_cost
+    return [(min(k, cheap - 1), min(n, cheap - 1)) if cheap > 1 else (k, n) for k, n in steps]
 
-    sampler = Sampler(SamplingParams(temperature=0))
-    cheap = engine.verify_rows_at_decode_cost  # SpeculativeDecoder.step drafts at most one row fewer
-    with engine.sequence() as seq:
-        history = list(prompt)
-        history.append(int(np.argmax(engine.prefill([seq], [history])[0])))
-        engine.device.sync()
-        start = time.perf_counter()
-        accepted = 0
-        for k, n in steps:
-            if cheap > 1 and k >= cheap:
-                k, n = cheap - 1, min(n, cheap - 1)
-            accepted += n
-            draft = drafter.propose(history, k, sampler)
-            picks = engine.verify_greedy([seq], [[history[-1], *draft.tokens]])[0]  # as SpeculativeDecoder.step
-            engine.rollback(seq, k - n)
-            history += [*draft.tokens[:n], picks[n]]
-        engine.device.sync()
-        seconds = time.perf_counter() - start
-        drafter.reset()
-    return len(history) - len(prompt), seconds, accepted
+
+def speculative(engine, drafter, prompt: list[int], steps: list[tuple[int, int]],
+                target_ids: list[int]) -> tuple[int, float, int]:
+    """(tokens, seconds from the first token to the last, drafts accepted) of speculation through the generation
+    loop whose step i drafts steps[i][0] tokens and has steps[i][1] of them accepted (Forced)."""
+    from luce_runtime.generation import GenerationLoop, Speculating, generate
+    from luce_runtime.sampler import SamplingParams
+
+    steps = cut(engine, steps)
+    forced = Forced(drafter, len(prompt), target_ids, steps, int(engine.config["n_vocab"]))
+    loop = GenerationLoop(engine)
+    params = SamplingParams(temperature=0, max_tokens=1 + sum(n + 1 for _, n in steps))
+    ids, start = [], None
+    # Forced is both the drafter and its draft length (the trace's k)
+    for t in generate(engine, prompt, params, Speculating(forced, forced, timed=False), loop, ignore_eos=True):
+        ids.append(t)
+        if len(ids) == 1:  # the first token is the prefill's
+            engine.device.sync()
+            start = time.perf_counter()
+    engine.device.sync()
+    return len(ids), time.perf_counter() - start, loop.stats.accepted
 
 
 def replay(target_artifact: Path, draft_artifact: Path, trace: dict, prompts: int) -> dict:
@@ -136,18 +177,20 @@ def replay(target_artifact: Path, draft_artifact: Path, trace: dict, prompts: in
     drafters = {"draft model": DraftModel(draft, engine), "prompt lookup": LookupReplay()}
     tasks = list(dict.fromkeys(r["task"] for r in trace["rows"]))
     warm = rng.integers(0, vocab, 32).tolist()
-    plain(engine, warm, 8)
+    _, warm_ids = plain(engine, warm, 8, extra=16)
     for d in drafters.values():
-        speculative(engine, d, warm, [(4, 2), (2, 2)])
+        speculative(engine, d, warm, [(4, 2), (2, 2)], warm_ids)
     for task in tasks:
         for r in [r for r in trace["rows"] if r["task"] == task][:prompts]:
             prompt = rng.integers(0, vocab, r["prompt_tokens"]).tolist()
             row = {"task": task, "name": r["name"], "prompt_tokens": r["prompt_tokens"], "drafters": {}}
             for name, drafter in drafters.items():
-                steps = [tuple(s) for s in r["drafters"][name]["trace"]]
-                tokens, seconds, accepted = speculative(engine, drafter, prompt, steps)
-                row["drafters"][name] = {"tokens": tokens, "s": seconds, "plain_s": plain(engine, prompt, tokens),
-                                         "steps": len(steps), "accepted": accepted}
+                steps = cut(engine, [tuple(s) for s in r["drafters"][name]["trace"]])
+                tokens = 1 + sum(n + 1 for _, n in steps)
+                plain_s, target_ids = plain(engine, prompt, tokens, extra=max((k for k, _ in steps), default=0) + 1)
+                tokens, seconds, accepted = speculative(engine, drafter, prompt, steps, target_ids)
+                row["drafters"][name] = {"tokens": tokens, "s": seconds, "plain_s": plain_s, "steps": len(steps),
+                                         "accepted": accepted}
             out["rows"].append(row)
             print(f"{task} {r['name']}: " + ", ".join(f"{n} {d['tokens']} tokens {d['plain_s'] / d['s']:.2f}x"
                                                        for n, d in row["drafters"].items()), file=sys.stderr)

@@ -37,9 +37,9 @@ from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
 from luce_runtime.kv_memory import check_context  # noqa: E402
 from luce_runtime.kv_pages import KVPages  # noqa: E402
 from luce_runtime.megakernel import Megakernel  # noqa: E402
-from luce_runtime.sampler import Sampler, SamplingParams, find_stop, masked_argmax  # noqa: E402
+from luce_runtime.sampler import SamplingParams, masked_argmax  # noqa: E402
 from luce_runtime.timing import median_time  # noqa: E402
-from luce_runtime.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
+from luce_runtime.tokenizer import Tokenizer  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -165,40 +165,6 @@ class _KV:
 
     def free_pages(self) -> int:
         return int(self._free(self.cache))
-
-
-class GenerationEnd:
-    """Where a generation stops, for every decoding loop (plain and speculative): an end-of-generation or stop id
-    ends it before that token is emitted; a stop string ends it after the token that completes it, and so does the
-    token limit."""
-
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, limit: int):
-        self.stop_ids = set(params.stop_token_ids or ()) | set(tokenizer.eos_ids)
-        self.stop, self.limit, self.emitted = params.stop, limit, 0
-        self.text = StreamDecoder(tokenizer)
-        self.produced, self.streamed = "", 0  # streamed: where a stop string could still start (sampler.find_stop)
-        self.done = False
-
-    def take(self, tokens: Sequence[int], history: list[int]) -> Iterator[int]:
-        """Emit tokens in turn (each appended to history) until one ends the generation; then `done` is set."""
-        for token in tokens:
-            if token in self.stop_ids:
-                self.done = True
-                return
-            history.append(token)
-            yield token
-            if self._after(token):
-                self.done = True
-                return
-
-    def _after(self, token: int) -> bool:
-        self.emitted += 1
-        if self.stop:
-            self.produced += self.text.feed(token)
-            where, self.streamed = find_stop(self.produced, self.stop, start=self.streamed)
-            if where is not None:
-                return True
-        return self.emitted >= self.limit
 
 
 class Engine:
@@ -758,18 +724,8 @@ class Engine:
         return limit
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[int]:
-        """Stream generated token ids until max_tokens, an end-of-generation token, or a stop string."""
-        params = params or SamplingParams()
-        end = GenerationEnd(self.tokenizer, params, self.token_limit(len(prompt_ids), params.max_tokens))
-        sampler = Sampler(params)
-        with self.sequence() as seq:
-            history = list(prompt_ids)
-            token = sampler.sample(self.prefill([seq], [history])[0], history)
-            while True:
-                yield from end.take([token], history)
-                if end.done:
-                    return
-                if sampler.argmax_only:  # only the id crosses to the host where the device takes the argmax
-                    token = self.decode_greedy([seq], [token])[0]
-                else:
-                    token = sampler.sample(self.decode([seq], [token])[0], history)
+        """Stream generated token ids until max_tokens, an end-of-generation token, or a stop string: plain
+        decoding through the one generation loop (luce_runtime.generation, which speculation and the server use)."""
+        from luce_runtime.generation import generate  # the loop drives this engine: it imports this module
+
+        return generate(self, prompt_ids, params)

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import numpy as np
 
-from luce_runtime.engine import Engine, EngineError, GenerationEnd
+from luce_runtime.engine import Engine
 from luce_runtime.errors import LuceError
 from luce_runtime.sampler import Sampler, SamplingParams
 
@@ -338,89 +338,59 @@ class SpecStats:
 
 @dataclass
 class SpeculativeDecoder:
-    """Engine.generate with a drafter: the same limits, stop ids and stop strings, the same output distribution."""
+    """Engine.generate with a drafter: the same limits, stop ids and stop strings, the same output distribution. The
+    steps are the one generation loop's (luce_runtime.generation); this keeps the drafter and the draft length of
+    the pair across generations, and the loop's counts."""
 
     engine: Engine
     drafter: Drafter
     draft_max: int = 8
-    stats: SpecStats = field(default_factory=SpecStats)
     length: DraftLength = field(init=False)  # kept across generations: the acceptance history of this pair
-    trace: list[tuple[int, int]] | None = None  # a list: each verify step's (drafted, accepted) appended (benchmarks)
     # the draft length from measured costs (DraftLength); False: from the acceptance alone, drafting at every step
     # (tests that must reach every drafter's paths, on tiny models where drafting rarely pays)
     timed_length: bool = True
 
     def __post_init__(self) -> None:
+        from luce_runtime.generation import GenerationLoop  # the loop imports this module's drafts and acceptance
+
         refuse_sliding_window(self.engine, "target model")
         self.length = DraftLength(self.draft_max)
+        self.loop = GenerationLoop(self.engine)
+
+    @property
+    def stats(self) -> SpecStats:
+        return self.loop.stats
+
+    @stats.setter
+    def stats(self, stats: SpecStats) -> None:
+        self.loop.stats = stats
+
+    @property
+    def trace(self) -> list[tuple[int, int]] | None:
+        """A list: each verify step's (drafted, accepted) appended (benchmarks)."""
+        return self.loop.trace
+
+    @trace.setter
+    def trace(self, trace: list[tuple[int, int]] | None) -> None:
+        self.loop.trace = trace
+
+    def _spec(self):
+        from luce_runtime.generation import Speculating
+
+        return Speculating(self.drafter, self.length, timed=self.timed_length)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Iterator[int]:
         """Stream generated token ids until max_tokens, an end-of-generation token, or a stop string."""
-        params = params or SamplingParams()
-        end = GenerationEnd(self.engine.tokenizer, params,
-                            self.engine.token_limit(len(prompt_ids), params.max_tokens))
-        sampler = Sampler(params)
-        with self.engine.sequence() as seq:
-            try:
-                history = list(prompt_ids)
-                new = [sampler.sample(self.engine.prefill([seq], [history])[0], history)]
-                while True:
-                    yield from end.take(new, history)
-                    if end.done:
-                        return
-                    new = self.step(seq, history, sampler, end.limit - end.emitted)
-            finally:
-                self.drafter.reset()
+        from luce_runtime.generation import generate
+
+        return generate(self.engine, prompt_ids, params, self._spec(), self.loop)
 
     def step(self, seq: int, history: list[int], sampler: Sampler, remaining: int) -> list[int]:
-        """One target forward: the tokens it commits after history (1 to k + 1 of them)."""
-        engine, length, clock = self.engine, self.length, time.perf_counter
-        observe = length.observe if self.timed_length else _ignore
-        # a step emits up to k + 1 tokens; a verify feeds k + 1 into one prefill chunk, and into the megakernel's
-        # largest batch where it verifies (a row more would cost the prefill function's 2.5-3 steps on the H200)
-        cheap = engine.verify_rows_at_decode_cost
-        k = min(length.k, remaining - 1, engine.prefill_chunk - 1, cheap - 1 if cheap > 1 else length.k)
-        start = clock()
-        draft = self.drafter.propose(history, k, sampler) if k > 0 else Draft([])
-        if draft.fed <= CATCH_UP:  # not a proposal that prefilled the draft model with the prompt
-            observe("draft", clock() - start, len(draft.tokens))
-        self.stats.steps += 1
-        if not draft.tokens:  # nothing to verify: a plain decode step (the GEMV path), as Engine.generate's
-            start = clock()
-            if sampler.argmax_only:
-                new = engine.decode_greedy([seq], [history[-1]])
-            else:
-                new = [sampler.sample(engine.decode([seq], [history[-1]])[0], history)]
-            observe("decode", clock() - start)
-            length.update(0, 0)
-            return new
-        if len(draft.tokens) > k:
-            raise EngineError(f"speculative: drafter {self.drafter.name} proposed {len(draft.tokens)} tokens, "
-                              f"asked for at most {k}.")
-        start = clock()
-        fed = [history[-1], *draft.tokens]
-        if sampler.argmax_only:  # greedy: the rows' argmax ids are all acceptance needs (only they cross to the host
-            # where the megakernel verifies)
-            ids = engine.verify_greedy([seq], [fed])[0]
-            observe("verify", clock() - start, len(draft.tokens))
-            n = next((i for i, (d, t) in enumerate(zip(draft.tokens, ids, strict=False)) if d != t),
-                     len(draft.tokens))
-            token = ids[n]
-        else:
-            rows = engine.verify([seq], [fed])[0]
-            observe("verify", clock() - start, len(draft.tokens))
-            n, token = accept(rows, draft, sampler, history)
-        engine.rollback(seq, len(draft.tokens) - n)
-        self.stats.drafted += len(draft.tokens)
-        self.stats.accepted += n
-        if self.trace is not None:
-            self.trace.append((len(draft.tokens), n))
-        length.update(len(draft.tokens), n)
-        return [*draft.tokens[:n], token]
-
-
-def _ignore(*timing: object) -> None:
-    """DraftLength.observe's stand-in where the draft length comes from the acceptance alone."""
+        """One target forward on a sequence the caller owns (its cache holds history but the last token): the
+        tokens it commits after history (1 to k + 1 of them). No stop id ends it: the caller decides."""
+        gen = self.loop.start(seq, history[:-1], sampler.params, limit=remaining, spec=self._spec(), ignore_eos=True)
+        gen.sampler, gen.generated, gen.pending = sampler, [history[-1]], history[-1]
+        return [c.token for _, c in self.loop.step([gen]) if c.emitted]
 
 
 # Prompts for `luce-compile bench --spec/--draft`: a code edit (the answer repeats most of the prompt, where prompt

@@ -5,10 +5,11 @@ Each step (continuous batching, as vLLM/llama.cpp's server do it):
   2. free the sequences of cancelled requests (client gone, or stop): their KV pages go back to the pool
   3. prefill at most `prefill_chunk` prompt tokens in total, over the requests still reading their prompt, so a long
      prompt costs running streams one chunk per step instead of a stall
-  4. decode ALL requests that have a pending token in one batched Engine.decode call, then sample each row with that
-     request's own Sampler and stream the text to its asyncio queue; with speculation (serve/speculation.py) the
-     requests whose drafter proposed tokens are verified together in one Engine.verify call instead, and commit
-     1 to k + 1 tokens each
+  4. one step of the generation loop (luce_runtime.generation, the loop `run` and `bench` use too) over ALL requests
+     that have a pending token: one batched Engine.decode, each row sampled with that request's own Sampler; with
+     speculation (serve/speculation.py) the requests whose drafter proposed tokens are verified together in one
+     Engine.verify call instead, and commit 1 to k + 1 tokens each. What each committed is streamed to its asyncio
+     queue; the loop's GenerationEnd says where it stops.
 
 Error boundary: a step that fails is retried one request at a time (the engine rolls back what the failed call
 appended), so only the request that fails alone gets an error event; the others go on, and the KV pool stays
@@ -50,14 +51,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from luce_runtime.engine import Engine
+from luce_runtime.generation import Commit, Generation, GenerationLoop
 from luce_runtime.grammar import Constraint
-from luce_runtime.sampler import Sampler, SamplingParams, TokenLogprobs, find_stop, logprobs
-from luce_runtime.serve import speculation
+from luce_runtime.sampler import SamplingParams, TokenLogprobs, logprobs
 from luce_runtime.serve.access import log_progress
 from luce_runtime.serve.metrics import Histogram
-from luce_runtime.serve.speculation import RequestSpec, Speculation
-from luce_runtime.speculative import Draft, judge
-from luce_runtime.tokenizer import StreamDecoder
+from luce_runtime.serve.speculation import Speculation
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,14 +98,8 @@ class GenRequest:
     # scheduler state
     seq: int | None = None
     pos: int = 0  # prompt tokens in the cache
-    pending: int | None = None  # a sampled token not yet fed to the model
-    generated: list[int] = field(default_factory=list)
-    text: str = ""
-    emitted: int = 0  # characters of `text` already streamed
-    sampler: Sampler | None = None
-    decoder: StreamDecoder | None = None
+    gen: Generation | None = None  # its sampler, drafter, committed tokens and text (the generation loop's state)
     forking: bool = False  # waits for its leader's prefill, then forks the leader's pages
-    spec: RequestSpec | None = None  # its drafter while it speculates
     prefill_start: tuple[float, int] | None = None  # when its prefill began, at which prompt position
     progress_logged: float = 0.0  # when its prefill progress was last logged
 
@@ -129,9 +122,6 @@ class Counters:
     prefix_hits: int = 0
     prefix_tokens_reused: int = 0
     choice_forks: int = 0  # choices 1.. of an n > 1 request that forked choice 0's prompt instead of prefilling it
-    spec_drafted: int = 0  # draft tokens proposed to the target (speculating requests)
-    spec_accepted: int = 0  # of them, accepted
-    spec_steps: int = 0  # target forwards of speculating requests (a verify or a plain decode, per sequence)
     # seconds, submit → first token; cumulative (Prometheus histograms never go down), constant memory
     ttft: Histogram = field(default_factory=Histogram)
 
@@ -149,6 +139,8 @@ class Scheduler:
         # or a rollback inside it is not what the oracle computes: _KV.popn, refuse_sliding_window)
         self.prefix_slots = 0 if engine.sliding_window else max(0, min(prefix_cache, engine.max_sequences - max_batch))
         self.counters = Counters()
+        # its stats: draft tokens proposed to the target, of them accepted, target forwards of speculating requests
+        self.loop = GenerationLoop(engine, isolate=self._isolated, fail=self._fail)
         self._waiting: deque[GenRequest] = deque()
         self._active: list[GenRequest] = []
         self._prefixes: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # cached seq id → its tokens (LRU order)
@@ -190,8 +182,8 @@ class Scheduler:
                 "prefill_calls": c.prefill_calls, "tokens": c.tokens, "prompt_tokens": c.prompt_tokens,
                 "requests": c.requests, "finished": c.finished, "cancelled": c.cancelled, "failed": c.failed,
                 "prefix_hits": c.prefix_hits, "prefix_tokens_reused": c.prefix_tokens_reused,
-                "choice_forks": c.choice_forks, "spec_drafted": c.spec_drafted, "spec_accepted": c.spec_accepted,
-                "spec_steps": c.spec_steps,
+                "choice_forks": c.choice_forks, "spec_drafted": self.loop.stats.drafted,
+                "spec_accepted": self.loop.stats.accepted, "spec_steps": self.loop.stats.steps,
                 "running": len(self._active), "waiting": len(self._waiting),
                 # from the pool itself (free pages after the last step), not from the running set: a leaked page
                 # shows here even when nothing runs
@@ -242,10 +234,11 @@ class Scheduler:
                 self._emit(r, Event("done", r.index, finish_reason=None))
                 continue
             try:  # r is off the queue: whatever fails now must still answer its client
-                r.sampler = Sampler(r.params)
-                r.decoder = StreamDecoder(self.engine.tokenizer, strip_leading_space=False)
-                if self.speculation is not None and r.speculative:
-                    r.spec = self.speculation.start()
+                spec = self.speculation.start() if self.speculation is not None and r.speculative else None
+                # penalties over generated tokens only, as OpenAI's
+                r.gen = self.loop.start(None, r.prompt, r.params, spec=spec, strip_leading_space=False,
+                                        constraint=r.constraint, top_logprobs=r.top_logprobs, penalize_prompt=False,
+                                        cancelled=r.cancelled, owner=r)
                 lead = r.leader
                 if lead is not None and lead in self._active and lead.seq is not None and \
                         lead.pos < len(lead.prompt) and not self._reproducible(r):
@@ -342,7 +335,9 @@ class Scheduler:
                 followers = self._fork_followers(r)  # before r's first token: r may end at once and free its pages
                 for f in (r, *followers):
                     self.counters.ttft.observe(time.perf_counter() - f.submitted)
-                    self._deliver(f, row)  # the prompt's last logits row is every choice's first distribution
+                    f.gen.seq = f.seq
+                    # the prompt's last logits row is every choice's first distribution
+                    self._stream(f, self.loop.first(f.gen, row))
 
     def _log_progress(self, r: GenRequest) -> None:
         """A line in the access log every PROGRESS_S while a prompt of several chunks prefills, and when it ends."""
@@ -381,81 +376,17 @@ class Scheduler:
                 self._finish(f, error=f"could not start generation: {e}")
 
     def _decode_step(self) -> None:
-        ready = [r for r in self._active if r.pending is not None]
+        ready = [r.gen for r in self._active if r.gen is not None and r.gen.pending is not None]
         if not ready:
             return
-        c = self.counters
-        c.spec_steps += sum(r.spec is not None for r in ready)
-        drafts = speculation.drafts(ready, self.engine.prefill_chunk) if self.speculation is not None else {}
-        plain = [r for r in ready if r not in drafts]
+        committed = self.loop.step(ready, self.engine.prefill_chunk)
+        c, plain = self.counters, self.loop.decoded
         if plain:
             c.steps += 1
-            c.batched_steps += len(plain) >= 2
-            c.max_batch_seen = max(c.max_batch_seen, len(plain))
-            if all(r.top_logprobs is None and r.sampler.argmax_only for r in plain):
-                # every token is its logits' argmax, over the tokens its grammar allows where it has one: taken on
-                # the device where it can (the masks go up, only ids come back)
-                masks = self._masks(plain)
-                plain = [r for r in plain if r in masks]
-                for r, token in self._isolated(plain, lambda b: self.engine.decode_greedy(
-                        [r.seq for r in b], [r.pending for r in b], [masks[r] for r in b])):
-                    r.pending = None
-                    self._deliver_token(r, int(token))
-            else:
-                for r, row in self._isolated(plain, lambda b: self.engine.decode([r.seq for r in b],
-                                                                                 [r.pending for r in b])):
-                    r.pending = None
-                    self._deliver(r, row)
-        if drafts:
-            self._verify_step(drafts)
-
-    def _masks(self, requests: list[GenRequest]) -> dict[GenRequest, np.ndarray | None]:
-        """Each request's grammar mask for its next token (None without a grammar); a request whose grammar fails
-        here is finished with the error and left out."""
-        out: dict[GenRequest, np.ndarray | None] = {}
-        for r in requests:
-            try:
-                out[r] = r.constraint.bits() if r.constraint is not None else None
-            except Exception as e:
-                self._fail(r, e)
-        return out
-
-    def _verify_step(self, drafts: dict[GenRequest, Draft]) -> None:
-        """One forward over every speculating request's pending token and drafts; each commits what it accepts."""
-        def call(batch: list[tuple[GenRequest, Draft]]) -> list[np.ndarray]:
-            return self.engine.verify([r.seq for r, _ in batch], [[r.pending, *d.tokens] for r, d in batch])
-
-        for (r, draft), rows in self._isolated(list(drafts.items()), call):
-            r.pending = None
-            try:  # as _deliver: a sampler, grammar or decoder failure is this request's alone
-                self._commit_verified(r, draft, rows)
-            except Exception as e:
-                log.exception("scheduler: accepting drafts failed")
-                self._fail(r, e)
-
-    def _commit_verified(self, r: GenRequest, draft: Draft, rows: np.ndarray) -> None:
-        """Judge r's drafts position by position against the target's rows (k + 1, V) and stream what is committed;
-        the cache then keeps the accepted drafts, the token after them is r's next pending one."""
-        if r.cancelled.is_set():
-            return
-        accepted, going = 0, True
-        for i, row in enumerate(rows):
-            masked = r.constraint.mask(row) if r.constraint is not None else row  # the grammar at this position
-            if i < len(draft.tokens):
-                q = None if draft.probs is None else draft.probs[i]
-                ok, token = judge(masked, draft.tokens[i], q, r.sampler, r.generated)
-            else:  # every draft accepted: the target's own token after them
-                ok, token = False, r.sampler.sample(masked, r.generated)
-            accepted += ok
-            going = self._commit(r, token, row)
-            if not (ok and going):
-                break
-        self.counters.spec_drafted += len(draft.tokens)
-        self.counters.spec_accepted += accepted
-        if r.spec is not None:
-            r.spec.length.update(len(draft.tokens), accepted)
-        if going:  # drop the rejected drafts' KV entries (a finished request's sequence is gone already)
-            self.engine.rollback(r.seq, len(draft.tokens) - accepted)
+            c.batched_steps += plain >= 2
+            c.max_batch_seen = max(c.max_batch_seen, plain)
+        for gen, commit in committed:
+            self._stream(gen.owner, [commit])
 
     def _isolated(self, items: list[T], call: Callable[[list[T]], Sequence]) -> list[tuple[T, Any]]:
         """call(items) → one logits row (or token) per item; when the batched call fails, each item is tried alone
@@ -476,85 +407,31 @@ class Scheduler:
                 self._fail(item, e)
         return done
 
-    def _fail(self, item: GenRequest | tuple[GenRequest, list[int]], e: Exception) -> None:
+    def _fail(self, item: GenRequest | Generation | tuple, e: Exception) -> None:
         r = item[0] if isinstance(item, tuple) else item
+        r = r.owner if isinstance(r, Generation) else r
         log.error("scheduler: request failed: %s", e)
         self._finish(r, error=f"generation failed: {e}")
 
-    def _deliver(self, r: GenRequest, row: np.ndarray) -> None:
-        try:  # a sampler or decoder failure is this request's alone
-            self._on_logits(r, row)
-        except Exception as e:
-            log.exception("scheduler: sampling failed")
-            self._fail(r, e)
-
-    def _deliver_token(self, r: GenRequest, token: int) -> None:
-        """As _deliver, for a token the engine chose (greedy, nothing that needs the logits)."""
-        if r.cancelled.is_set():
-            return
-        try:
-            self._commit(r, token, None)
-        except Exception as e:
-            log.exception("scheduler: streaming a token failed")
-            self._fail(r, e)
-
-    def _on_logits(self, r: GenRequest, row: np.ndarray) -> None:
-        """Sample r's next token from its logits row and stream it; finish r on an end token, a stop or the limit."""
-        if r.cancelled.is_set():
-            return
-        # the grammar's mask goes first: the sampler's chain (penalties, top-k/p, temperature) then only ever sees
-        # allowed tokens. logprobs below stay those of the model's own distribution, as OpenAI reports them.
-        masked = r.constraint.mask(row) if r.constraint is not None else row
-        token = r.sampler.sample(masked, r.generated)  # penalties over generated tokens only, as OpenAI's
-        self._commit(r, token, row)
-
-    def _commit(self, r: GenRequest, token: int, row: np.ndarray | None) -> bool:
-        """Stream the sampled token (row: the model's logits it came from, for logprobs; None without them); finish
-        r on an end token, a stop or the limit. True when r goes on with token pending."""
-        if r.constraint is not None:
-            r.constraint.consume(token)
-        if self.engine.tokenizer.is_eog(token) or token in r.params.stop_token_ids:
-            r.text += r.decoder.flush()
-            self._flush_text(r, final=True)
-            self._finish(r, reason="stop")
-            return False
-        r.generated.append(token)
-        self.counters.tokens += 1
-        lp = logprobs(row, token, r.top_logprobs) if r.top_logprobs is not None else None
-        r.text += r.decoder.feed(token)
-        at_limit = len(r.generated) >= r.params.max_tokens
-        if at_limit:
-            r.text += r.decoder.flush()
-        stop = self._flush_text(r, final=at_limit, token=token, lp=lp)
-        if stop is not None:
-            self._finish(r, reason="stop", stop_string=stop)
-        elif r.constraint is not None and r.constraint.stopped:  # the grammar is complete: only an end token fits
-            r.text += r.decoder.flush()
-            self._flush_text(r, final=True)
-            self._finish(r, reason="stop")
-        elif at_limit:
-            self._finish(r, reason="length")
-        else:
-            r.pending = token
-            return True
-        return False
-
-    def _flush_text(self, r: GenRequest, *, final: bool, token: int = -1,
-                    lp: TokenLogprobs | None = None) -> str | None:
-        """Stream r's text up to a stop string (returned) or up to what could still grow into one."""
-        # no stop string can start in what was streamed already: search only the new text and the held-back tail
-        where, safe = find_stop(r.text, r.params.stop, start=r.emitted)
-        end = where if where is not None else (len(r.text) if final else safe)
-        if token >= 0 or end > r.emitted:
-            self._emit(r, Event("delta", r.index, text=r.text[r.emitted:end], token=token, logprob=lp))
-            r.emitted = max(r.emitted, end)
-        if where is None:
-            return None
-        return min((s for s in r.params.stop if r.text.startswith(s, where)), key=len)
+    def _stream(self, r: GenRequest, commits: list[Commit]) -> None:
+        """Stream what r committed (a delta per emitted token, with its logprobs where asked); finish r where its
+        generation ended (the loop's GenerationEnd: an end token, a stop string, the limit, a complete grammar)."""
+        for c in commits:
+            if r.seq is None:  # failed meanwhile
+                return
+            if c.emitted:
+                self.counters.tokens += 1
+                lp = logprobs(c.row, c.token, r.top_logprobs) if r.top_logprobs is not None else None
+                self._emit(r, Event("delta", r.index, text=c.text, token=c.token, logprob=lp))
+            elif c.text:
+                self._emit(r, Event("delta", r.index, text=c.text))
+            if c.reason is not None:
+                self._finish(r, reason=c.reason, stop_string=c.stop_string)
 
     def _finish(self, r: GenRequest, *, reason: str | None = None, stop_string: str | None = None,
                 error: str | None = None) -> None:
-        speculation.stop(r)  # the draft engine's sequence goes back too
+        if r.gen is not None:
+            self.loop.finish(r.gen)  # the draft engine's sequence goes back too
         if reason is None and error is None and r.seq is not None and 0 < r.pos < len(r.prompt):
             self._remember_prefix(r, r.pos)  # cancelled mid-prefill: agents send the same prompt again
         elif error is None and r.seq is not None and r.pos == len(r.prompt) and self._reproducible(r):
@@ -577,7 +454,8 @@ class Scheduler:
             return
         self.counters.finished += reason is not None
         self._emit(r, Event("done", r.index, finish_reason=reason, stop_string=stop_string,
-                            prompt_tokens=len(r.prompt), completion_tokens=len(r.generated)))
+                            prompt_tokens=len(r.prompt),
+                            completion_tokens=len(r.gen.generated) if r.gen is not None else 0))
 
     @staticmethod
     def _emit(r: GenRequest, event: Event) -> None:

@@ -1,13 +1,13 @@
-"""Speculative decoding in the server: which requests speculate, their drafters, and one step's drafts.
+"""Speculative decoding in the server: which requests speculate, and their drafters.
 
     spec = Speculation.ngram(target, draft_max=8)   # or Speculation.draft_model(draft_engine, target, 8)
     Scheduler(engine, max_batch, speculation=spec)
 
 Each speculating request owns a drafter (prompt lookup, or its own sequence in the one shared draft engine) and an
-adaptive draft length. Per step the scheduler asks `drafts` for every ready request's proposal, verifies all of them
-in one Engine.verify call (the plain ones decode in the batched call as before), and commits each request's tokens
-position by position with speculative.judge: a grammar's mask is applied to every verified row before judging, and
-the constraint consumes only accepted tokens, so a constrained request speculates too and never needs rolling back.
+adaptive draft length. The drafting, the verify of every drafting request in one Engine.verify call and the commit
+are the generation loop's (luce_runtime.generation, the same loop `run` and `bench` use): a grammar's mask is
+applied to every verified row before judging, and the constraint consumes only accepted tokens, so a constrained
+request speculates too and never needs rolling back.
 
 Opt-out: a request body's `"speculative": false` (a luce extension; the OpenAI client sends it through extra_body).
 A drafter that fails turns speculation off for that request alone; it goes on decoding plainly.
@@ -15,14 +15,12 @@ A drafter that fails turns speculation off for that request alone; it goes on de
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from luce_runtime.engine import Engine
+from luce_runtime.generation import Speculating
 from luce_runtime.speculative import (
-    Draft,
     Drafter,
     DraftLength,
     DraftModel,
@@ -30,19 +28,6 @@ from luce_runtime.speculative import (
     check_same_vocabulary,
     refuse_sliding_window,
 )
-
-if TYPE_CHECKING:
-    from luce_runtime.serve.scheduler import GenRequest
-
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestSpec:
-    """One request's speculation state: its drafter and the draft length its own acceptance history chose."""
-
-    drafter: Drafter
-    length: DraftLength
 
 
 @dataclass
@@ -69,40 +54,7 @@ class Speculation:
         DraftLength(draft_max)
         return cls("draft", lambda: DraftModel(draft, target, checked=True), draft_max, draft)
 
-    def start(self) -> RequestSpec:
-        return RequestSpec(self.make_drafter(), DraftLength(self.draft_max))
-
-
-def drafts(ready: Sequence[GenRequest], budget: int) -> dict[GenRequest, Draft]:
-    """The non-empty drafts of the speculating requests in `ready`, within `budget` tokens fed to one verify
-    (each request feeds its pending token and its drafts). A request whose drafter fails stops speculating."""
-    out: dict[GenRequest, Draft] = {}
-    for r in ready:
-        if r.spec is None:
-            continue
-        # a step commits up to k + 1 tokens: never more than max_tokens allows (the cache then stays in context)
-        k = min(r.spec.length.k, r.params.max_tokens - len(r.generated) - 1, budget - 1)
-        if k < 1:
-            continue
-        try:
-            draft = r.spec.drafter.propose([*r.prompt, *r.generated], k, r.sampler)
-        except Exception:
-            log.exception("serve: the %s drafter failed; this request goes on without speculation",
-                          type(r.spec.drafter).__name__)
-            stop(r)
-            continue
-        if draft.tokens:
-            out[r] = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
-            budget -= len(out[r].tokens) + 1
-    return out
-
-
-def stop(r: GenRequest) -> None:
-    """End r's speculation and free its drafter's state (the draft engine's sequence)."""
-    if r.spec is None:
-        return
-    try:
-        r.spec.drafter.reset()
-    except Exception:
-        log.exception("serve: freeing a drafter's state failed")
-    r.spec = None
+    def start(self) -> Speculating:
+        """A request's drafter and draft length; the length from its acceptance alone (a batched step's time is
+        no one request's cost)."""
+        return Speculating(self.make_drafter(), DraftLength(self.draft_max), timed=False)
