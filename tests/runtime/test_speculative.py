@@ -252,6 +252,22 @@ def test_greedy_speculation_gives_plain_decodings_ids(name, target, drafts, rng)
 
 
 @pytest.mark.e2e
+def test_lookup_cache_before_the_draft_model_gives_plain_decodings_ids(target, drafts, rng):
+    """ngram_cache: prompt lookup with the counts of earlier generations, the draft model where lookup finds
+    nothing; one drafter across the prompts, as a decoder keeps it."""
+    from luce_runtime.ngram_cache import FirstOf, LookupDrafter, NgramCache
+
+    shared = NgramCache()
+    decoder = SpeculativeDecoder(target, FirstOf(LookupDrafter(shared), DraftModel(drafts["q4"], target)),
+                                 draft_max=6, timed_length=False)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    for prompt in prompts(rng, target.vocab_size, 8):
+        assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params)), prompt
+    assert len(shared) > 0 and 0 < decoder.stats.accepted < decoder.stats.drafted, decoder.stats
+    assert target.sequences() == {} and not drafts["q4"].sequences()
+
+
+@pytest.mark.e2e
 def test_draft_length_from_measured_costs_keeps_plain_decodings_ids(target, drafts, rng):
     """The default draft length (timed steps, plain steps where drafting does not pay) changes when the target
     verifies, never what it commits."""
