@@ -136,83 +136,50 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 # ---- run (GPU machine) ------------------------------------------------------------------------------------------
-# every argument of a megakernel but its weights, which Runner.launch passes by name (tests/fuse check the emitter's
-# list against it: a kernel argument added without it here made every run fail, unseen until a GPU run)
-KERNEL_ARGS = frozenset({"tokens", "lengths", "page_table", "pages", "kv_layer_offset", "arena", "amax_val", "amax_idx",
-                         "token_out", "lengths_out", "tasks", "queue_len", "deps", "counters", "status", "profile",
-                         "profiling", "epoch", "allowed", "masked"})
-
-
 class Runner:
-    """One compiled megakernel with its program's buffers; steps B sequences, page tables contiguous per sequence."""
+    """One compiled megakernel's program, launched by the runtime's own launcher (luce_runtime.megakernel.Kernel,
+    what the engine runs) over a torch-held KV pool (float16 pages, each sequence's page table contiguous)."""
 
     def __init__(self, fn, prog, weights: list, torch, params: list[str]):
-        from luce_compile.fuse.program import PROFILE_CLOCKS
-        from luce_compile.graph.ir import LOGITS
+        import tvm
+        from luce_runtime.megakernel import KERNEL_ARGS, Kernel
 
-        self.fn, self.p, self.torch, self.params = fn, prog, torch, params
+        from luce_compile.fuse.build import kernel_spec, kernel_tables
+
+        self.p, self.torch = prog, torch
         t, dev = torch, "cuda"
         b, kv = prog.batch, prog.kv
         self.max_pages = -(-prog.tg.max_context // prog.page_size)
         self.pages = t.zeros((kv["n_layers"], b * self.max_pages, 2, kv["kv_heads"], prog.page_size, kv["head_dim"]),
                              dtype=t.float16, device=dev)
-        self.page_table = t.arange(b * self.max_pages, dtype=t.int32, device=dev).reshape(b, self.max_pages)
         # the kernel takes the pool flat with each layer's offset (TVM's cache gives it one tensor per layer)
         layer_elems = self.pages[0].numel()
         self.kv_layer_offset = t.arange(kv["n_layers"], dtype=t.int64, device=dev) * layer_elems
-        self.arena = t.zeros(prog.arena_size, dtype=t.float32, device=dev)
-        self.amax_val = t.zeros((b, max(1, prog.lm_tiles)), dtype=t.float32, device=dev)
-        self.amax_idx = t.zeros((b, max(1, prog.lm_tiles)), dtype=t.int32, device=dev)
-        self.tasks = t.from_numpy(prog.tasks).to(dev)
-        self.queue_len = t.from_numpy(prog.queue_len).to(dev)
-        self.deps = t.from_numpy(prog.deps).to(dev)
-        self.counters = t.zeros(prog.n_counters, dtype=t.int32, device=dev)
-        self.status = t.zeros((len(prog.queue_len), 4), dtype=t.int32, device=dev)
-        self.profile = t.zeros((len(prog.queue_len), prog.tasks.shape[1], PROFILE_CLOCKS), dtype=t.int64,
-                               device=dev)
+        self.rows = [list(range(i * self.max_pages, (i + 1) * self.max_pages)) for i in range(b)]
+        self.flat = self.pages.view(-1)  # one object: the launcher rebuilds its argument list when it changes
+        prog.param_names = params
+        weight_names = [n for n in params if n not in KERNEL_ARGS]  # in the order stacked_weights made them
+        self.kernel = Kernel(fn, kernel_spec(prog), kernel_tables(prog), dict(zip(weight_names, weights, strict=True)),
+                             tvm.cuda(0), self.max_pages)
         self.profiling = 0
-        self.tok = [t.zeros(b + 1, dtype=t.int32, device=dev) for _ in range(2)]  # the ids, then the gave-up marker
-        self.len = [t.zeros(b, dtype=t.int32, device=dev) for _ in range(2)]
-        self.weights = weights
-        # a grammar's token mask per sequence, read only when `masked` is set (never here: plain argmax)
-        self.allowed = t.zeros((b, -(-prog.width(LOGITS) // 32)), dtype=t.int32, device=dev)
-        self.epoch = 0
-        self.cur = 0
-        self.logits_at = prog.arena[LOGITS]
-        self.vocab = prog.width(LOGITS)
 
-    def launch(self) -> None:
-        """One step from (tok, len)[cur] into (tok, len)[1 - cur]; then cur flips. Arguments go by name, in the
-        order the build recorded (build.json "params")."""
-        self.epoch += 1
-        a, z = self.cur, 1 - self.cur
-        named = {"tokens": self.tok[a], "lengths": self.len[a], "page_table": self.page_table,
-                 "pages": self.pages.view(-1), "kv_layer_offset": self.kv_layer_offset,
-                 "arena": self.arena, "amax_val": self.amax_val, "amax_idx": self.amax_idx, "token_out": self.tok[z],
-                 "lengths_out": self.len[z], "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps,
-                 "counters": self.counters, "status": self.status, "profile": self.profile,
-                 "profiling": self.profiling, "epoch": self.epoch, "allowed": self.allowed, "masked": 0}
-        assert set(named) == KERNEL_ARGS
-        weights = iter(self.weights)
-        self.fn(*(named[n] if n in named else next(weights) for n in self.params))
-        self.cur = z
+    @property
+    def vocab(self) -> int:
+        return int(self.kernel.spec["vocab"])
 
-    def check_status(self) -> None:
-        st = self.status.cpu().numpy()
-        stuck = np.nonzero(st[:, 0])[0]
-        if len(stuck):
-            first = [(int(b), *map(int, st[b])) for b in stuck[:6]]
-            raise RuntimeError(f"megakernel: {len(stuck)} blocks gave up waiting at epoch {self.epoch}: "
-                               f"(block, queue position + 1, counter, target, seen) {first}")
+    def start(self, tokens: list[int], lengths: list[int]) -> None:
+        """Stage a step's inputs (one per sequence of the batch) and launch it."""
+        self.kernel.stage(tokens, lengths, self.rows[:len(tokens)])
+        self.kernel.launch(self.flat, self.kv_layer_offset, bool(self.profiling))
 
     def step(self, tokens: list[int], lengths: list[int]) -> tuple[np.ndarray, list[int]]:
-        t = self.torch
-        self.tok[self.cur].copy_(t.tensor([*tokens, 0], dtype=t.int32))
-        self.len[self.cur].copy_(t.tensor(lengths, dtype=t.int32))
-        self.launch()
-        self.check_status()
-        logits = self.arena[self.logits_at:self.logits_at + self.p.batch * self.vocab].reshape(self.p.batch, -1)
-        return logits.double().cpu().numpy(), self.tok[self.cur][:self.p.batch].cpu().tolist()
+        self.start(tokens, lengths)
+        ids = self.kernel.finish()  # raises MegakernelError where a block gave up waiting
+        return self.kernel.logits.numpy().astype(np.float64), [int(i) for i in ids]
+
+    def relaunch(self) -> None:
+        """The next greedy step from the last one's outputs on the device (no host work)."""
+        self.kernel.relaunch(self.flat, self.kv_layer_offset, bool(self.profiling))
 
 
 def stacked_weights(prog, gguf, torch) -> list:
@@ -265,7 +232,7 @@ def check_values(runner, gguf_path: Path, steps: int = 3) -> dict:
             if name not in runner.p.arena or name not in env:
                 continue
             w = runner.p.width(name)
-            got = runner.arena[runner.p.arena[name]:runner.p.arena[name] + w].double().cpu().numpy()
+            got = runner.kernel.arena.numpy()[runner.p.arena[name]:runner.p.arena[name] + w].astype(np.float64)
             err = _rel(got, env[name].reshape(-1)[:w])
             if err > 1e-3 and "first_wrong" not in worst:
                 want = env[name].reshape(-1)[:6].round(4).tolist()
@@ -343,25 +310,25 @@ def time_runner(runner, context: int = 512, steps: int = 200) -> dict:
     torch = runner.torch
     runner.pages.normal_()  # values do not change the speed; positions below `context` are read
     b = runner.p.batch
-    runner.tok[runner.cur].copy_(torch.randint(1, 1000, (b + 1,), dtype=torch.int32))
-    runner.len[runner.cur].fill_(context)
+    tokens = [int(t) for t in np.random.default_rng(0).integers(1, 1000, b)]
+    runner.start(tokens, [context] * b)
     for _ in range(10):
-        runner.launch()
-    runner.len[runner.cur].fill_(context)
+        runner.relaunch()
+    runner.start(tokens, [context] * b)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
     for _ in range(steps):
-        runner.launch()
+        runner.relaunch()
     end.record()
     torch.cuda.synchronize()
     device_us = start.elapsed_time(end) * 1e3 / steps
-    runner.len[runner.cur].fill_(context)
+    runner.start(tokens, [context] * b)
     walls = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        runner.launch()
-        runner.tok[runner.cur].cpu()  # what a streaming server does: the ids reach the host every step
+        runner.relaunch()
+        runner.kernel.finish()  # what a streaming server does: the ids reach the host every step
         walls.append(time.perf_counter() - t0)
     wall_us = float(np.median(walls)) * 1e6
     return {"batch": b, "context": context, "device_us_per_step": round(device_us, 1),
@@ -378,13 +345,12 @@ def profile_step(runner, context: int = 512) -> dict:
     profile_summary."""
     from luce_compile.fuse.program import profile_summary
 
-    torch = runner.torch
-    runner.len[runner.cur].fill_(context)
+    b = runner.p.batch
     runner.profiling = 1
-    runner.launch()
-    torch.cuda.synchronize()
+    runner.start([1] * b, [context] * b)
+    runner.kernel.finish()
     runner.profiling = 0
-    return profile_summary(runner.p, runner.profile.cpu().numpy())
+    return profile_summary(runner.p, runner.kernel.profile.numpy())
 
 
 def run_model(folder: Path, args, torch, tvm_ffi) -> dict:

@@ -142,6 +142,21 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
     return programs
 
 
+def kernel_spec(p: Program) -> dict:
+    """What the runtime's launcher (luce_runtime.megakernel.Kernel) needs of a compiled program: the manifest's
+    kernel entry less its weights' names, and the task tables it uploads (`kernel_tables`)."""
+    return {"name": kernel_name(p.batch), "batch": p.batch, "params": p.param_names, "param_dtypes": p.param_dtypes,
+            "arena_size": int(p.arena_size), "n_counters": int(p.n_counters), "lm_tiles": int(p.lm_tiles),
+            "logits_at": int(p.arena[LOGITS]), "vocab": int(p.width(LOGITS)), "n_queues": int(len(p.queue_len)),
+            "profile_clocks": PROFILE_CLOCKS, "gave_up_marker": True, "fingerprint": program_fingerprint(p)}
+
+
+def kernel_tables(p: Program) -> dict[str, np.ndarray]:
+    """The program's task tables as megakernel.npz holds them (b{B}_tasks, b{B}_queue_len, b{B}_deps)."""
+    return {f"b{p.batch}_{field}": np.ascontiguousarray(getattr(p, field), dtype=np.int32)
+            for field in ("tasks", "queue_len", "deps")}
+
+
 MODULE_FILE = "megakernel.so"
 TABLES_FILE = "megakernel.npz"
 
@@ -170,8 +185,7 @@ def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: s
     tables: dict[str, np.ndarray] = {}
     kernels = {}
     for b, p in programs.items():
-        for field in ("tasks", "queue_len", "deps"):
-            tables[f"b{b}_{field}"] = np.ascontiguousarray(getattr(p, field), dtype=np.int32)
+        tables.update(kernel_tables(p))
         weights = {}
         for name, o, slot in p.weight_args():
             layers = p.stacked_tensors(o, slot)
@@ -180,12 +194,7 @@ def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: s
             else:
                 for plane in plane_specs(p.graph.weights[layers[0]].ggml_type, *p.graph.weights[layers[0]].shape):
                     weights[f"{name}_{plane}"] = [param_name(t, plane) for t in layers]
-        kernels[str(b)] = {
-            "name": kernel_name(b), "batch": b, "params": p.param_names, "param_dtypes": p.param_dtypes,
-            "weights": weights, "arena_size": int(p.arena_size), "n_counters": int(p.n_counters),
-            "lm_tiles": int(p.lm_tiles), "logits_at": int(p.arena[LOGITS]), "vocab": int(p.width(LOGITS)),
-            "n_queues": int(len(p.queue_len)), "profile_clocks": PROFILE_CLOCKS, "gave_up_marker": True,
-            "fingerprint": program_fingerprint(p)}
+        kernels[str(b)] = {**kernel_spec(p), "weights": weights}
     np.savez_compressed(work / TABLES_FILE, **tables)  # mostly zeros: 6.5 MB -> 0.5 MB for SmolLM2
     kv = next(iter(programs.values())).kv
     section = {"module": MODULE_FILE, "tables": TABLES_FILE, "batches": sorted(programs),

@@ -23,14 +23,20 @@ import tvm
 from luce_runtime.errors import ArtifactError, LuceError
 
 NO_TOKEN = 2**31 - 1  # a masked row's id when its mask allowed no token
+# every argument of a megakernel but its weights, which the launcher passes by name (tests/fuse check the emitter's
+# list against it: an argument added to the emitter without it here made every GPU run fail, unseen until one ran)
+KERNEL_ARGS = frozenset({"tokens", "lengths", "page_table", "pages", "kv_layer_offset", "arena", "amax_val", "amax_idx",
+                         "token_out", "lengths_out", "tasks", "queue_len", "deps", "counters", "status", "profile",
+                         "profiling", "epoch", "allowed", "masked"})
 
 
 class MegakernelError(LuceError, RuntimeError):
     """A megakernel step failed on the device (a block gave up waiting: the step's results are not usable)."""
 
 
-class _Kernel:
-    """One batch size's kernel with its buffers on the device."""
+class Kernel:
+    """One batch size's kernel with its buffers on the device: the one launcher the engine (Megakernel), the GPU
+    machine's kernel checks (scripts/megakernel_check.py) and the benchmarks use."""
 
     def __init__(self, fn, spec: dict, tables: dict, weights: dict, device, max_pages: int):
         self.fn, self.spec, self.batch = fn, spec, int(spec["batch"])
@@ -90,6 +96,7 @@ class _Kernel:
                      "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps, "counters": self.counters,
                      "status": self.status, "profile": self.profile, "profiling": 0, "epoch": 0,
                      "allowed": self.allowed, "masked": 0}
+            assert set(named) == KERNEL_ARGS
             params = self.spec["params"]
             cached = self._args[c] = (pages, kv_layer_offset,
                                       [named[n] if n in named else self.weights[n] for n in params],
@@ -104,6 +111,14 @@ class _Kernel:
         for i in cached[5]:
             args[i] = self.masked
         self.fn(*args)
+
+    def relaunch(self, pages, kv_layer_offset, profiling: bool = False) -> None:
+        """The next greedy step from this one's outputs, with no host work at all (the ids and lengths the kernel
+        wrote are the next inputs): back-to-back steps for timing the device alone."""
+        self.cur = 1 - self.cur
+        self.expected = None
+        self._lens = [n + 1 for n in self._lens]
+        self.launch(pages, kv_layer_offset, profiling)
 
     def stage(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]],
               allowed: np.ndarray | None = None) -> None:
@@ -170,11 +185,11 @@ class Megakernel:
         self.kernels = {}
         for spec in section["kernels"].values():
             weights = {n: stacked[n] for n in spec["weights"]}
-            self.kernels[int(spec["batch"])] = _Kernel(module[spec["name"]], spec, tables, weights, device, max_pages)
+            self.kernels[int(spec["batch"])] = Kernel(module[spec["name"]], spec, tables, weights, device, max_pages)
         # True: the next steps record each task's clocks (the GPU's global timer, ns): wait begins, body begins,
         # task ends, then a matvec body's phases; `profile` returns the last step's (benchmarks/h200/engine_profile)
         self.profiling = False
-        self._last: _Kernel | None = None
+        self._last: Kernel | None = None
 
     @classmethod
     def refusal(cls, section: dict, *, kv_dtype: str, page_size: int, max_context: int, sm_count: int) -> str | None:

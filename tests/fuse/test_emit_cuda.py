@@ -260,18 +260,12 @@ def test_float_mma_runs_float_weights_on_tf32_tensor_cores_at_every_batch_size(q
             assert divergent_collectives(source.replace("tvm_builtin_ptx_mma_sync_aligned", "__shfl_sync")) == []
 
 
-def test_megakernel_check_passes_every_argument_the_kernel_takes():
-    """scripts/megakernel_check.py's Runner passes the kernel's non-weight arguments by name: the emitter's list
-    (weights aside, named after the weight planes) must be exactly its KERNEL_ARGS, or every GPU run fails."""
-    import sys
-    from pathlib import Path
+def test_the_launcher_passes_every_argument_the_kernel_takes():
+    """The runtime's launcher (luce_runtime.megakernel.Kernel, which scripts/megakernel_check.py runs too) passes
+    the kernel's non-weight arguments by name: the emitter's list (weights aside, named after the weight planes)
+    must be exactly its KERNEL_ARGS, or every GPU run fails."""
+    from luce_runtime.megakernel import KERNEL_ARGS
 
-    scripts = Path(__file__).resolve().parents[2] / "scripts"
-    sys.path.insert(0, str(scripts))
-    try:
-        from megakernel_check import KERNEL_ARGS
-    finally:
-        sys.path.remove(str(scripts))
     graph, _ = open_graph(cached_synthetic(preset("tiny-qwen2")))
     prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16, merge_in_last=True)
     func = emit_megakernel(prog)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from luce_runtime.megakernel import Megakernel, MegakernelError, _Kernel
+from luce_runtime.megakernel import Kernel, Megakernel, MegakernelError
 
 pytestmark = pytest.mark.unit
 
@@ -64,7 +64,7 @@ def megakernel(batches=(1, 4), marker: bool = False, masks: bool = False) -> tup
     fns = {b: NumpyKernel(b, marker, masks) for b in batches}
     tables = {f"b{b}_{f}": np.zeros((QUEUES, 2, 14) if f == "tasks" else (QUEUES,), np.int32)
               for b in batches for f in ("tasks", "queue_len", "deps")}
-    mk.kernels = {b: _Kernel(fns[b], spec(b, marker, masks), tables, {}, tvm.cpu(0), MAX_PAGES) for b in batches}
+    mk.kernels = {b: Kernel(fns[b], spec(b, marker, masks), tables, {}, tvm.cpu(0), MAX_PAGES) for b in batches}
     return mk, fns
 
 
