@@ -295,8 +295,12 @@ def cpu_attention(target: tvm.target.Target) -> Iterator[None]:
             return originals[2](h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size)
         return paged_decode_cpu(h_kv, h_q, d, sliding_window, page_size, dtype=dtype)
 
+    # TVM's llvm branch passes its two tree-attention kernels in the other order than the runtime takes them (paged
+    # first, as the CUDA branch does): "Expected 16 arguments ... tree_attn_paged_kv_cpu" at a tree verify
+    # (notes/tvm-0.27.md). Each factory swapped for the other puts them where the runtime calls them.
     with swapped(kv_cache, _attention_prefill_ragged_cpu=ragged, _attention_prefill_cpu=paged,
-                 _attention_decode_cpu=decode):
+                 _attention_decode_cpu=decode, tree_attn_cpu=kv_cache.tree_attn_with_paged_kv_cache_cpu,
+                 tree_attn_with_paged_kv_cache_cpu=kv_cache.tree_attn_cpu):
         yield
 
 

@@ -124,6 +124,7 @@ class _KV:
         self._fork, self._popn = get("kv_state_fork_sequence"), get("kv_state_popn")
         self._begin, self._end = get("kv_state_begin_forward"), get("kv_state_end_forward")
         self._slide = get("attention_kv_cache_enable_sliding_window_for_seq")
+        self._commit_tree = get("attention_kv_cache_commit_accepted_token_tree_nodes")
         self._free = get("attention_kv_cache_get_num_available_pages")
 
     def add(self, seq: int) -> None:
@@ -141,9 +142,16 @@ class _KV:
         self.flush([seq])
         self._popn(self.cache, seq, n)
 
-    def begin(self, seqs: Sequence[int], lengths: Sequence[int]) -> None:
+    def begin(self, seqs: Sequence[int], lengths: Sequence[int], parents: Sequence[int] | None = None) -> None:
+        """parents: the appended tokens as a tree (each one's parent index among them, -1 for a root), whose
+        attention follows the tree's paths and whose positions are depths; None: a chain."""
         self.flush(seqs)
-        self._begin(self.cache, tvm_ffi.Shape(list(seqs)), tvm_ffi.Shape(list(lengths)))
+        tree = () if parents is None else (tvm_ffi.Shape(list(parents)),)
+        self._begin(self.cache, tvm_ffi.Shape(list(seqs)), tvm_ffi.Shape(list(lengths)), *tree)
+
+    def commit_tree(self, seqs: Sequence[int], leaves: Sequence[int]) -> None:
+        """Keep each sequence's tree path from the root to its leaf (-1: none), moved to consecutive slots."""
+        self._commit_tree(self.cache, tvm_ffi.Shape(list(seqs)), tvm_ffi.Shape(list(leaves)))
 
     def defer(self, seq: int, n: int = 1) -> None:
         """n tokens appended to `seq` in pages TVM holds, their keys and values already written there."""
@@ -215,6 +223,7 @@ class Engine:
         self._kv = _KV(self._fns[Fn.CREATE_KV_CACHE](*(tvm_ffi.Shape([v]) for v in args.values())))
         self.total_pages = self._kv.free_pages()
         self._live: dict[int, int] = {}  # seq id → tokens in its cache
+        self._trees: dict[int, list[int]] = {}  # seq id → the parents of its verified, not yet committed token tree
         self._next_id = 0
         if self.options.megakernel not in (True, False, "auto"):
             raise EngineError(f"engine: megakernel must be True, False or 'auto', got {self.options.megakernel!r}")
@@ -388,6 +397,7 @@ class Engine:
     def remove_sequence(self, seq_id: int) -> None:
         """Free a sequence and its pages (pages shared with a fork stay until the fork is removed too)."""
         self._check(seq_id)
+        self._trees.pop(seq_id, None)
         self._kv.remove(seq_id)
         del self._live[seq_id]
         self._pages_moved(seq_id)
@@ -648,6 +658,43 @@ class Engine:
         at = np.cumsum([0, *(len(t) for t in tokens)])
         return [ids[a:b] for a, b in zip(at[:-1], at[1:], strict=True)]
 
+    def verify_tree(self, seq_id: int, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """Feed a token tree to a sequence in one forward (tree verify): node i is tokens[i], its parent parents[i]
+        (an earlier node; -1 only for node 0, the sequence's next input), at position length + its depth, attending
+        to the sequence and its own ancestors only (TVM's tree attention mask). Row i of the (n, V) logits scores the
+        token after node i's path. The sequence then must keep one path: commit_tree(seq_id, leaf).
+
+        Per-op kernels only (the megakernel's rows are a chain; luce_runtime/generation.py keeps trees off it)."""
+        tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]
+        if len(parents) != len(tokens) or not tokens or parents[0] != -1 or \
+                any(not 0 <= p < i for i, p in enumerate(parents) if i):
+            raise EngineError(f"engine: a token tree needs one parent per token, -1 for the first and an earlier "
+                              f"node for every other; got parents {parents} for {len(tokens)} tokens.")
+        self._check_verify([seq_id], [tokens])
+        fn = Fn.VERIFY if self.has_int8_verify else Fn.PREFILL
+        try:
+            logits = self._forward([seq_id], [tokens], fn, every_row=True, parents=parents)
+        except TypeError as e:  # the compiled cache's tree kernels in TVM's swapped order
+            raise EngineError(f"engine: {self.artifact.root} cannot verify a token tree ({str(e).splitlines()[0]}): "
+                              "it was compiled before the CPU tree-attention kernels were put in the order TVM's "
+                              "runtime calls them; recompile it with `luce-compile compile ... --force`, or draft "
+                              "chains (no branch).") from e
+        self._trees[seq_id] = parents
+        return logits
+
+    def commit_tree(self, seq_id: int, leaf: int) -> None:
+        """After verify_tree: keep the path from the tree's root (node 0) to node `leaf` and drop every other node's
+        keys and values (TVM moves the path's to consecutive slots and frees the rest)."""
+        parents = self._trees.pop(seq_id, None)
+        if parents is None or not 0 <= leaf < len(parents):
+            raise EngineError(f"engine: sequence {seq_id} has no token tree with a node {leaf} to commit.")
+        depth, node = 0, leaf
+        while parents[node] != -1:
+            depth, node = depth + 1, parents[node]
+        self._pages_moved(seq_id)
+        self._kv.commit_tree([seq_id], [leaf])
+        self._live[seq_id] -= len(parents) - (depth + 1)
+
     def _verify_on_megakernel(self, tokens: Sequence[Sequence[int]]) -> bool:
         return self.megakernel is not None and sum(len(t) for t in tokens) <= self._mk_verify_rows
 
@@ -663,13 +710,14 @@ class Engine:
                                   f"{len(toks)} (TVM's CPU prefill on sliding-window layers, see chunk_limit); "
                                   "speculative decoding needs a model without sliding windows.")
 
-    def _forward(self, seq_ids: list[int], tokens: list[list[int]], fn: Fn, every_row: bool = False) -> np.ndarray:
+    def _forward(self, seq_ids: list[int], tokens: list[list[int]], fn: Fn, every_row: bool = False,
+                 parents: list[int] | None = None) -> np.ndarray:
         """One call of a compiled step between the cache's begin and end of forward; on failure the appended
         tokens are popped again, so the pool is as it was and every sequence can go on. Prefill returns the logits
         of each sequence's last token, or of every token with every_row (verify)."""
         lens = [len(t) for t in tokens]
         self._pages_moved(*seq_ids)
-        self._kv.begin(seq_ids, lens)
+        self._kv.begin(seq_ids, lens, parents)
         try:
             if fn in (Fn.PREFILL, Fn.VERIFY):
                 flat = tvm.runtime.tensor(np.array([[t for toks in tokens for t in toks]], dtype=np.int32),
@@ -683,8 +731,11 @@ class Engine:
             logits = out[0].numpy()
         except BaseException:
             self._kv.end()
-            for sid, n in zip(seq_ids, lens, strict=True):
-                self._undo_append(sid, n)
+            if parents is not None:  # TVM pops a tree's nodes only through its commit (none accepted)
+                self._kv.commit_tree(seq_ids, [-1])
+            else:
+                for sid, n in zip(seq_ids, lens, strict=True):
+                    self._undo_append(sid, n)
             raise
         self._kv.end()
         starts = [self._live[sid] for sid in seq_ids]

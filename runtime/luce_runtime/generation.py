@@ -18,6 +18,10 @@ vLLM's engine step serves both its offline LLM and its server:
      agreeing prefix at temperature 0, rejection sampling above it) under the request's grammar mask; every
      committed token goes through the generation's GenerationEnd, which is where a generation stops; the rejected
      drafts' KV entries are rolled back.
+A greedy drafter may propose a token tree (Draft.parents): it is verified alone in one forward with TVM's tree
+attention mask (Engine.verify_tree, per-op kernels), the target's argmax path through it is committed, and the
+other branches' keys and values are dropped (Engine.commit_tree). Where a tree cannot be verified (sampling, a
+grammar, logprobs, the megakernel's chain rows) its chain is.
 A caller that isolates failures (the server) passes `isolate` and `fail`; otherwise an error propagates.
 """
 
@@ -232,9 +236,9 @@ class GenerationLoop:
                 continue
             start = time.perf_counter()
             try:
-                draft = g.spec.drafter.propose(g.history, k, g.sampler)
-                if len(draft.tokens) > k:
-                    raise ValueError(f"it proposed {len(draft.tokens)} tokens, asked for at most {k}")
+                draft = self._shape(g, g.spec.drafter.propose(g.history, k, g.sampler), budget, cheap)
+                if draft.chain > k:
+                    raise ValueError(f"it proposed {draft.chain} tokens, asked for at most {k}")
             except Exception:
                 log.exception("generation: the %s drafter failed; this generation goes on without speculation",
                               getattr(g.spec.drafter, "name", type(g.spec.drafter).__name__))
@@ -246,6 +250,19 @@ class GenerationLoop:
                 out[g] = draft
                 budget -= len(draft.tokens) + 1
         return out
+
+    def _shape(self, g: Generation, draft: Draft, budget: int, cheap: int) -> Draft:
+        """A token tree where this generation can verify one, else its chain: a tree needs greedy ids (the
+        longest accepted path is the target's argmax path) and the per-op kernels (Engine.verify_tree; the
+        megakernel's verify rows are a chain). Its branches go within the verify budget and decode-cost rows."""
+        if draft.parents is None:
+            return draft
+        if not (g.ids_only and g.constraint is None and self.engine.megakernel is None):
+            return Draft(draft.tokens[:draft.chain], None if draft.probs is None else draft.probs[:draft.chain],
+                         fed=draft.fed)
+        rows = min(budget, cheap if cheap > 1 else budget) - 1  # the pending token is a row too
+        n = max(min(len(draft.tokens), rows), draft.chain)
+        return Draft(draft.tokens[:n], None, fed=draft.fed, parents=draft.parents[:n])
 
     def _decode(self, plain: list[Generation], alone: Generation | None) -> list[tuple[Generation, Commit]]:
         if not plain:
@@ -275,21 +292,60 @@ class GenerationLoop:
         return out
 
     def _verify(self, drafts: dict[Generation, Draft], alone: Generation | None) -> list[tuple[Generation, Commit]]:
-        engine, items, start = self.engine, list(drafts.items()), time.perf_counter()
+        engine, start = self.engine, time.perf_counter()
+        chains = [(g, d) for g, d in drafts.items() if d.parents is None]
         feeds = lambda b: [[g.pending, *d.tokens] for g, d in b]  # noqa: E731
-        ids = all(g.ids_only and g.constraint is None for g in drafts)
-        if ids:  # greedy: the rows' argmax ids are all acceptance needs (only they cross from the megakernel)
-            done = self._isolate(items, lambda b: engine.verify_greedy([g.seq for g, _ in b], feeds(b)))
+        ids = all(g.ids_only and g.constraint is None for g, _ in chains)
+        if not chains:
+            done = []
+        elif ids:  # greedy: the rows' argmax ids are all acceptance needs (only they cross from the megakernel)
+            done = self._isolate(chains, lambda b: engine.verify_greedy([g.seq for g, _ in b], feeds(b)))
         else:
-            done = self._isolate(items, lambda b: engine.verify([g.seq for g, _ in b], feeds(b)))
-        if alone is not None and done:
+            done = self._isolate(chains, lambda b: engine.verify([g.seq for g, _ in b], feeds(b)))
+        accept = {g: lambda g=g, d=d, r=r: self._accept(g, d, r, ids) for (g, d), r in done}
+        for item in [(g, d) for g, d in drafts.items() if d.parents is not None]:  # a tree: one sequence a call
+            for (g, d), rows in self._isolate([item], lambda b: [engine.verify_tree(
+                    b[0][0].seq, [b[0][0].pending, *b[0][1].tokens], [-1, *(p + 1 for p in b[0][1].parents)])]):
+                accept[g] = lambda g=g, d=d, r=rows: self._accept_tree(g, d, r)
+        if alone is not None and alone in accept:
             alone.spec.length.observe("verify", time.perf_counter() - start, len(drafts[alone].tokens))
         out = []
-        for (g, draft), rows in done:
+        for g, work in accept.items():
             g.pending = None
             if not g.is_cancelled():
-                out += [(g, c) for c in self._guard(g, lambda g=g, d=draft, r=rows: self._accept(g, d, r, ids))]
+                out += [(g, c) for c in self._guard(g, work)]
         return out
+
+    def _accept_tree(self, g: Generation, draft: Draft, rows: np.ndarray) -> list[Commit]:
+        """Greedy acceptance on a token tree (node 0 the pending token, node i + 1 draft i): from the root, the
+        target's argmax at a node is committed, and accepted where it is one of the node's children, whose row then
+        decides the next; the longest such path is the target's own greedy continuation. The engine keeps the
+        accepted path's keys and values and drops the other branches' (Engine.commit_tree)."""
+        ids = np.argmax(rows, axis=-1)
+        children: dict[tuple[int, int], int] = {}
+        for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
+            children.setdefault((parent + 1, token), i + 1)
+        node, path, commits = 0, [], []
+        while True:
+            token = int(ids[node])
+            child = children.get((node, token))
+            commits.append(g.commit(token, None))
+            if child is not None:
+                node = child
+                path.append(child)
+            if child is None or g.done:
+                break
+        self.stats.drafted += len(draft.tokens)
+        self.stats.accepted += len(path)
+        self.stats.tree_steps += 1
+        self.stats.branch_accepted += sum(c - 1 >= draft.chain for c in path)
+        if self.trace is not None:
+            self.trace.append((len(draft.tokens), len(path)))
+        if g.spec is not None:
+            g.spec.length.update(draft.chain, min(len(path), draft.chain))
+        if not g.done:
+            self.engine.commit_tree(g.seq, node)
+        return commits
 
     def _accept(self, g: Generation, draft: Draft, rows: np.ndarray | list[int], ids: bool) -> list[Commit]:
         """Judge g's drafts position by position against the target's rows (k + 1 of them: logits, or argmax ids),

@@ -15,9 +15,12 @@ A step emits between 1 and k + 1 tokens. p_i is the Sampler's distribution (pena
 with the accepted drafts in the history, so speculation changes speed, never what is sampled.
 
 Drafters: NgramDrafter (prompt lookup over prompt + output, as llama.cpp's lookup decoding: no model) and DraftModel
-(a second Engine on a smaller artifact with the same vocabulary). The draft length adapts to the acceptance history,
-and drafting stops where the measured costs of verify rows and drafts say it does not pay (DraftLength). Chains only:
-token trees (issue 14's tree verify) need the compiled tree-attention path.
+(a second Engine on a smaller artifact with the same vocabulary; with branch > 0 at temperature 0, a token tree: its
+runner-up token as a sibling wherever its distribution is flat, verified in the same forward by Engine.verify_tree
+on the per-op kernels). The draft length adapts to the acceptance history, and drafting stops where the measured
+costs of verify rows and drafts say it does not pay (DraftLength). The steps themselves are the one generation
+loop's (luce_runtime/generation.py). Above temperature 0 drafts are chains (multi-draft rejection sampling for trees,
+SpecInfer's, is not built).
 """
 
 from __future__ import annotations
@@ -55,6 +58,16 @@ class Draft:
     # tokens the drafter's own model took in to catch up with the history before drafting: 1-2 a step, the whole
     # prompt at a generation's first proposal (a prefill, which is no drafting cost: DraftLength must not learn it)
     fed: int = 0
+    # a token tree: each token's parent among the tokens (-1: it follows the history); None: a chain. The chain the
+    # drafter would propose alone comes first (parents -1, 0, 1, ...), then the other branches
+    parents: list[int] | None = None
+
+    @property
+    def chain(self) -> int:
+        """How many leading tokens form a chain (all of them without a tree)."""
+        if self.parents is None:
+            return len(self.tokens)
+        return next((i for i, p in enumerate(self.parents) if p != i - 1), len(self.parents))
 
 
 class Drafter(Protocol):
@@ -125,15 +138,19 @@ def refuse_sliding_window(engine: Engine, role: str) -> None:
 
 class DraftModel:
     """A second Engine drafts autoregressively: its own sequence mirrors the committed history (it rolls back its
-    rejected drafts at the next proposal), one decode step per drafted token after the first."""
+    rejected drafts at the next proposal), one decode step per drafted token after the first.
+
+    branch > 0 (greedy only): a token tree, the chain of the model's greedy tokens and, at each position where its
+    distribution is flat (the second token's probability ≥ branch), the second token as a sibling leaf, verified
+    in the same forward (Engine.verify_tree). A sibling costs a verify row and no draft step."""
 
     name = "draft"
 
-    def __init__(self, engine: Engine, target: Engine, *, checked: bool = False):
+    def __init__(self, engine: Engine, target: Engine, *, checked: bool = False, branch: float = 0.0):
         if not checked:  # the server checks its one draft engine once, not per request (152k token strings)
             check_same_vocabulary(target, engine)
             refuse_sliding_window(engine, "draft model")
-        self.engine = engine
+        self.engine, self.branch = engine, branch
         self._seq: int | None = None
         self._fed = 0  # tokens the last proposal fed to catch up (Draft.fed)
         self._tokens: list[int] = []  # what the draft sequence's cache holds
@@ -145,23 +162,39 @@ class DraftModel:
         probs: list[np.ndarray] = []
         hist = list(history)
         next_token = -1
+        tree = self.branch > 0 and sampler.params.greedy
+        siblings: list[tuple[int, int]] = []  # (the chain position, the token) of each flat position's runner-up
         for i in range(k):
             if logits is None:  # the device took the argmax: the previous step's decode_greedy gave this token
                 token = next_token
             elif sampler.params.greedy:
                 token = sampler.sample(logits, hist)
+                if tree and (second := self._runner_up(sampler.penalized(logits, hist), token)) is not None:
+                    siblings.append((i, second))
             else:
                 probs.append(sampler.distribution(logits, hist))
                 token = draw(probs[-1], sampler.rng)
             tokens.append(token)
             hist.append(token)
             if i + 1 < k:  # the last draft is never fed here: the target verifies it, and the next _sync feeds it
-                if sampler.argmax_only:  # only the id crosses to the host (the megakernel's argmax on a GPU)
+                if sampler.argmax_only and not tree:  # only the id crosses to the host (the megakernel's argmax)
                     logits, next_token = None, self.engine.decode_greedy([self._seq], [token])[0]
                 else:
                     logits = self.engine.decode([self._seq], [token])[0]
                 self._tokens.append(token)
+        if siblings:  # each after the chain, its parent the chain token before its position
+            return Draft([*tokens, *(t for _, t in siblings)], None, fed=self._fed,
+                         parents=[*range(-1, k - 1), *(i - 1 for i, _ in siblings)])
         return Draft(tokens, probs or None, fed=self._fed)
+
+    def _runner_up(self, logits: np.ndarray, first: int) -> int | None:
+        """The second most likely token where the distribution is flat (its probability ≥ branch), else None."""
+        x = logits.astype(np.float64) - float(np.max(logits))
+        p = np.exp(x)
+        p /= p.sum()
+        p[first] = -1.0
+        second = int(np.argmax(p))
+        return second if p[second] >= self.branch else None
 
     def _sync(self, history: Sequence[int]) -> np.ndarray:
         """Make the draft cache hold history and return the logits after it: roll back what was not accepted, feed
@@ -327,9 +360,16 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
+    tree_steps: int = 0  # verifies of a token tree (Draft.parents)
+    branch_accepted: int = 0  # of their accepted tokens, those off the drafter's own chain
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """The counts; the tree ones only where a tree was verified (`run --json` and the benchmarks' records keep
+        their keys for chains)."""
+        d = asdict(self)
+        if not self.tree_steps:
+            del d["tree_steps"], d["branch_accepted"]
+        return d
 
     @property
     def tokens_per_step(self) -> float:

@@ -89,6 +89,34 @@ def test_verify_scores_every_fed_token_as_decode_steps_do(target, rng):
         target.verify([seq], [[1] * (target.prefill_chunk + 1)])
 
 
+@pytest.mark.e2e
+def test_tree_verify_scores_each_path_as_decoding_it_and_commits_one(target, rng):
+    """Two branches in one forward (TVM's tree attention mask): every row equals decoding its own path alone, and
+    after committing one path the cache holds that path only (the next step scores as a fresh prefill of it)."""
+    prompt = [int(t) for t in rng.integers(0, target.vocab_size, 19)]
+    t0, a, b, c, d = (int(t) for t in rng.integers(0, target.vocab_size, 5))
+    paths = {1: [t0, a, c], 2: [t0, b, d]}  # node order: t0, a, b, c, d; parents -1, 0, 0, 1, 2
+    want = {}
+    with target.sequence() as ref:
+        target.prefill([ref], [prompt])
+        for path in paths.values():
+            want[tuple(path)] = np.stack([target.decode([ref], [t])[0] for t in path])
+            target.rollback(ref, len(path))
+    seq = target.add_sequence()
+    target.prefill([seq], [prompt])
+    rows = target.verify_tree(seq, [t0, a, b, c, d], [-1, 0, 0, 1, 2])
+    assert rows.shape == (5, target.vocab_size) and target.length(seq) == 24
+    assert rel_err(rows[[0, 1, 3]], want[(t0, a, c)]) < TOL and rel_err(rows[[0, 2, 4]], want[(t0, b, d)]) < TOL
+    target.commit_tree(seq, 4)  # keep t0 → b → d
+    assert target.length(seq) == 22
+    nxt = int(rng.integers(0, target.vocab_size))
+    got = target.decode([seq], [nxt])[0]
+    with target.sequence() as fresh:
+        assert rel_err(got, target.prefill([fresh], [[*prompt, t0, b, d, nxt]])[0]) < TOL
+    with pytest.raises(Exception, match="token tree"):
+        target.verify_tree(seq, [1, 2], [-1, 1])
+
+
 # ---- drafters and acceptance, no model -------------------------------------------------------------------------------
 @pytest.mark.unit
 def test_ngram_drafter_copies_what_followed_the_longest_recent_match():
@@ -264,6 +292,21 @@ def test_lookup_cache_before_the_draft_model_gives_plain_decodings_ids(target, d
     for prompt in prompts(rng, target.vocab_size, 8):
         assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params)), prompt
     assert len(shared) > 0 and 0 < decoder.stats.accepted < decoder.stats.drafted, decoder.stats
+    assert target.sequences() == {} and not drafts["q4"].sequences()
+
+
+@pytest.mark.e2e
+def test_greedy_tree_speculation_gives_plain_decodings_ids(target, drafts, rng):
+    """A draft model's token tree (its runner-up as a sibling wherever its distribution is flat), verified in one
+    forward and committed along the target's greedy path: plain decoding's ids, branches accepted off the draft's
+    own chain, and nothing left in either cache."""
+    decoder = SpeculativeDecoder(target, DraftModel(drafts["q4"], target, branch=0.05), draft_max=4,
+                                 timed_length=False)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    for prompt in prompts(rng, target.vocab_size, 8):
+        assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params)), prompt
+    stats = decoder.stats
+    assert stats.tree_steps > 0 and stats.branch_accepted > 0 and stats.accepted < stats.drafted, stats
     assert target.sequences() == {} and not drafts["q4"].sequences()
 
 
