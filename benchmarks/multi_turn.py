@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -85,7 +86,7 @@ def conversation(port: int, system: str, turns: int, max_tokens: int) -> list[di
 def run(server: str, extra: list[str], gguf: Path, args: argparse.Namespace, system: str, turns: int) -> dict:
     port = free_port()
     cmd = server_command(server, gguf, port=port, threads=args.threads, clients=1, ctx=args.ctx) + extra
-    log = ROOT / "results" / f".multi-turn-{server}.log"
+    log = Path(tempfile.gettempdir()) / f"multi-turn-{server}.log"  # the server's own log, outside the repository
     proc = start_server(cmd, port, args.threads, log)
     try:
         return {"command": " ".join(cmd[1:] if server == OURS else cmd), "turns": conversation(
