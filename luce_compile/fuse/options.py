@@ -57,6 +57,9 @@ class MegakernelOptions:
     # a matvec's K passes are unrolled up to this many (every load of a step in flight at once); ncu (run6) puts 20%
     # of the warps' time in instruction-cache misses of the unrolled loops: 1 is the variant to time next
     unroll_passes: int = 4
+    # a lane matvec's warps split K into slices of at least this many lane units (granules or 32-value blocks) a
+    # lane row; more units a slice: fewer slices, so fewer partial sums meeting at a barrier and more rows a warp
+    k_slice_units: int = 32
     # matvecs of Q4_0/1, Q5_0/1, Q8_0, Q4_K weights take 8-bit activations (llama.cpp's q8_0/q8_1 blocks of 32, as
     # its CUDA mmvq: Q4_K too, where its CPU takes q8_K) and integer dot products (dp4a): ~4x fewer instructions per
     # weight than dequantizing to float32

@@ -188,12 +188,31 @@ def test_q8_by_block_loads_a_block_a_lane_where_k_is_wide(quant):
     prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16)
     options = MegakernelOptions(q8_activations=True, q8_by_block=True)
     source = cuda_source(emit_megakernel(prog, options=options))
-    vector_load = r"= \*\((u?int4)\*\)\((?:\(\(int\*\))?w\d+_\d+_qs_ptr"
+    vector_load = r"= \*\((u?int4)\*\)\((?:\(\(u?int\*\))?w\d+_\d+_qs_ptr"
     loads = re.findall(vector_load, source)
-    assert loads and set(loads) == {"uint4" if quant == "Q4_1" else "int4"}
+    assert loads and set(loads) == {"uint4"}  # Q8_0's signed quants too, as words
     assert divergent_collectives(source) == []
     granules = cuda_source(emit_megakernel(prog, options=dataclasses.replace(options, q8_by_block=False)))
     assert not re.findall(vector_load, granules)
+
+
+@pytest.mark.parametrize("quant", ["Q4_K", "Q6_K"])
+def test_a_block_pass_issues_its_loads_before_its_dot_products(quant):
+    """q8_by_block: every row's quants and scales are loaded before the pass's first dot product (written row by
+    row, ptxas issued the scales' small loads after the dot products: a second memory round trip a pass)."""
+    import dataclasses
+
+    from luce_compile.fuse.options import MegakernelOptions
+
+    spec = dataclasses.replace(preset("tiny-llama"), n_embd=1024, n_head=8, n_head_kv=4, n_ff=1024, quant=quant)
+    graph, _ = open_graph(cached_synthetic(spec))
+    prog = build_program(graph, batch=1, n_sms=8, max_context=64, kv_chunk=16)
+    source = cuda_source(emit_megakernel(prog, options=MegakernelOptions(q8_activations=True, q8_by_block=True)))
+    first_load = re.search(r"= \*\(uint4\*\)\(w\d+_\d+_qs_ptr", source).start()
+    first_dot = source.index("__dp4a(", first_load)
+    loads = source[first_load:first_dot]
+    assert len(re.findall(r"uint4\*\)\(w\d+_\d+_qs_ptr", loads)) >= 2  # more than one row's quants
+    assert re.search(r"w\d+_\d+_sc_ptr\[", loads) and re.search(r"w\d+_\d+_d_ptr\[", loads)
 
 
 @pytest.mark.parametrize("quant,loads", [("BF16", 1), ("F16", 1), ("F32", 2)])

@@ -228,7 +228,7 @@ class MatvecMixin:
         by_block = self.q8_by_block and q8 is not None and k_in // Q8_BLOCK >= 32
         units = k_in // Q8_BLOCK if by_block else granules  # what a lane takes per pass
         split = 1
-        while split < self.warps and units // (2 * split) >= 32:
+        while split < self.warps and units // (2 * split) >= max(32, self.k_slice_units):
             split *= 2
         groups = self.warps // split
         per_slice = -(-units // split)
@@ -247,7 +247,7 @@ class MatvecMixin:
             loop = B.unroll if passes <= self.unroll_passes else B.serial
             with loop(0, passes) as gi:
                 g = slice_ * per_slice + gi * 32 + self.lane
-                exact = split == 1 and units % 32 == 0
+                exact = units % (split * 32) == 0  # every slice whole passes: no lane past its slice's end
                 with _nothing() if exact else self.when(g < g_end):
                     if by_block:
                         self._q8_block_pass(op, unit, rows, r0, hi, g, granules, k_in, acc)

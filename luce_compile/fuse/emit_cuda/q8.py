@@ -222,12 +222,48 @@ class Q8Mixin:
 
     def _q8_block_pass(self, op, unit, rows: int, r0, hi, blk, granules: int, k_in: int, acc) -> None:
         """Block `blk` (32 values) of `rows` rows of each matmul against every sequence's 8-bit activations: the
-        block's quants in one or two 16-byte loads, eight dp4a a (row, sequence), then d_w·(d_x·Σ) [+ m_w·s_x]."""
+        block's quants in one or two 16-byte loads, eight dp4a a (row, sequence), then d_w·(d_x·Σ) [+ m_w·s_x].
+        Every load of the pass (quants, high bits, scales of every row) is issued before any of its arithmetic:
+        written row by row, ptxas kept ~10 rows' quants in flight and issued the scales' small loads after the
+        dot products, a second memory round trip a pass (the 8B's 0.5-1.2 TB/s matvecs)."""
         nb = self.nb
         xw, xsum = self.local("int32", 8 * nb), self.local("int32", 2 * nb)
-        wq, wi = self.local("uint32", 4), self.local("int32", 8)
         types = self._weight_types(unit)
+        n_rows = len(unit.matmuls) * rows
+        # the pass's loads, by (matmul, row): quants as words, Q5/Q6_K high bits, the block's scales as float32
+        wq = self.local("uint32", 8 * n_rows)  # 4 words (Q4/Q5/Q6_K) or 8 (Q8_0, as int32 bits) a row
+        qh = self.local("uint32", 2 * n_rows)
+        dws, mws = self.local(F32, n_rows), self.local(F32, n_rows)
+        sc6 = self.local("int32", 2 * n_rows)  # Q6_K's int8 scale of each half
+        wi = self.local("int32", 8)
+        has_min: set[int] = set()  # the (matmul, row)s whose type has a minimum (mws holds it)
         ones = i32(0x01010101)
+        layer = self.col(P.LAYER)
+        for m_i, m in enumerate(unit.matmuls):
+            planes = self.weight(op, m.weights["weight"])
+            t = types[m_i]
+            for r in range(rows):
+                at = m_i * rows + r
+                row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
+                if t == "Q8_0":  # words 2gg (features 8gg..8gg+3) and 2gg+1 of granule gg
+                    words = self._word_view(planes["qs"], "uint32")
+                    for half in range(2):
+                        B.buffer_store(wq, words.vload([layer, row, blk * 8 + half * 4], "uint32x4"),
+                                       [tirx.Ramp(i32(at * 8 + half * 4), i32(1), 4)])
+                else:  # one word per granule: the low nibbles are its even features, the high ones its odd
+                    B.buffer_store(wq, planes["qs"].vload([layer, row, blk * 4], "uint32x4"),
+                                   [tirx.Ramp(i32(at * 8), i32(1), 4)])
+                    if t == "Q6_K":  # two high bits an element, a word per 16
+                        for i in range(2):
+                            self.store(qh, 2 * at + i, planes["qh"][layer, row, 2 * blk + i])
+                            self.store(sc6, 2 * at + i, planes["sc"][layer, row, 2 * blk + i].astype("int32"))
+                    elif "qh" in planes:  # Q5: one word per 32
+                        self.store(qh, 2 * at, planes["qh"][layer, row, blk])
+                dw, mw = self._q8_block_scales(planes, t, layer, row, blk)
+                self.store(dws, at, dw)
+                if mw is not None:
+                    self.store(mws, at, mw)
+                    has_min.add(at)
         for b in range(nb):
             for h in range(2):
                 for gg in range(4):
@@ -238,44 +274,36 @@ class Q8Mixin:
                     for gg in (2 * half, 2 * half + 1):
                         total = dp4a(xw[b * 8 + 4 + gg], ones, dp4a(xw[b * 8 + gg], ones, total))
                     self.store(xsum, 2 * b + half, total)
-        layer = self.col(P.LAYER)
         mask, four = tirx.const(0x0F0F0F0F, "uint32"), tirx.const(4, "uint32")
         for m_i, m in enumerate(unit.matmuls):
             planes = self.weight(op, m.weights["weight"])
+            t = types[m_i]
             for r in range(rows):
-                row = tirx.min(r0 + r, hi - 1)  # past the tile: a valid row, its result unused
-                if types[m_i] == "Q8_0":  # words 2gg (features 8gg..8gg+3) and 2gg+1 of granule gg
-                    words = self._word_view(planes["qs"], "int32")
-                    for half in range(2):
-                        B.buffer_store(wi, words.vload([layer, row, blk * 8 + half * 4], "int32x4"),
-                                       [tirx.Ramp(i32(half * 4), i32(1), 4)])
-                    pairs = [(wi[2 * gg], wi[2 * gg + 1]) for gg in range(4)]
-                else:  # one word per granule: the low nibbles are its even features, the high ones its odd
-                    B.buffer_store(wq, planes["qs"].vload([layer, row, blk * 4], "uint32x4"),
-                                   [tirx.Ramp(i32(0), i32(1), 4)])
-                    six = types[m_i] == "Q6_K"  # two high bits an element, a word per 16 (else Q5: one, per 32)
-                    qh = [planes["qh"][layer, row, 2 * blk + i] for i in range(2)] if six else \
-                        [planes["qh"][layer, row, blk]] if "qh" in planes else None
+                at = m_i * rows + r
+                if t == "Q8_0":
+                    for j in range(8):
+                        self.store(wi, j, tirx.reinterpret("int32", wq[at * 8 + j]))
+                else:
                     for gg in range(4):
-                        w = [wq[gg] & mask, (wq[gg] >> four) & mask]
-                        if six:
-                            w = [a | e for a, e in zip(w, _sixth_bits(qh[gg // 2], 16 * (gg % 2)), strict=True)]
-                        elif qh is not None:
-                            w = [a | e for a, e in zip(w, _fifth_bits(qh[0], gg), strict=True)]
+                        w = [wq[at * 8 + gg] & mask, (wq[at * 8 + gg] >> four) & mask]
+                        if t == "Q6_K":
+                            w = [a | e for a, e in zip(w, _sixth_bits(qh[2 * at + gg // 2], 16 * (gg % 2)),
+                                                       strict=True)]
+                        elif "qh" in planes:
+                            w = [a | e for a, e in zip(w, _fifth_bits(qh[2 * at], gg), strict=True)]
                         self.store(wi, 2 * gg, tirx.reinterpret("int32", w[0]))
                         self.store(wi, 2 * gg + 1, tirx.reinterpret("int32", w[1]))
-                    pairs = [(wi[2 * gg], wi[2 * gg + 1]) for gg in range(4)]
-                dw, mw = self._q8_block_scales(planes, types[m_i], layer, row, blk)
-                off = Q8_OFFSET.get(types[m_i])
+                mw = mws[at] if at in has_min else None
+                off = Q8_OFFSET.get(t)
                 for b in range(nb):
                     a = (m_i * rows + r) * nb + b
                     # one integer sum a half of 16 values (Q6_K scales each by its own int8 scale)
                     halves = [i32(-off) * xsum[2 * b + h] if off else i32(0) for h in range(2)]
-                    for gg, (w0, w1) in enumerate(pairs):
-                        halves[gg // 2] = dp4a(w1, xw[b * 8 + 4 + gg], dp4a(w0, xw[b * 8 + gg], halves[gg // 2]))
-                    if types[m_i] == "Q6_K":
-                        total = halves[0] * planes["sc"][layer, row, 2 * blk].astype("int32") + \
-                            halves[1] * planes["sc"][layer, row, 2 * blk + 1].astype("int32")
+                    for gg in range(4):
+                        halves[gg // 2] = dp4a(wi[2 * gg + 1], xw[b * 8 + 4 + gg],
+                                               dp4a(wi[2 * gg], xw[b * 8 + gg], halves[gg // 2]))
+                    if t == "Q6_K":
+                        total = halves[0] * sc6[2 * at] + halves[1] * sc6[2 * at + 1]
                     else:
                         total = halves[0] + halves[1]
-                    self._q8_accumulate(acc, a, total, dw, mw, b, blk, k_in, lanes_per_block=1)
+                    self._q8_accumulate(acc, a, total, dws[at], mw, b, blk, k_in, lanes_per_block=1)
