@@ -84,11 +84,12 @@ def kv_memory_arg(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from luce_runtime.artifact import load_artifact
-    from luce_runtime.engine import Engine, EngineOptions
+    from luce_runtime.engine import Engine, EngineOptions, artifact_device
     from luce_runtime.kv_memory import plan_kv_pool
 
     params = sampling_params(args)
     art = load_artifact(args.artifact)
+    artifact_device(art)  # a GPU artifact on a machine without that GPU: refused before the pool is sized
     plan = plan_kv_pool(art.config, art.manifest["runtime"].get("kv_dtype", "float32"), art.manifest["target"]["kind"],
                         context=args.ctx, sequences=1, kv_memory=kv_memory_arg(args))
     print(f"[{plan.describe()}]", file=sys.stderr)

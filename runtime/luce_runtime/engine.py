@@ -78,6 +78,20 @@ def _ranges(numbers: set[int]) -> str:
     return ", ".join(out)
 
 
+def artifact_device(artifact: Artifact):
+    """The device this machine runs the artifact's kernels on. A device API can be there with no device (a compile
+    host's stand-in libcuda, a driver without a GPU): both are refused here, before the first allocation (or the KV
+    pool's sizing) fails with the driver's own words."""
+    target = artifact.manifest["target"]
+    kind = target["kind"]
+    device = tvm.cpu(0) if kind == "llvm" else tvm.device(kind, 0) if load_device_api(kind) else None
+    if device is None or not device.exist:
+        raise ArtifactError(f"engine: {artifact.root} was compiled for {target['name']} ({kind}), which this TVM "
+                            "runtime cannot drive here; run it on that GPU, or recompile for this machine with "
+                            "`luce-compile compile MODEL --target cpu`.")
+    return device
+
+
 def available_memory(kind: str) -> int:
     """Bytes free for the KV pool: MemAvailable on the host; a GPU's total global memory (weights are small next
     to it at the sizes served here; the fraction the caller takes leaves room for them)."""
@@ -193,14 +207,7 @@ class Engine:
         manifest = self.artifact.manifest
         self.config = self.artifact.config
         self.contract = RuntimeContract.from_manifest(manifest, self.artifact.root)
-        kind = manifest["target"]["kind"]
-        # a device API can be there with no device (a compile host's stand-in libcuda, a driver without a GPU): both
-        # are refused here, before the first allocation fails with the driver's own words
-        self.device = tvm.cpu(0) if kind == "llvm" else tvm.device(kind, 0) if load_device_api(kind) else None
-        if self.device is None or not self.device.exist:
-            raise ArtifactError(f"engine: {self.artifact.root} was compiled for {manifest['target']['name']} "
-                                f"({kind}), which this TVM runtime cannot drive here; run it on that GPU, or "
-                                "recompile for this machine with `luce-compile compile MODEL --target cpu`.")
+        self.device = artifact_device(self.artifact)
         self.tokenizer = Tokenizer.from_metadata(self.artifact.tokenizer_metadata())
         self.options = replace(options, page_size=options.page_size or self.contract.page_size,
                                prefill_chunk=options.prefill_chunk or self.contract.prefill_chunk)

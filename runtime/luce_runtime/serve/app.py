@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from luce_runtime.artifact import load_artifact
 from luce_runtime.chat import render_prompt
-from luce_runtime.engine import Engine, EngineOptions
+from luce_runtime.engine import Engine, EngineOptions, artifact_device
 from luce_runtime.errors import LuceError
 from luce_runtime.grammar import Constraint, GrammarBackend
 from luce_runtime.kv_memory import KVPlan, plan_kv_pool
@@ -84,6 +84,7 @@ def kv_plan(options: ServeOptions) -> KVPlan:
     """The KV pool the server makes (kv_memory.plan_kv_pool): the decode batch and context asked for or sized from
     the KV budget, the prefix cache's sequences beside them, at the artifact's KV type."""
     art = load_artifact(options.artifact, verify=False)  # the Engine verifies it right after
+    artifact_device(art)  # a GPU artifact on a machine without that GPU: refused before the pool is sized
     kv_dtype = (art.manifest.get("runtime") or {}).get("kv_dtype", "float32")
     return plan_kv_pool(art.config, kv_dtype, art.manifest["target"]["kind"], context=options.max_context,
                         sequences=options.max_batch, extra=options.prefix_cache, kv_memory=options.kv_memory)
