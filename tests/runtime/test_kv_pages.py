@@ -105,6 +105,9 @@ def test_megakernel_steps_inside_a_held_page_defer_tvms_reservation(tiny, engine
 
     model = tiny("tiny-llama")
     engine, oracle = engine_of(model), oracle_of(model)
+    # the engine is the session's shared one (engine_of): every attribute set here is put back at the end
+    saved = {name: getattr(engine, name, None) for name in ("_pages", "_mk_pages", "megakernel")}
+    real_begin = engine._kv._begin
     engine._pages, engine._mk_pages = _pages(engine), {}
     n_prompt, n_steps = 5, 3 * engine.page_size + 2
     tokens = rng.integers(0, engine.vocab_size, n_prompt + n_steps + 1).tolist()
@@ -112,8 +115,8 @@ def test_megakernel_steps_inside_a_held_page_defer_tvms_reservation(tiny, engine
     attention = [op for op in oracle.graph.ops if op.kind == OpKind.ATTENTION]
     engine.megakernel = _WritesKeysAndValues(engine, env, attention)
     begun = []
-    real_begin = engine._kv._begin
-    engine._kv._begin = lambda cache, seqs, lens: (begun.append(list(lens)), real_begin(cache, seqs, lens))[1]
+    engine._kv._begin = lambda cache, seqs, lens, *tree: (begun.append(list(lens)),
+                                                          real_begin(cache, seqs, lens, *tree))[1]
     seq = engine.add_sequence()
     try:
         engine.prefill([seq], [tokens[:n_prompt]])
@@ -133,3 +136,6 @@ def test_megakernel_steps_inside_a_held_page_defer_tvms_reservation(tiny, engine
         engine.remove_sequence(child)
     finally:
         engine.remove_sequence(seq)
+        engine._kv._begin = real_begin
+        for name, value in saved.items():
+            setattr(engine, name, value)
