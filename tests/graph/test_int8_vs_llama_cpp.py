@@ -11,12 +11,11 @@ integer GEMVs at every position.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import tvm
 
 from luce_compile.lower.cpu_int8 import int8_isa
-from tests.graph.test_vs_llama_cpp import PROMPTS, _llama, _scores
+from tests.graph.test_vs_llama_cpp import _llama, greedy_agreement
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 HOST = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
@@ -33,22 +32,7 @@ def test_int8_engine_greedy_ids_agree_with_llama_cpp(request, model, tmp_path):
     art = compile_model(path, "cpu", tmp_path / "art", precision="auto")
     engine = Engine(art, EngineOptions(max_batch=1, max_context=256, megakernel=False))
     assert engine.has_int8_verify  # the int8 build exports decode's integer matmuls as `verify` too
-    llm = _llama(path)
-    agree = total = 0
-    for prompt in PROMPTS:
-        ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
-        ref = _scores(llm, ids)
-        seq = engine.add_sequence()
-        try:
-            rows = [engine.prefill([seq], [ids[:1]])[0]] + [engine.decode([seq], [t])[0] for t in ids[1:]]
-        finally:
-            engine.remove_sequence(seq)
-        ours = np.asarray(rows, dtype=np.float64)
-        gap = np.abs(ref - ours).max()
-        same = ref.argmax(-1) == ours.argmax(-1)
-        top2 = np.sort(ours, axis=-1)[:, -2:]
-        assert (top2[~same, 1] - top2[~same, 0] < gap).all(), f"{prompt!r}: a disagreement that is not a near tie"
-        agree, total = agree + int(same.sum()), total + len(ids)
+    agree, total = greedy_agreement(engine, _llama(path))
     assert agree / total >= 0.97, (agree, total)
 
 
@@ -72,19 +56,6 @@ def test_int8_engine_on_each_new_type_agrees_with_llama_cpp(quant, tmp_path):
     path = cached_synthetic(SyntheticSpec(quant=quant, n_embd=256, n_ff=512))
     engine = Engine(compile_model(path, "cpu", tmp_path / "art", precision="int8"),
                     EngineOptions(max_batch=1, max_context=256, megakernel=False))
-    llm = _llama(path, exact_kv=True)
-    agree = total = 0
-    for prompt in PROMPTS:
-        ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
-        ref = _scores(llm, ids)
-        seq = engine.add_sequence()
-        try:
-            ours = np.asarray([engine.prefill([seq], [ids[:1]])[0]] + [engine.decode([seq], [t])[0] for t in ids[1:]])
-        finally:
-            engine.remove_sequence(seq)
-        same = ref.argmax(-1) == ours.argmax(-1)
-        top2 = np.sort(ours, axis=-1)[:, -2:]
-        assert (top2[~same, 1] - top2[~same, 0] < np.abs(ref - ours).max()).all(), f"{prompt!r}: not a near tie"
-        agree, total = agree + int(same.sum()), total + len(ids)
+    agree, total = greedy_agreement(engine, _llama(path, exact_kv=True))
     print(f"{quant}: greedy ids agree with llama.cpp at {agree}/{total} positions")
     assert agree / total >= 0.97, (agree, total)

@@ -57,6 +57,28 @@ def _scores(llm, ids: list[int]) -> np.ndarray:
     return np.array(llm.scores[: len(ids)], dtype=np.float64)
 
 
+def greedy_agreement(engine, llm) -> tuple[int, int]:
+    """(positions whose greedy id agrees with llama.cpp's, positions) over PROMPTS: the engine run as users run it (a
+    one-token prompt, then a decode step per token, teacher-forced with the prompt's ids); a disagreement must be a
+    near tie for us (the two best logits closer than the largest logit difference of that prompt)."""
+    agree = total = 0
+    for prompt in PROMPTS:
+        ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
+        ref = _scores(llm, ids)
+        seq = engine.add_sequence()
+        try:
+            rows = [engine.prefill([seq], [ids[:1]])[0]] + [engine.decode([seq], [t])[0] for t in ids[1:]]
+        finally:
+            engine.remove_sequence(seq)
+        ours = np.asarray(rows, dtype=np.float64)
+        same = ref.argmax(-1) == ours.argmax(-1)
+        top2 = np.sort(ours, axis=-1)[:, -2:]
+        assert (top2[~same, 1] - top2[~same, 0] < np.abs(ref - ours).max()).all(), \
+            f"{prompt!r}: a disagreement that is not a near tie"
+        agree, total = agree + int(same.sum()), total + len(ids)
+    return agree, total
+
+
 def _rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
