@@ -60,6 +60,10 @@ class MegakernelOptions:
     # a lane matvec's warps split K into slices of at least this many lane units (granules or 32-value blocks) a
     # lane row; more units a slice: fewer slices, so fewer partial sums meeting at a barrier and more rows a warp
     k_slice_units: int = 32
+    # a lane matvec's K slices take turns along K (pass p of slice s reads units (p·split + s)·32 + lane), so a
+    # pass of a group's warps reads each row's next split·32 units as one run; off: each slice a contiguous range
+    # (a pass reads split runs a row, one per slice, far apart)
+    interleave_slices: bool = False
     # matvecs of Q4_0/1, Q5_0/1, Q8_0, Q4_K weights take 8-bit activations (llama.cpp's q8_0/q8_1 blocks of 32, as
     # its CUDA mmvq: Q4_K too, where its CPU takes q8_K) and integer dot products (dp4a): ~4x fewer instructions per
     # weight than dequantizing to float32

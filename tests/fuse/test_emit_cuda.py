@@ -343,3 +343,27 @@ def test_q6_k_high_bits_land_in_their_quants_bytes(rng):
 
     got, want = _high_bit_words(rng, "Q6_K", 2, lambda qh, i, g: _sixth_bits(qh[i, g // 2], (g % 2) * 16))
     assert np.array_equal(got, want) and want.max() > 47
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_k_slices_cover_every_unit_once(interleave):
+    """A lane matvec's K slices, passes and lanes take every lane unit of K exactly once, whole or interleaved,
+    for widths that fill the slices' passes and widths that do not (the 8B's down projection: 448 blocks in 8)."""
+    from luce_compile.fuse.emit_cuda.matvec import slice_passes, slice_unit
+
+    for units in (32, 96, 128, 448, 512, 1792, 1000):
+        for split in (1, 2, 4, 8, 16):
+            taken = [g for s in range(split) for gi in range(slice_passes(units, split, interleave))
+                     for lane in range(32) for g, end in [slice_unit(units, split, interleave, s, gi, lane)]
+                     if g < end]
+            assert sorted(taken) == list(range(units)), (units, split)
+
+
+def test_interleaved_slices_read_a_run_a_pass():
+    """Interleaved, the slices' lanes of one pass read one run of split x 32 units (a row's bytes in order)."""
+    from luce_compile.fuse.emit_cuda.matvec import slice_unit
+
+    first_pass = sorted(slice_unit(448, 8, True, s, 0, lane)[0] for s in range(8) for lane in range(32))
+    assert first_pass == list(range(256))
+    whole = sorted(slice_unit(448, 8, False, s, 0, lane)[0] for s in range(8) for lane in range(32))
+    assert whole != list(range(256))

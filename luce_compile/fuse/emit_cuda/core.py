@@ -60,6 +60,7 @@ class EmitterCore:
         self.threads, self.warps = options.threads, options.threads // 32
         self.unroll_passes = options.unroll_passes
         self.k_slice_units = options.k_slice_units
+        self.interleave_slices = options.interleave_slices
         self.q8 = options.q8_activations
         self.q8_by_block = options.q8_by_block
         self.q8_mma = options.q8_mma

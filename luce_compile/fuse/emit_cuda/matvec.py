@@ -18,6 +18,25 @@ from luce_compile.graph.ir import OpKind
 from luce_compile.lower.quant_layout import as_ggml_type
 
 
+def slice_passes(units: int, split: int, interleave: bool) -> int:
+    """Passes of 32 lanes a K slice takes over `units` lane units split `split` ways (see slice_unit)."""
+    if interleave:
+        return -(-units // (split * 32))
+    per_slice = -(-units // split)
+    return -(-per_slice // 32)
+
+
+def slice_unit(units: int, split: int, interleave: bool, slice_, gi, lane):
+    """The lane unit (granule or 32-value block) a lane of K slice `slice_` takes in pass gi, and the end its
+    slice must stay under. Interleaved, pass gi of the slices reads units [gi·split·32, (gi + 1)·split·32) as one
+    run; else each slice has a contiguous range of ⌈units/split⌉ units. Works on ints and TIR expressions alike."""
+    if interleave:
+        return (gi * split + slice_) * 32 + lane, units
+    per_slice = -(-units // split)
+    end = (slice_ + 1) * per_slice
+    return slice_ * per_slice + gi * 32 + lane, (min(end, units) if isinstance(end, int) else tirx.min(end, units))
+
+
 class MatvecMixin:
     def matvec(self, op: P.Opcode, st) -> None:
         nb = self.nb
@@ -231,12 +250,10 @@ class MatvecMixin:
         while split < self.warps and units // (2 * split) >= max(32, self.k_slice_units):
             split *= 2
         groups = self.warps // split
-        per_slice = -(-units // split)
         rows = max(1, min(-(-rows_max // groups), self.accumulators // (n_m * nb)))
         steps = -(-rows_max // (groups * rows))
-        passes = -(-per_slice // 32)
+        passes = slice_passes(units, split, self.interleave_slices)
         slice_, group = self.warp % split, self.warp // split
-        g_end = tirx.min((slice_ + 1) * per_slice, units)
         acc = self.local(F32, n_m * rows * nb)
         xv = self.local(F32, 8 * nb)
         wv = self.local(F32, 8)
@@ -246,7 +263,7 @@ class MatvecMixin:
                 self.store(acc, a, f32(0))
             loop = B.unroll if passes <= self.unroll_passes else B.serial
             with loop(0, passes) as gi:
-                g = slice_ * per_slice + gi * 32 + self.lane
+                g, g_end = slice_unit(units, split, self.interleave_slices, slice_, gi, self.lane)
                 exact = units % (split * 32) == 0  # every slice whole passes: no lane past its slice's end
                 with _nothing() if exact else self.when(g < g_end):
                     if by_block:
