@@ -53,7 +53,8 @@ def plan_programs(graph: Graph, facts: dict, options: MegakernelOptions) -> dict
     return {b: build_program(graph, batch=b, n_sms=n_sms, max_context=options.max_context,
                              kv_chunk=options.kv_chunk, kv_splits=options.kv_splits, kv_min_keys=options.kv_min_keys,
                              fold_merge=options.fold_merge, merge_in_last=options.merge_in_last,
-                             page_size=options.page_size, cost=cost, balance_waves=options.balance_waves)
+                             page_size=options.page_size, cost=cost, balance_waves=options.balance_waves,
+                             rope_pairs=options.rope_pairs)
             for b in options.batches}
 
 

@@ -43,6 +43,9 @@ class MegakernelOptions:
     # a unit capped to more tiles than the SMs (the LM head at b=8) takes whole waves of even tiles (build_program):
     # measured on the H200, the LM head's stage at b=8 93 -> 71 µs on SmolLM2, 103 -> 82 on the 1B, 59 -> 47 on Qwen3
     balance_waves: bool = True
+    # q and k tiles may split heads where RoPE pairs neighbouring features (Llama's layout): the QKV stage of an 8B
+    # (32 + 8 heads of 128) then spreads over every SM instead of 62 of 132
+    rope_pairs: bool = False
     kv_dtype: str = "float16"
     # bytes of each weight plane's tile (and of each attention chunk's keys/values) asked into L2 before a task's
     # wait, so the fetch overlaps the wait instead of following it; 0 turns it off

@@ -128,16 +128,18 @@ def build_program(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_
                   kv_splits: int = 0, kv_min_keys: int = KV_MIN_KEYS, fold_merge: bool = False,
                   merge_in_last: bool = False, page_size: int = 16,
                   cost: CostModel | None = None, max_tile_bytes: int = 36 * 1024,
-                  balance_waves: bool = False) -> Program:
+                  balance_waves: bool = False, rope_pairs: bool = False) -> Program:
     """Plan the decode step of `graph` for `batch` sequences on `n_sms` persistent blocks; `fold_merge`: the O
     projection's tiles merge split attention partials themselves when the batch's input fits half the kernel's
     shared memory (where a matvec stages its input); `merge_in_last`: the other split attentions are merged by
     their last chunk to finish, not by merge tasks; `balance_waves`: a unit whose tiles are capped (max_tile_bytes)
-    to more than a wave over the SMs takes whole waves of even tiles."""
+    to more than a wave over the SMs takes whole waves of even tiles; `rope_pairs`: q and k tiles may split heads
+    where RoPE pairs neighbouring features."""
     tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=max_context, kv_chunk=kv_chunk,
                           kv_splits=kv_splits, kv_min_keys=kv_min_keys, merge_in_last=merge_in_last,
                           fold_merge_floats=SHARED_FLOATS // 2 if fold_merge else 0,
-                          max_tile_rows=max_tile_bytes // (4 * batch * 4), balance_waves=balance_waves)
+                          max_tile_rows=max_tile_bytes // (4 * batch * 4), balance_waves=balance_waves,
+                          rope_pairs=rope_pairs)
     plan = plan_queues(tg, cost or CostModel(n_sms=n_sms))
     values = graph.values()
     stage_values = [_stage_values(tg, st) for st in tg.stages]

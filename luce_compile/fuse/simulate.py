@@ -220,9 +220,15 @@ class TaskSimulator:
                 d = int(self.values[op.inputs[0]].shape[-1])
                 a = op.attrs
                 factors = self.oracle.weight(op.weights["freq_factors"]) if "freq_factors" in op.weights else None
-                heads = x.reshape(len(x), 1, -1, d)  # (B, S=1, heads of the tile, D)
-                return rope(heads, ins[1].reshape(-1, 1), a["layout"], a["dim"], a["base"], a["freq_scale"],
-                            factors).reshape(x.shape)
+                # the tile's features in place within the heads they span (a "norm"-layout tile may split a head:
+                # its pairs 2i, 2i + 1 stay whole, so the zeros around it are never read)
+                off, n = lo % d, x.shape[-1]
+                span = -(-(off + n) // d) * d
+                heads = np.zeros((len(x), span))
+                heads[:, off:off + n] = x
+                y = rope(heads.reshape(len(x), 1, -1, d), ins[1].reshape(-1, 1), a["layout"], a["dim"], a["base"],
+                         a["freq_scale"], factors)  # (B, S=1, heads, D)
+                return y.reshape(len(x), span)[:, off:off + n]
         raise ScheduleError(f"simulate: {op.kind} is not a row-local op")
 
     def _row(self, task: Task) -> None:

@@ -158,12 +158,14 @@ TOKEN_IDS = "token_ids"
 def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_chunk: int = 256,
                      kv_splits: int = 0, kv_min_keys: int = KV_MIN_KEYS, fold_merge_floats: int = 0,
                      merge_in_last: bool = False, tiles_per_sm: int = 1,
-                     max_tile_rows: int | None = None, balance_waves: bool = False) -> TaskGraph:
+                     max_tile_rows: int | None = None, balance_waves: bool = False,
+                     rope_pairs: bool = False) -> TaskGraph:
     """The decode step of `graph` for `batch` sequences as tasks for `n_sms` persistent blocks; `max_tile_rows`
     caps a matvec tile (the kernel keeps a tile's outputs in shared memory). `fold_merge_floats` > 0: a matvec
     whose input is a split attention's output (the O projection) merges the partials itself, when the batch's
     inputs take at most that many floats (the kernel stages them in shared memory). `merge_in_last`: split
-    attentions that no matvec merges are merged by their last chunk to finish (Stage.merged_by_last)."""
+    attentions that no matvec merges are merged by their last chunk to finish (Stage.merged_by_last). `rope_pairs`:
+    q and k tiles may split heads where RoPE pairs neighbouring features (_align)."""
     if graph.outputs != (LOGITS,):
         raise UnsupportedError(f"fuse: the megakernel needs a graph whose one output is {LOGITS!r}.")
     values = graph.values()
@@ -174,6 +176,9 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
         heads = max((op.attrs["n_head_kv"] for op in graph.attention_ops()), default=1)
         kv_splits = max(1, n_sms // (heads * batch))
     stages = _stages(graph, values, max_context, kv_chunk, kv_splits)
+    if rope_pairs:
+        stages = [dataclasses.replace(st, units=tuple(dataclasses.replace(u, align=_align(u.epilogue, values, True))
+                                                      for u in st.units)) for st in stages]
     if fold_merge_floats:
         stages = _fold_merges(stages, values, batch, fold_merge_floats)
     if merge_in_last:
@@ -280,6 +285,18 @@ def _per_head(graph: Graph, op: Op) -> bool:
     return len(graph.values()[op.inputs[0]].shape) == 4
 
 
+def _align(epilogue, values: dict[str, Value], rope_pairs: bool) -> int:
+    """What a unit's tiles start and end on a multiple of: the features each epilogue op must see together. A head
+    for a per-head norm and for NEOX RoPE (it pairs feature i with i + dim/2); with `rope_pairs`, two for the
+    original RoPE layout (it pairs 2i with 2i + 1: Llama's q and k tiles may then split heads and spread over every
+    SM), else a head for it too."""
+    def group(op: Op) -> int:
+        if op.kind == OpKind.ROPE and op.attrs["layout"] == "norm" and rope_pairs:
+            return 2
+        return int(values[op.inputs[0]].shape[-1]) if op.kind in (OpKind.ROPE, OpKind.RMS_NORM) else 1
+    return math.lcm(1, *(group(op) for op in epilogue))
+
+
 def _units(matmuls: list[Op], epi: list[tuple[Op, str]], values: dict[str, Value]) -> tuple[Unit, ...]:
     """Group matmuls that an epilogue op reads together (GLU's gate and up) and give each group its ops."""
     group = {m.outputs[0]: i for i, m in enumerate(matmuls)}  # value → index of a matmul of its unit
@@ -303,8 +320,7 @@ def _units(matmuls: list[Op], epi: list[tuple[Op, str]], values: dict[str, Value
             raise UnsupportedError(f"fuse: matmuls {[m.outputs[0] for m in ms]} are paired by an epilogue op "
                                    "but have different output sizes; the megakernel cannot tile them together.")
         ops = tuple(op for op, _ in epi if find(group[op.outputs[0]]) == root)
-        heads = [values[op.inputs[0]].shape[-1] for op in ops if op.kind in (OpKind.ROPE, OpKind.RMS_NORM)]
-        units.append(Unit(ms, ops, rows.pop(), math.lcm(1, *heads)))
+        units.append(Unit(ms, ops, rows.pop(), _align(ops, values, rope_pairs=False)))
     return tuple(units)
 
 

@@ -84,6 +84,10 @@ def test_the_variant_knobs_emit_kernels_without_divergent_collectives():
     source = cuda_source(emit_megakernel(prog, options=MegakernelOptions(threads=256, unroll_passes=1)))
     assert "__launch_bounds__(256)" in source
     assert divergent_collectives(source) == []
+    split = build_program(open_graph(cached_synthetic(preset("tiny-llama")))[0], batch=2, n_sms=32, max_context=64,
+                          kv_chunk=16, rope_pairs=True)
+    options = MegakernelOptions(q8_activations=True, interleave_slices=True)
+    assert divergent_collectives(cuda_source(emit_megakernel(split, options=options))) == []
 
 
 @pytest.mark.parametrize("quant,integer", [("Q4_0", True), ("Q4_1", True), ("Q8_0", True), ("F16", False),

@@ -73,6 +73,49 @@ def test_task_graph_decodes_like_the_oracle(name, batch, kv_splits, fold, last, 
             assert ids[b] == int(np.argmax(last[b]))
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_q_and_k_tiles_split_heads_only_where_rope_pairs_neighbours(name, rng):
+    """rope_pairs: Llama's RoPE ("norm" layout) pairs features 2i and 2i + 1, so its q and k tiles may split a head
+    and the QKV stage spreads over every SM; NEOX RoPE (Qwen2) pairs i with i + dim/2 and keeps whole heads. Either
+    way the step decodes as the oracle does."""
+    path = cached_synthetic(dataclasses.replace(preset(name), n_embd=256, n_head=4, n_head_kv=2))  # heads of 64
+    graph, _ = open_graph(path)
+    d = graph.config.head_dim
+
+    def roped_tiles(rope_pairs: bool):
+        tg = build_task_graph(graph, batch=2, n_sms=48, max_context=MAX_CONTEXT, kv_chunk=CHUNK, kv_min_keys=4,
+                              rope_pairs=rope_pairs)
+        qkv = tg.stages[1]
+        roped = [u for u in qkv.units if any(op.kind == "rope" for op in u.epilogue)]
+        assert len(roped) == 2
+        return tg, [(t.lo, t.hi) for t in tg.tasks if t.stage == 1 and qkv.units[t.unit] in roped]
+
+    _, whole = roped_tiles(False)
+    assert all(lo % d == 0 and hi % d == 0 for lo, hi in whole)
+    tg, tiles = roped_tiles(True)
+    plan = plan_queues(tg, CostModel(n_sms=48))
+    split = [lo for lo, hi in tiles if lo % d or hi % d]
+    if name == "tiny-llama":
+        assert split and all(lo % 2 == 0 and hi % 2 == 0 for lo, hi in tiles)
+    else:
+        assert not split
+    sim = TaskSimulator(tg, plan, Oracle(path))
+    oracles, last = [], []
+    for b in range(2):
+        oracle = Oracle(path)
+        kv, logits = prefill_kv(oracle, graph, [int(t) for t in rng.integers(0, 49152, 5 + 3 * b)])
+        sim.load_prefix(b, kv)
+        oracles.append(oracle)
+        last.append(logits)
+    for step in range(4):
+        tokens = [int(np.argmax(x)) for x in last]
+        got, ids = sim.step(tokens, seed=step, adversarial=step % 2 == 1)
+        last = [o.decode(t) for o, t in zip(oracles, tokens, strict=True)]
+        for b in range(2):
+            assert np.max(np.abs(got[b] - last[b])) / np.max(np.abs(last[b])) < 1e-10, (step, b)
+            assert ids[b] == int(np.argmax(last[b]))
+
+
 @pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize(("fold", "last"), [(False, False), (True, False), (False, True)],
                          ids=["merge-tasks", "merged-by-o-proj", "merged-by-last"])
