@@ -76,7 +76,7 @@ def target_options(options: MegakernelOptions, info) -> MegakernelOptions:
     options = options.for_target(info.facts)
     if info.kind != "rocm":
         return options
-    return dataclasses.replace(options, q8_mma=False, float_mma=False, prefetch_bytes=0,
+    return dataclasses.replace(options, q8_mma=False, float_mma=False, prefetch_bytes=0, prefetch_ahead=False,
                                threads=min(options.threads, int(info.facts["max_threads_per_block"])))
 
 

@@ -50,6 +50,8 @@ class MegakernelOptions:
     # bytes of each weight plane's tile (and of each attention chunk's keys/values) asked into L2 before a task's
     # wait, so the fetch overlaps the wait instead of following it; 0 turns it off
     prefetch_bytes: int = 64 * 1024
+    # a lane matvec's pass asks L2 for the next pass's (or the next step's) weight blocks before its own arithmetic
+    prefetch_ahead: bool = False
     poll_sleep_ns: int = 32  # back-off between two polls of a counter
     # float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences); 0: 16 below batch 4, 32 from
     # it (the emitter's rule, measured on the H200)

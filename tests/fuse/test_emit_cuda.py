@@ -371,3 +371,23 @@ def test_interleaved_slices_read_a_run_a_pass():
     assert first_pass == list(range(256))
     whole = sorted(slice_unit(448, 8, False, s, 0, lane)[0] for s in range(8) for lane in range(32))
     assert whole != list(range(256))
+
+
+def test_prefetch_ahead_asks_l2_for_the_next_pass_of_quants():
+    """prefetch_ahead: a block pass asks L2 for the next pass's (or step's) quants, one prefetch a row of each plane
+    of 4 bytes a block or more, and no more than that; the kernel's collectives stay where every thread meets them."""
+    import dataclasses
+
+    from luce_compile.fuse.options import MegakernelOptions
+
+    spec = dataclasses.replace(preset("tiny-llama"), n_embd=1024, n_head=8, n_head_kv=4, n_ff=1024, quant="Q4_K")
+    graph, _ = open_graph(cached_synthetic(spec))
+    prog = build_program(graph, batch=1, n_sms=8, max_context=64, kv_chunk=16)
+    base = MegakernelOptions(q8_activations=True, prefetch_bytes=0)
+    plain = cuda_source(emit_megakernel(prog, options=base))
+    ahead = cuda_source(emit_megakernel(prog, options=dataclasses.replace(base, prefetch_ahead=True)))
+    call = r"tvm_builtin_ptx_prefetch_global_L2\(\(&\((w\d+_\d+_\w+)_ptr\["
+    assert not re.findall(call, plain)
+    prefetched = set(re.findall(call, ahead))
+    assert prefetched and all(name.endswith("_qs") for name in prefetched)  # Q4_K: the quants, not the scales
+    assert divergent_collectives(ahead) == []

@@ -61,6 +61,7 @@ class EmitterCore:
         self.unroll_passes = options.unroll_passes
         self.k_slice_units = options.k_slice_units
         self.interleave_slices = options.interleave_slices
+        self.prefetch_ahead = options.prefetch_ahead
         self.q8 = options.q8_activations
         self.q8_by_block = options.q8_by_block
         self.q8_mma = options.q8_mma
@@ -122,7 +123,6 @@ class EmitterCore:
     def args(self) -> None:
         p, nb = self.p, self.nb
         kv = p.kv
-        max_pages = -(-p.tg.max_context // p.page_size)
         # the KV pool is TVM's own: PagedKVCache keeps one page tensor per layer (pages, 2, kv heads, page size,
         # head dim), each a separate allocation, so the kernel takes layer 0's tensor flat and each layer's offset
         # from it in elements (int64: the allocations may lie far apart, before or after layer 0's)
@@ -131,7 +131,10 @@ class EmitterCore:
         # tells the host both the ids and whether every block finished. tokens and token_out swap between steps
         self.tokens = B.arg("tokens", B.buffer((nb + 1,), "int32"))
         self.lengths = B.arg("lengths", B.buffer((nb,), "int32"))
-        self.page_table = B.arg("page_table", B.buffer((nb, max_pages), "int32"))
+        # each row's page ids, as many as the caller's table has: the engine sizes it for its own context (the
+        # kernel's maximum context is the model's, up to 131,072 tokens: 8,192 ids a row that a 4K engine never uses)
+        self.max_pages = tirx.Var("max_pages", "int32")
+        self.page_table = B.arg("page_table", B.buffer((nb, self.max_pages), "int32"))
         self.pages = B.arg("pages", B.buffer((self.n_kv,), self.kv_dtype))
         self.kv_offset = B.arg("kv_layer_offset", B.buffer((kv["n_layers"],), "int64"))
         self.arena = B.arg("arena", B.buffer((p.arena_size,), F32))
@@ -197,36 +200,55 @@ class EmitterCore:
                 self.redi = B.alloc_buffer((2 * self.warps,), "int32", scope="shared")
                 self.part = B.alloc_buffer((self.warps * self.accumulators,), F32, scope="shared")  # K-slice sums
                 self.trow = self.local("int32", p.tasks.shape[2])
+                # the step's lengths, once a block: which attention chunks hold keys is known before their waits
+                self.seq_len = B.alloc_buffer((self.nb,), "int32", scope="shared")
+                with self.when(tx < self.nb):
+                    self.store(self.seq_len, tx, self.lengths[tx])
+                self.sync()
                 spins = self.local("int32")  # a thread's wait budget: SPIN_LIMIT, then 0 after one gives up
                 self.store(spins, 0, i32(SPIN_LIMIT))
+                # 1: the task is an attention chunk with no keys this step (AttentionMixin.empty_chunk): no wait, no
+                # body, only its counters (block-uniform: every thread computes it from the same row and lengths)
+                skip = self.local("int32")
+                split_attention = [op for op in p.opcodes if op.kind == TaskKind.ATTN_PARTIAL
+                                   and p.tg.stages[op.stage].n_splits > 1]
                 with B.serial(0, self.queue_len[bx]) as i:
                     self.bx, self.position = bx, i  # for the phase clocks (`phase`)
                     for c in range(p.tasks.shape[2]):
                         self.store(self.trow, c, self.tasks[bx, i, c])
                     self.stamp(bx, i, 0)
-                    if self.prefetch_bytes:
-                        for op in p.opcodes:
-                            if op.kind in (TaskKind.MATVEC, TaskKind.ATTN_PARTIAL):
-                                with self.when(self.col(P.OPCODE) == op.index):
-                                    self.prefetch(op)
-                    # a thread per dependency: their polls are in flight together (thread 0 waiting on each in
-                    # turn paid an L2 round trip per counter: 2-3 µs before an attention task that reads five QKV
-                    # tiles); the barrier after passes every thread's acquire on to the block
-                    start, n_deps = self.col(P.DEP_START), self.col(P.DEP_COUNT)
-                    with B.serial(0, (n_deps + self.threads - 1) // self.threads) as it:
-                        d = it * self.threads + tx
-                        with self.when(d < n_deps):
-                            self.wait(self.deps[start + d, 0], self.deps[start + d, 1] * self.epoch, bx, i, spins)
-                    self.sync()
-                    self.stamp(bx, i, 1)
-                    for op in p.opcodes:
+                    self.store(skip, 0, i32(0))
+                    for op in split_attention:
                         with self.when(self.col(P.OPCODE) == op.index):
-                            self.opcode(op)
+                            self.store(skip, 0, tirx.if_then_else(self.empty_chunk(op), i32(1), i32(0)))
+                    with self.when(skip[0] == 0):
+                        if self.prefetch_bytes:
+                            for op in p.opcodes:
+                                if op.kind in (TaskKind.MATVEC, TaskKind.ATTN_PARTIAL):
+                                    with self.when(self.col(P.OPCODE) == op.index):
+                                        self.prefetch(op)
+                        # a thread per dependency: their polls are in flight together (thread 0 waiting on each in
+                        # turn paid an L2 round trip per counter: 2-3 µs before an attention task that reads five
+                        # QKV tiles); the barrier after passes every thread's acquire on to the block
+                        start, n_deps = self.col(P.DEP_START), self.col(P.DEP_COUNT)
+                        with B.serial(0, (n_deps + self.threads - 1) // self.threads) as it:
+                            d = it * self.threads + tx
+                            with self.when(d < n_deps):
+                                self.wait(self.deps[start + d, 0], self.deps[start + d, 1] * self.epoch, bx, i,
+                                          spins)
+                        self.sync()
+                    self.stamp(bx, i, 1)
+                    with self.when(skip[0] == 0):
+                        for op in p.opcodes:
+                            with self.when(self.col(P.OPCODE) == op.index):
+                                self.opcode(op)
                     self.sync()
                     self.stamp(bx, i, 2)
                     with self.when(tx == 0):  # CUTLASS's barrier: the block's writes (bar.sync), a release
-                        # fence, then relaxed reductions (no round trip); fence.sc (__threadfence) costs more
-                        ix.fence_acq_rel()
+                        # fence, then relaxed reductions (no round trip); fence.sc (__threadfence) costs more. A
+                        # skipped task wrote nothing: no fence
+                        with self.when(skip[0] == 0):
+                            ix.fence_acq_rel()
                         for c in (P.COUNTER, P.STAGE_COUNTER):
                             ix.red_add(T.address_of(self.counters[self.col(c)]), i32(1))
                         if self.p.has_groups:

@@ -7,6 +7,7 @@ partials."""
 from __future__ import annotations
 
 from tvm import DataType, tirx
+from tvm.script import tirx as T
 from tvm.tirx.script.builder import ir as B
 
 from luce_compile.errors import UnsupportedError
@@ -264,6 +265,17 @@ class MatvecMixin:
             loop = B.unroll if passes <= self.unroll_passes else B.serial
             with loop(0, passes) as gi:
                 g, g_end = slice_unit(units, split, self.interleave_slices, slice_, gi, self.lane)
+                if self.prefetch_ahead and by_block:
+                    # the next pass's blocks of these rows, or the next step's rows at the first pass: asked into L2
+                    # now, so memory stays busy through this pass's arithmetic, the reduction and the barriers
+                    last = gi + 1 >= passes
+                    g_next = tirx.Select(last, slice_unit(units, split, self.interleave_slices, slice_, 0,
+                                                          self.lane)[0],
+                                         slice_unit(units, split, self.interleave_slices, slice_, gi + 1,
+                                                    self.lane)[0])
+                    r_next = tirx.Select(last, r0 + groups * rows, r0)
+                    with self.when(tirx.Not(last) | (s + 1 < steps)):
+                        self._prefetch_blocks(op, unit, rows, r_next, hi, tirx.min(g_next, units - 1), units)
                 exact = units % (split * 32) == 0  # every slice whole passes: no lane past its slice's end
                 with _nothing() if exact else self.when(g < g_end):
                     if by_block:
@@ -293,6 +305,18 @@ class MatvecMixin:
                             self.store(self.smem, env(slots[m.outputs[0]], b, r0 + r - lo), y)
             if split > 1:
                 self.sync()  # the next step's partials overwrite these
+
+    def _prefetch_blocks(self, op, unit, rows: int, r0, hi, g, units: int) -> None:
+        """L2 prefetches of lane unit g of `rows` rows from r0 (clamped to the tile, as the loads are), in every weight
+        plane of 4 bytes a unit or more (quants, high bits; the scales' lines serve many lanes' units)."""
+        layer = self.col(P.LAYER)
+        for m in unit.matmuls:
+            for buf in self.weight(op, m.weights["weight"]).values():
+                cols = int(buf.shape[2])
+                if cols * DataType(buf.dtype).bits < 32 * units:
+                    continue
+                for r in range(rows):
+                    ix.prefetch_l2(T.address_of(buf[layer, tirx.min(r0 + r, hi - 1), g * (cols // units)]))
 
     def _mma_results(self, op, unit, acc, per_warp: int, split: int, rows_max: int, lo, hi, env, slots,
                      input_floats: int, env_end: int, option: str, first_tile=0) -> None:
