@@ -4,8 +4,10 @@ and the check of the task graph itself.
 It runs a plan's per-SM queues the way the persistent kernel does (a block takes the next task of its queue once
 the tasks it depends on are done), in an interleaving chosen by a seeded random generator or adversarially, and
 refuses any read of a value region no task has written yet in this step: a missing dependency is an error here,
-not a silent race. Each task computes only from the regions it declares; the float64 oracle's op functions give the
-arithmetic, so the logits must equal the oracle's to float64 rounding.
+not a silent race. An attention chunk that holds no keys this step is ready at once, as in the kernel (which skips
+its wait and its body): nothing may depend on what it would have written. Each task computes only from the regions
+it declares; the float64 oracle's op functions give the arithmetic, so the logits must equal the oracle's to float64
+rounding.
 
 Rows may share a sequence (`sequence_of_row`): a speculative verify runs the last token and the drafts of one
 sequence as rows of one step, at consecutive positions of the same pages (the runtime's Engine.verify). Then a
@@ -26,6 +28,7 @@ from luce_compile.fuse.taskgraph import (
     Region,
     Task,
     TaskGraph,
+    TaskKind,
     kv_cache_value,
     split_value,
     value_width,
@@ -96,8 +99,9 @@ class TaskSimulator:
         self.arrivals: dict[tuple, int] = {}  # merged_by_last: chunks done per (output, sequence, KV head)
         self.lm_best: dict[tuple[int, int], tuple[float, int]] = {}
         for task in self._order(seed, adversarial):
-            for r in task.reads:
-                self._check_read(task, r)
+            if not self._empty_chunk(task):
+                for r in task.reads:
+                    self._check_read(task, r)
             getattr(self, f"_{task.kind.value}")(task)
         for s, p in zip(self.seq.tolist(), positions, strict=True):
             self.length[s] = max(self.length[s], p + 1)
@@ -113,7 +117,8 @@ class TaskSimulator:
         order: list[Task] = []
         while len(order) < len(self.tg.tasks):
             ready = [s for s, q in enumerate(self.plan.queues)
-                     if heads[s] < len(q) and all(done[d] for d in self.tg.tasks[q[heads[s]]].deps)]
+                     if heads[s] < len(q) and (self._empty_chunk(self.tg.tasks[q[heads[s]]])
+                                               or all(done[d] for d in self.tg.tasks[q[heads[s]]].deps))]
             if not ready:
                 raise ScheduleError("simulate: no block can take its next task (a deadlock)")
             if adversarial:
@@ -125,6 +130,24 @@ class TaskSimulator:
             done[task.id] = True
             order.append(task)
         return order
+
+    def _span(self, stage: int, row: int) -> tuple[int, int]:
+        """Row `row`'s first visible key and how many keys it sees this step, in attention stage `stage`."""
+        a = self.tg.stages[stage].attention.attrs
+        pos = int(self.pos[row])
+        window = int(a.get("sliding_window") or 0)
+        first = max(0, pos - window + 1) if window else 0  # the oldest visible key
+        return first, pos + 1 - first
+
+    def _active(self, stage: int, row: int) -> int:
+        """The chunks of a split attention stage that hold keys for row `row` this step (the first ones)."""
+        return min(self.tg.stages[stage].n_splits, self.tg.active_chunks(self._span(stage, row)[1]))
+
+    def _empty_chunk(self, task: Task) -> bool:
+        """A split attention chunk past the keys its sequence sees this step (the kernel's early exit)."""
+        if task.kind != TaskKind.ATTN_PARTIAL or self.tg.stages[task.stage].n_splits == 1:
+            return False
+        return task.split >= self._active(task.stage, task.row)
 
     # ---- regions ------------------------------------------------------------------------------------------------
     def _rows(self, r: Region) -> slice:
@@ -170,7 +193,7 @@ class TaskSimulator:
             a = att.attention.attrs
             for j in range(att.n_splits):  # every partial must be written (the dependency check)
                 self.read(split_value(st.input, j), 0, self.width(st.input))
-            x = np.stack([np.concatenate([self._merged(st.input, b, g, att.n_splits)
+            x = np.stack([np.concatenate([self._merged(st.input, b, g, self._active(st.merged, b))
                                           for g in range(a["n_head_kv"])]) for b in range(self.tg.batch)])
         else:
             x = self.read(st.input, 0, self.width(st.input))  # (B, K): the whole input row
@@ -248,11 +271,16 @@ class TaskSimulator:
         a = op.attrs
         group = a["n_head"] // a["n_head_kv"]
         d, dv = int(self.values[q_name].shape[-1]), int(self.values[v_name].shape[-1])
-        q = self.read(q_name, g * group * d, (g + 1) * group * d, b).reshape(group, d)
+        o_lo, o_hi = g * group * dv, (g + 1) * group * dv
         pos = int(self.pos[b])
-        window = int(a.get("sliding_window") or 0)
-        first = max(0, pos - window + 1) if window else 0  # the oldest visible key
-        chunk = self.tg.chunk_keys(pos + 1 - first)
+        first, span = self._span(task.stage, b)
+        if self._empty_chunk(task):  # no keys: the kernel skips it, partials and arrival alike (chunk 0 counts it)
+            self.partials[(op.outputs[0], b, g, task.split)] = _Partial(np.full(group, -np.inf), np.zeros(group),
+                                                                       np.zeros((group, dv)))
+            self.write(split_value(op.outputs[0], task.split), o_lo, o_hi, np.zeros((1, o_hi - o_lo)), b)
+            return
+        q = self.read(q_name, g * group * d, (g + 1) * group * d, b).reshape(group, d)
+        chunk = self.tg.chunk_keys(span)
         lo = first + task.split * chunk
         hi = min(pos + 1, lo + chunk) if st.n_splits > 1 else pos + 1
         s_b = int(self.seq[b])
@@ -264,30 +292,31 @@ class TaskSimulator:
                                     f"{new.start}..{new.stop - 1} before this step wrote them")
         keys = self.cache[kv_cache_value(a["layer"], "k")][s_b, lo:hi, g * d:(g + 1) * d]
         vals = self.cache[kv_cache_value(a["layer"], "v")][s_b, lo:hi, g * dv:(g + 1) * dv]
-        if hi <= lo:  # an empty chunk: nothing to add (the kernel's early exit)
-            part = _Partial(np.full(group, -np.inf), np.zeros(group), np.zeros((group, dv)))
-        else:
-            s = q @ keys.T  # (group, keys)
-            if a["softcap"]:
-                s = a["softcap"] * np.tanh(s / a["softcap"])
-            s = s * a["scale"]
-            m = s.max(axis=1)
-            p = np.exp(s - m[:, None])
-            part = _Partial(m, p.sum(axis=1), p @ vals)
-        o_lo, o_hi = g * group * dv, (g + 1) * group * dv
+        assert hi > lo, "a chunk the kernel runs holds keys"
+        s = q @ keys.T  # (group, keys)
+        if a["softcap"]:
+            s = a["softcap"] * np.tanh(s / a["softcap"])
+        s = s * a["scale"]
+        m = s.max(axis=1)
+        p = np.exp(s - m[:, None])
+        part = _Partial(m, p.sum(axis=1), p @ vals)
         if st.n_splits == 1:
             self.write(op.outputs[0], o_lo, o_hi, (part.o / part.total[:, None]).reshape(1, -1), b)
             return
         self.partials[(op.outputs[0], b, g, task.split)] = part
         self.write(split_value(op.outputs[0], task.split), o_lo, o_hi, np.zeros((1, o_hi - o_lo)), b)
-        if st.merged_by_last:  # the kernel's arrival counter: the (sequence, KV head)'s last chunk merges
-            arrived = self.arrivals[(op.outputs[0], b, g)] = self.arrivals.get((op.outputs[0], b, g), 0) + 1
+        if st.merged_by_last:  # the kernel's arrival counter: the (sequence, KV head)'s last chunk merges; chunk 0
+            # adds for the empty chunks too, which skip it, so the count still reaches n_splits a step
+            active = self._active(task.stage, b)
+            add = 1 + (st.n_splits - active if task.split == 0 else 0)
+            arrived = self.arrivals[(op.outputs[0], b, g)] = self.arrivals.get((op.outputs[0], b, g), 0) + add
             if arrived == st.n_splits:
-                self.write(op.outputs[0], o_lo, o_hi, self._merged(op.outputs[0], b, g, st.n_splits).reshape(1, -1), b)
+                self.write(op.outputs[0], o_lo, o_hi, self._merged(op.outputs[0], b, g, active).reshape(1, -1), b)
 
-    def _merged(self, out: str, b: int, g: int, n_splits: int) -> np.ndarray:
-        """KV head g's attention output for sequence b from its split partials, (group * dv,)."""
-        parts = [self.partials[(out, b, g, j)] for j in range(n_splits)]
+    def _merged(self, out: str, b: int, g: int, active: int) -> np.ndarray:
+        """KV head g's attention output for sequence b from the partials of its first `active` chunks (those that
+        hold keys this step: the kernel reads no others), (group * dv,)."""
+        parts = [self.partials[(out, b, g, j)] for j in range(active)]
         m = np.max([p.m for p in parts], axis=0)  # (group,)
         scale = [np.exp(p.m - m) for p in parts]  # exp(-inf) = 0 for the empty chunks
         num = sum(s[:, None] * p.o for s, p in zip(scale, parts, strict=True))
@@ -298,7 +327,7 @@ class TaskSimulator:
         st, b, g = self.tg.stages[task.stage], task.row, task.lo
         out = st.attention.outputs[0]
         o_lo, o_hi = task.writes[0].lo, task.writes[0].hi
-        self.write(out, o_lo, o_hi, self._merged(out, b, g, st.n_splits).reshape(1, -1), b)
+        self.write(out, o_lo, o_hi, self._merged(out, b, g, self._active(task.stage, b)).reshape(1, -1), b)
 
     def _argmax(self, task: Task) -> None:
         b = task.row

@@ -9,7 +9,9 @@ The graph's ops are grouped into stages (the fusions Hazy's megakernels, Mirage 
             the KV cache; the LM head's tiles also leave a partial argmax
   row       a whole-row op no projection absorbs (gemma's post-norms) with its row-local epilogue, per sequence
   attention split-KV partials per (sequence, KV head, key chunk) and a merge per (sequence, KV head); the number
-            of chunks is static (max context / chunk; sliding layers: window / chunk), empty chunks exit early.
+            of chunks is static (the default: as many as fill the SMs once, times the waves a long context needs to
+            keep each chunk within KV_MAX_KEYS; or max context / chunk, sliding layers window / chunk), each step
+            divides its keys over the chunks it needs and the empty ones exit early (before their wait).
             With merge_in_last, no merge tasks: the chunk that finishes last merges (Stage.merged_by_last)
   argmax    one per sequence: the token id from the LM head tiles' partial maxima (only ids leave the device)
 
@@ -105,6 +107,17 @@ def value_width(values: dict[str, Value], name: str) -> int:
 
 
 KV_MIN_KEYS = 64  # an even split never makes chunks shorter: a task's fixed cost outweighs its fewer keys
+# The default split (build_task_graph's kv_splits=-1) at long contexts: a chunk holds at most KV_MAX_KEYS keys, so a
+# long sequence spreads over more SMs (flash-decoding), in waves of the splits that fill the SMs once; at most
+# KV_MAX_WAVES of them (past that, chunks grow instead). A wave costs every SM one more attention task a layer at
+# every step, an empty one at short contexts (it skips its wait and body, but still reads its row and publishes):
+# 8 waves is where the 8B's b=8 kernel still keeps 2,048-key chunks at 32K. At batch 1 one wave covers
+# n_sms / KV heads x KV_MAX_KEYS keys (32K on an 8B over 132 SMs): more waves only for longer contexts.
+KV_MAX_KEYS = 2048
+KV_MAX_WAVES = 8
+# the context the cost model plans attention tasks for (its placement only): the common short steps, whatever the
+# kernel's maximum (a plan tuned for 128K contexts would misplace every short step's tasks)
+KV_PLAN_CONTEXT = 4096
 
 
 @dataclass
@@ -118,19 +131,47 @@ class TaskGraph:
     kv_slots: dict[str, tuple[int, str]] = field(default_factory=dict)  # value → (layer, "k" | "v") it appends
     # 0: attention splits its keys into chunks of kv_chunk (a stage has ceil(span / kv_chunk) of them, most empty
     # at short contexts); n: every attention stage has n splits and each step divides its visible keys evenly
-    # (build_task_graph's -1: at batch 1 as many as fill the SMs once, n_sms // KV heads; chunks above it)
+    # over kv_fill of them, or over a multiple of kv_fill where that keeps chunks within kv_max_keys (waves)
+    # (build_task_graph's -1: kv_fill as many as fill the SMs once, n_sms // (KV heads x batch), times the waves
+    # the maximum context needs, at most KV_MAX_WAVES)
     kv_splits: int = 0
     kv_min_keys: int = KV_MIN_KEYS  # an even split's shortest chunk
+    kv_fill: int = 0  # the splits of one wave (0: kv_splits, one wave); kv_splits is a multiple of it
+    kv_max_keys: int = KV_MAX_KEYS  # with more than one wave: a chunk's most keys, up to the last wave
 
-    def chunk_keys(self, span, maximum=max):
-        """Keys per attention task when `span` keys are visible (`span` may be a TIR expression: pass tirx.max):
-        with kv_splits, a multiple of a warp's 32 keys (of kv_min_keys when that is smaller), at least
-        kv_min_keys."""
+    @property
+    def kv_waves(self) -> int:
+        return self.kv_splits // (self.kv_fill or self.kv_splits) if self.kv_splits else 1
+
+    def chunk_keys(self, span, maximum=max, minimum=min):
+        """Keys per attention task when `span` keys are visible (`span` may be a TIR expression: pass tirx.max and
+        tirx.min): with kv_splits, the span divided evenly over the fewest waves of kv_fill chunks that keep a chunk
+        within kv_max_keys (all of them past that), rounded up to a multiple of a warp's 32 keys (of kv_min_keys when
+        that is smaller), at least kv_min_keys. The chunks a step uses, ceil(span / chunk), never exceed kv_splits."""
         if not self.kv_splits:
             return self.kv_chunk
+        fill, waves = self.kv_fill or self.kv_splits, self.kv_waves
+        parts = fill
+        if waves > 1:
+            per_wave = fill * self.kv_max_keys
+            parts = fill * minimum((span + per_wave - 1) // per_wave, waves)
         align = min(32, self.kv_min_keys)
-        even = ((span + self.kv_splits - 1) // self.kv_splits + align - 1) // align * align
+        even = ((span + parts - 1) // parts + align - 1) // align * align
         return maximum(even, self.kv_min_keys)
+
+    def max_chunk_keys(self, span_max: int) -> int:
+        """The most keys one task reads at any span up to span_max (a static bound): within a wave count the chunk
+        grows with the span, so the largest is at a wave's last span or at span_max."""
+        if not self.kv_splits:
+            return self.kv_chunk
+        fill = self.kv_fill or self.kv_splits
+        ends = {span_max} | {min(span_max, fill * self.kv_max_keys * w) for w in range(1, self.kv_waves)}
+        return max(self.chunk_keys(s) for s in ends)
+
+    def active_chunks(self, span, maximum=max, minimum=min):
+        """How many chunks hold keys when `span` keys are visible (at most kv_splits; the rest are empty)."""
+        chunk = self.chunk_keys(span, maximum, minimum)
+        return (span + chunk - 1) // chunk
 
     def describe(self) -> str:
         """One line per stage: kind, tasks, the ops it fuses (for reading and golden tests)."""
@@ -159,22 +200,29 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
                      kv_splits: int = 0, kv_min_keys: int = KV_MIN_KEYS, fold_merge_floats: int = 0,
                      merge_in_last: bool = False, tiles_per_sm: int = 1,
                      max_tile_rows: int | None = None, balance_waves: bool = False,
-                     rope_pairs: bool = False) -> TaskGraph:
+                     rope_pairs: bool = False, kv_max_keys: int = KV_MAX_KEYS,
+                     kv_max_waves: int = KV_MAX_WAVES) -> TaskGraph:
     """The decode step of `graph` for `batch` sequences as tasks for `n_sms` persistent blocks; `max_tile_rows`
     caps a matvec tile (the kernel keeps a tile's outputs in shared memory). `fold_merge_floats` > 0: a matvec
     whose input is a split attention's output (the O projection) merges the partials itself, when the batch's
     inputs take at most that many floats (the kernel stages them in shared memory). `merge_in_last`: split
     attentions that no matvec merges are merged by their last chunk to finish (Stage.merged_by_last). `rope_pairs`:
-    q and k tiles may split heads where RoPE pairs neighbouring features (_align)."""
+    q and k tiles may split heads where RoPE pairs neighbouring features (_align). `kv_max_keys`, `kv_max_waves`:
+    with kv_splits=-1, a chunk's most keys and the most waves of chunks that keep them so (TaskGraph.chunk_keys)."""
     if graph.outputs != (LOGITS,):
         raise UnsupportedError(f"fuse: the megakernel needs a graph whose one output is {LOGITS!r}.")
     values = graph.values()
+    kv_fill = 0
     if kv_splits < 0:  # as many even splits as fill the SMs once: measured on the H200 (benchmarks/README.md,
         # 2026-12-02), with a warp's keys loaded at once a task's time hardly grows with its keys, so fewer, longer
         # tasks win as long as the SMs are filled (b=8: 256-key chunks 2,392 µs a step on the 1B, 1,024-key 2,109,
-        # but SmolLM2's 24 (sequence, KV head) pairs in 1,024-key chunks 1,662 against 1,586)
+        # but SmolLM2's 24 (sequence, KV head) pairs in 1,024-key chunks 1,662 against 1,586). A context longer
+        # than a wave of kv_max_keys chunks takes more waves of them: the split count grows with the maximum
+        # context (up to kv_max_waves), the tasks' keys do not
         heads = max((op.attrs["n_head_kv"] for op in graph.attention_ops()), default=1)
-        kv_splits = max(1, n_sms // (heads * batch))
+        kv_fill = max(1, n_sms // (heads * batch))
+        waves = max(1, min(kv_max_waves, -(-max_context // (kv_fill * kv_max_keys))))
+        kv_splits = kv_fill * waves
     stages = _stages(graph, values, max_context, kv_chunk, kv_splits)
     if rope_pairs:
         stages = [dataclasses.replace(st, units=tuple(dataclasses.replace(u, align=_align(u.epilogue, values, True))
@@ -187,7 +235,7 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
                   if st.kind == TaskKind.ATTN_PARTIAL and st.n_splits > 1 and i not in folded else st
                   for i, st in enumerate(stages)]
     tg = TaskGraph(graph, batch, max_context, kv_chunk, kv_splits=kv_splits, kv_min_keys=kv_min_keys,
-                   stages=stages)
+                   kv_fill=kv_fill, kv_max_keys=kv_max_keys, stages=stages)
     for op in graph.attention_ops():
         tg.kv_slots[op.inputs[1]] = (op.attrs["layer"], "k")
         tg.kv_slots[op.inputs[2]] = (op.attrs["layer"], "v")
@@ -416,29 +464,46 @@ class _Tiler:
         d, dv = self.values[q].shape[-1], self.values[v].shape[-1]
         group = h // hkv
         layer = op.attrs["layer"]
-        kv_bytes = 2 * (self.tg.max_context // 2) * (d + dv) // st.n_splits  # a typical step's share, f16 keys
-        for b in range(self.tg.batch):
-            for g in range(hkv):
-                reads = [Region(q, g * group * d, (g + 1) * group * d, b),
-                         Region(kv_cache_value(layer, "k"), g * d, (g + 1) * d, b),
-                         Region(kv_cache_value(layer, "v"), g * dv, (g + 1) * dv, b)]
-                o_lo, o_hi = g * group * dv, (g + 1) * group * dv
-                if st.n_splits == 1:
-                    self.add(TaskKind.ATTN_PARTIAL, i, reads, [Region(out, o_lo, o_hi, b)], weight_bytes=kv_bytes,
-                             lo=g, hi=g + 1, row=b)
-                    continue
-                # merged by the last: every chunk may be the one that writes the output
-                merged = [Region(out, o_lo, o_hi, b)] if st.merged_by_last else []
-                parts = [self.add(TaskKind.ATTN_PARTIAL, i, reads,
-                                  [Region(split_value(out, j), o_lo, o_hi, b), *merged],
-                                  weight_bytes=kv_bytes, lo=g, hi=g + 1, row=b, split=j)
-                         for j in range(st.n_splits)]
-                if st.merged_by_last:
-                    continue
-                if any(s.merged == i for s in self.tg.stages):
-                    continue  # the consumer's tiles merge the partials
-                self.add(TaskKind.ATTN_MERGE, i, [w for t in parts for w in t.writes], [Region(out, o_lo, o_hi, b)],
+        # the cost model's keys per task (f16 keys and values): a typical step's, half of the planning context
+        # (KV_PLAN_CONTEXT), its chunks of them; the chunks it leaves empty cost only the task's overhead
+        window = int(op.attrs.get("sliding_window") or 0)
+        typical = max(1, min(self.tg.max_context, KV_PLAN_CONTEXT, window or self.tg.max_context) // 2)
+        if st.n_splits == 1:
+            keys, used = typical, 1
+        else:
+            keys = self.tg.chunk_keys(typical)
+            used = -(-typical // keys)
+        pairs = [(b, g) for b in range(self.tg.batch) for g in range(hkv)]
+
+        def reads(b: int, g: int) -> list[Region]:
+            return [Region(q, g * group * d, (g + 1) * group * d, b),
+                    Region(kv_cache_value(layer, "k"), g * d, (g + 1) * d, b),
+                    Region(kv_cache_value(layer, "v"), g * dv, (g + 1) * dv, b)]
+
+        def out_region(b: int, g: int, name: str = out) -> Region:
+            return Region(name, g * group * dv, (g + 1) * group * dv, b)
+
+        if st.n_splits == 1:
+            for b, g in pairs:
+                self.add(TaskKind.ATTN_PARTIAL, i, reads(b, g), [out_region(b, g)], weight_bytes=2 * keys * (d + dv),
                          lo=g, hi=g + 1, row=b)
+            return
+        # split-major: chunk j of every (sequence, KV head) before chunk j + 1 of any, so the chunks a short step
+        # uses (the first ones) are planned over distinct SMs, and the later waves' after them
+        parts: dict[tuple[int, int], list[Task]] = {pair: [] for pair in pairs}
+        for j in range(st.n_splits):
+            for b, g in pairs:
+                # merged by the last: every chunk may be the one that writes the output
+                merged = [out_region(b, g)] if st.merged_by_last else []
+                parts[(b, g)].append(self.add(TaskKind.ATTN_PARTIAL, i, reads(b, g),
+                                              [out_region(b, g, split_value(out, j)), *merged],
+                                              weight_bytes=2 * keys * (d + dv) if j < used else 0,
+                                              lo=g, hi=g + 1, row=b, split=j))
+        if st.merged_by_last or any(s.merged == i for s in self.tg.stages):
+            return  # merged by the last chunk, or by the consumer's tiles
+        for b, g in pairs:
+            self.add(TaskKind.ATTN_MERGE, i, [w for t in parts[(b, g)] for w in t.writes], [out_region(b, g)],
+                     lo=g, hi=g + 1, row=b)
 
     def argmax(self) -> None:
         vocab = self.width(LOGITS)

@@ -123,7 +123,10 @@ def test_dropping_any_dependency_is_caught(name, fold, last, rng):
     path, graph, tg, _ = setup(name, batch=2, fold=fold, last=last)
     # one task per SM and the highest ready id first: a task runs as soon as its declared deps allow
     plan = plan_queues(tg, CostModel(n_sms=len(tg.tasks)))
-    for victim in rng.choice([t for t in tg.tasks if t.deps], size=4, replace=False):
+    # at position 0 only the first key chunk holds a key: the others skip their wait (the kernel's early exit), so
+    # their dependencies are not needed this step
+    needed = [t for t in tg.tasks if t.deps and not (t.kind == TaskKind.ATTN_PARTIAL and t.split > 0)]
+    for victim in rng.choice(needed, size=4, replace=False):
         tasks = list(tg.tasks)
         tasks[victim.id] = dataclasses.replace(victim, deps=())
         broken = dataclasses.replace(tg, tasks=tasks)

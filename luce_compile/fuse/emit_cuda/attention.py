@@ -1,6 +1,8 @@
 """Attention tasks: one (sequence, KV head, key chunk) a task, online softmax per warp over the keys, p·v,
 the warps' partials combined in shared memory; split chunks merged by the last to finish (merge_in_last), by a
-merge task, or by the O projection (Stage.merged, merged_value)."""
+merge task, or by the O projection (Stage.merged, merged_value). Nothing here grows with the maximum context: the
+loop over a chunk's keys runs as many times as the chunk has keys this step, shared memory holds a warp's 32 scores
+a head, and a chunk that holds no keys this step is skipped before its wait (empty_chunk)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ class AttentionMixin:
         per_lane = -(-d // 32)  # dimensions per lane in p·v (the last may be partial for heads under 32)
         n_splits = st.n_splits
         window = int(a.get("sliding_window") or 0)
-        chunk = self._chunk_max(st, window)
         # shared: q (group, d) | p (warps, group, 32) | o (warps, group, d) | m, l (warps, group)
         q_at, p_at = 0, group * d
         o_at = p_at + self.warps * group * 32
@@ -34,7 +35,7 @@ class AttentionMixin:
         b, g, split = self.col(P.ROW), self.col(P.LO), self.col(P.SPLIT)
         partials = self.p.partials.get(op.stage)
         with self.when(split >= 0):
-            self._attn_partial(op, att, q_name, b, g, split, group, d, per_lane, chunk, window, n_splits,
+            self._attn_partial(op, att, q_name, b, g, split, group, d, per_lane, window, n_splits,
                                q_at, p_at, o_at, ml_at, partials)
             if st.merged_by_last:
                 self._merge_if_last(op, att, b, g, group, d, n_splits, partials)
@@ -43,26 +44,50 @@ class AttentionMixin:
                 self._attn_merge(op, att, b, g, group, d, n_splits, partials)
 
     def _chunk_max(self, st, window: int) -> int:
-        """The most keys one attention task of the stage reads (a static bound for its loops)."""
+        """The most keys one attention task of the stage reads (a static bound: the prefetch's)."""
         span = min(window, self.p.tg.max_context) if window else self.p.tg.max_context
-        return self.p.tg.chunk_keys(span) if st.n_splits > 1 else self.p.tg.max_context
+        return self.p.tg.max_chunk_keys(span) if st.n_splits > 1 else span
 
     def _visible(self, window: int, b) -> tuple[tirx.Expr, tirx.Expr]:
-        """Sequence b's first visible key this step and how many keys it sees (with this step's)."""
-        pos = self.lengths[b]
+        """Sequence b's first visible key this step and how many keys it sees (with this step's), from the block's
+        copy of the lengths (seq_len)."""
+        pos = self.seq_len[b]
         first = tirx.max(pos - (window - 1), 0) if window else i32(0)
         return first, pos + 1 - first
 
     def _chunk(self, st, window: int, b, split) -> tuple[tirx.Expr, tirx.Expr]:
-        """The keys [lo, hi) of sequence b's chunk `split` this step (TaskGraph.chunk_keys, as the simulator)."""
+        """The keys [lo, hi) of sequence b's chunk `split` this step (TaskGraph.chunk_keys, as the simulator), held
+        in registers: the chunk's size divides by a count of waves known only at run time, and written inline it
+        would be recomputed in every use (the unrolled p·v loop's 32 keys)."""
         first, span = self._visible(window, b)
         if st.n_splits == 1:
             return first, first + span
-        chunk = self.p.tg.chunk_keys(span, tirx.max)
-        kv_lo = first + split * chunk
-        return kv_lo, tirx.min(first + span, kv_lo + chunk)
+        chunk = self.p.tg.chunk_keys(span, tirx.max, tirx.min)
+        bounds = self.local("int32", 2)
+        self.store(bounds, 0, first + split * chunk)
+        self.store(bounds, 1, tirx.min(first + span, bounds[0] + chunk))
+        return bounds[0], bounds[1]
 
-    def _attn_partial(self, op, att, q_name, b, g, split, group, d, per_lane, chunk, window, n_splits,
+    def _active(self, st, b) -> tirx.Expr:
+        """The chunks of sequence b that hold keys this step (the first ones; TaskGraph.active_chunks), in a
+        register."""
+        _, span = self._visible(int(st.attention.attrs.get("sliding_window") or 0), b)
+        active = self.local("int32")
+        self.store(active, 0, tirx.min(i32(st.n_splits), self.p.tg.active_chunks(span, tirx.max, tirx.min)))
+        return active[0]
+
+    def empty_chunk(self, op: P.Opcode) -> tirx.Expr:
+        """Whether this task is a split attention chunk that holds no keys this step: the kernel's loop skips its
+        wait and its body (the chunks a long maximum context adds cost short steps only their rows and counters).
+        Nothing reads what it would write: a merge reads the active chunks' partials only, and the arrival count
+        of merge_in_last has chunk 0 add for the empty ones (_merge_if_last)."""
+        st = self.p.tg.stages[op.stage]
+        if st.n_splits == 1:
+            return tirx.const(False, "bool")
+        split = self.col(P.SPLIT)
+        return (split >= 0) & (split >= self._active(st, self.col(P.ROW)))
+
+    def _attn_partial(self, op, att, q_name, b, g, split, group, d, per_lane, window, n_splits,
                       q_at, p_at, o_at, ml_at, partials) -> None:
         a = att.attrs
         ps, layer = self.p.page_size, self.col(P.KV_LAYER)
@@ -80,7 +105,10 @@ class AttentionMixin:
             self.store(lsum, hh, f32(0))
             for c in range(per_lane):
                 self.store(o, hh * per_lane + c, f32(0))
-        waves = -(-chunk // (self.warps * 32))
+        # a wave: the block's warps' 32 keys each; as many as this chunk's keys take (a loop bound of the step, not
+        # of the maximum context)
+        per_wave = self.warps * 32
+        waves = (tirx.max(kv_hi - kv_lo, 0) + (per_wave - 1)) // per_wave
         # a lane's key row in 16-byte loads (all in flight at once) where the head's rows are whole vectors: as
         # 32-bit words (TVM's CUDA codegen has no float16x8 type), each value taken out of its word
         bits = DataType(self.kv_dtype).bits
@@ -210,9 +238,7 @@ class AttentionMixin:
         Only the splits that hold keys this step are read (the others' partials are empty)."""
         att, n_splits = att_stage.attention, att_stage.n_splits
         h, d = att.attrs["n_head"], int(self.values[att.inputs[2]].shape[-1])
-        _, span = self._visible(int(att.attrs.get("sliding_window") or 0), b)
-        chunk = self.p.tg.chunk_keys(span, tirx.max)
-        active = tirx.min(i32(n_splits), (span + chunk - 1) // chunk)
+        active = self._active(att_stage, b)
         mx, den, num = self.local(), self.local(), self.local()
         self.store(mx, 0, tirx.min_value(F32))
         with B.serial(0, active) as j:
@@ -228,16 +254,22 @@ class AttentionMixin:
         return num[0] / den[0]
 
     def _merge_if_last(self, op, att, b, g, group, d, n_splits, partials) -> None:
-        """Merged by the last chunk (Stage.merged_by_last): thread 0 releases the block's partials, adds 1 to the
+        """Merged by the last chunk (Stage.merged_by_last): thread 0 releases the block's partials, adds to the
         (sequence, KV head)'s arrival counter, and the chunk that brings it to n_splits x epoch acquires the
         others' partials and merges them, where a merge task would have waited for them (a handoff: poll, barrier,
-        its loads after). The task publishes after this, so its consumers see the merged output."""
+        its loads after). The chunks that hold no keys this step never get here (empty_chunk): chunk 0 adds 1 for
+        itself and 1 for each of them, the others 1. The task publishes after this, so its consumers see the
+        merged output."""
         self.sync()  # every thread's partial writes issued
         with self.when(self.tx == 0):
             ix.fence_acq_rel()
+            mine = self.local("int32")
+            self.store(mine, 0, tirx.if_then_else(self.col(P.SPLIT) == 0,
+                                                  i32(n_splits + 1) - self._active(self.p.tg.stages[op.stage], b),
+                                                  i32(1)))
             before = self.local("int32")
-            self.store(before, 0, ix.atomic_add(T.address_of(self.counters[self.col(P.ARRIVAL)]), i32(1)))
-            last = before[0] == i32(n_splits) * self.epoch - 1
+            self.store(before, 0, ix.atomic_add(T.address_of(self.counters[self.col(P.ARRIVAL)]), mine[0]))
+            last = before[0] + mine[0] == i32(n_splits) * self.epoch
             with self.when(last):
                 ix.fence_acq_rel()  # acquire: the other chunks' partials, for every thread
             self.store(self.redi, 0, tirx.if_then_else(last, i32(1), i32(0)))
