@@ -179,3 +179,23 @@ def test_8b_shape_megakernels_pass_the_check(name, tmp_path):
     assert len(found) == 2
     rocm = TARGETS[name].kind == "rocm"
     assert all(r.spill_bytes <= (ROCM_SCRATCH_BOUND_BYTES if rocm else CUDA_SPILL_BOUND_BYTES) for r in found)
+
+
+@pytest.mark.slow  # ~25 s here
+def test_8b_shape_megakernels_at_32k_fit_sm_90(tmp_path):
+    """Issue 38: Llama-3.1-8B's shapes (2 of its layers) built for a 32,768-token context on sm_90, b1 and b8: the
+    check passes (registers x threads within the register file, spills within the bound, shared memory within the
+    opt-in; measured 128 registers, 112 / 560 bytes spilled, 2,368 / 3,776 bytes static + 128 KiB dynamic, as at
+    4,096 within 16 bytes of spills), and the attention's chunks hold at most 2,048 keys at 32K (b1: one wave of
+    16 chunks a KV head; b8: 8 waves of 2)."""
+    from luce_compile.fuse.taskgraph import KV_MAX_KEYS
+
+    programs = build("sm_90", "llama-3.1-8b", tmp_path / "mk.so", layers=2, max_context=32768)
+    info = get_target("sm_90")
+    found = resources(programs)
+    assert {(r.kernel, r.arch) for r in found} == {(kernel_name(b), "sm_90") for b in (1, 8)}
+    for r in found:
+        assert r.registers * r.threads <= 65536 and r.spill_bytes <= CUDA_SPILL_BOUND_BYTES
+        assert r.static_shared + r.dynamic_shared <= info.facts["max_shared_memory_opt_in"]
+    assert {b: (p.tg.kv_waves, p.tg.chunk_keys(32768)) for b, p in programs.items()} == {1: (1, KV_MAX_KEYS),
+                                                                                      8: (8, KV_MAX_KEYS)}

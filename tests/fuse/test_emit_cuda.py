@@ -391,3 +391,26 @@ def test_prefetch_ahead_asks_l2_for_the_next_pass_of_quants():
     prefetched = set(re.findall(call, ahead))
     assert prefetched and all(name.endswith("_qs") for name in prefetched)  # Q4_K: the quants, not the scales
     assert divergent_collectives(ahead) == []
+
+
+def test_a_long_maximum_context_changes_only_the_tables_and_the_chunk_arithmetic():
+    """Issue 38: the kernel built for a 131,072-token context (kv_splits=-1 on 132 SMs; at batch 8, 8 waves of key
+    chunks) is the kernel built for 4,096 but for its task tables' strides and each task's chunk arithmetic: the
+    same shared buffers and nearly the same code (no loop, buffer or unrolled body grows with the context); the
+    page table's width is an argument (the engine's context, not the kernel's); an attention chunk with no keys
+    skips its wait and body, so chunk 0 adds for the skipped ones to the arrival counter (a value, not 1)."""
+    graph, _ = open_graph(cached_synthetic(preset("tiny-llama")))
+
+    def source(max_context: int) -> tuple[str, object]:
+        prog = build_program(graph, batch=8, n_sms=132, max_context=max_context, kv_splits=-1, merge_in_last=True)
+        return cuda_source(emit_megakernel(prog)), prog
+
+    (short, short_prog), (long, long_prog) = source(4096), source(131072)
+    assert (short_prog.tg.kv_waves, long_prog.tg.kv_waves) == (1, 8)
+    assert len(long_prog.tg.tasks) > 2 * len(short_prog.tg.tasks)
+    shared = re.compile(r"__shared__ .*;")
+    assert shared.findall(long) == shared.findall(short)
+    assert abs(len(long.splitlines()) - len(short.splitlines())) < 0.02 * len(short.splitlines())
+    assert "int max_pages" in long and re.findall(r"page_table_ptr\[[^;]*max_pages", long)
+    assert re.search(r"atomic_add\(\(&\(counters_ptr\[_ptr_\d+\[\d+\]\]\)\), _ptr_\d+\[0\]\)", long)
+    assert divergent_collectives(long) == []

@@ -246,3 +246,104 @@ def test_capped_tiles_fill_whole_waves(balance, rng):
     for b, o in enumerate(oracles):
         want = o.decode(tokens[b])
         assert np.max(np.abs(got[b] - want)) / np.max(np.abs(want)) < 1e-10 and ids[b] == int(np.argmax(want))
+
+
+# ---- long contexts: more key chunks as the context grows, each within a cap ------------------------------------
+LONG_CONTEXT, MAX_KEYS = 160, 8  # 20 chunks of the cap: past kv_max_waves (8) waves of 2 chunks, chunks grow
+
+
+def long_graph(batch: int, n_sms: int = 8, last: bool = True, fold: bool = False, max_context: int = LONG_CONTEXT):
+    """tiny-llama's default split (kv_splits=-1) on n_sms SMs with a key cap of MAX_KEYS: at batch 2 one wave is
+    8 // (2 KV heads x 2) = 2 chunks a (sequence, KV head), as many as the default split made before; a long
+    context takes up to 8 waves of them (16 chunks)."""
+    path = cached_synthetic(preset("tiny-llama"))
+    graph, _ = open_graph(path)
+    tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=max_context, kv_splits=-1, kv_min_keys=4,
+                          kv_max_keys=MAX_KEYS, merge_in_last=last, fold_merge_floats=10**6 if fold else 0)
+    return path, graph, tg
+
+
+def test_chunks_cover_every_span_within_the_cap_in_python_and_in_tir():
+    """For every span up to the maximum context: the step's chunks (the first ceil(span / chunk) of the stage's)
+    cover exactly its keys, never more of them than the stage has, each at least kv_min_keys and within kv_max_keys
+    until every wave is in use (then they grow); max_chunk_keys bounds them all; and the TIR expressions the kernel
+    computes them with (tirx.max/min, floor division) give the same numbers."""
+    from tvm import tirx
+    from tvm.sym import Analyzer
+
+    _, _, tg = long_graph(batch=2)
+    assert (tg.kv_fill, tg.kv_waves, tg.kv_splits) == (2, 8, 16)
+    n_splits = {st.n_splits for st in tg.stages if st.kind == TaskKind.ATTN_PARTIAL}
+    assert n_splits == {16}
+    x = tirx.Var("span", "int32")
+    chunk_tir, active_tir = tg.chunk_keys(x, tirx.max, tirx.min), tg.active_chunks(x, tirx.max, tirx.min)
+    bound = tg.max_chunk_keys(LONG_CONTEXT)
+    for span in range(1, LONG_CONTEXT + 1):
+        chunk, active = tg.chunk_keys(span), tg.active_chunks(span)
+        assert (active - 1) * chunk < span <= active * chunk and active <= tg.kv_splits
+        assert tg.kv_min_keys <= chunk <= bound
+        if span <= tg.kv_splits * MAX_KEYS:
+            assert chunk <= MAX_KEYS, span
+        if span > tg.kv_fill * MAX_KEYS:  # past one wave: more chunks than the default split had
+            assert active > tg.kv_fill
+        analyzer = Analyzer()
+        analyzer.bind(x, tirx.const(span, "int32"))
+        assert int(analyzer.simplify(chunk_tir)) == chunk and int(analyzer.simplify(active_tir)) == active
+    assert tg.active_chunks(128) == tg.kv_splits  # every chunk in use
+    # one wave is enough below fill x cap: the split count of a short maximum context is the old one
+    _, _, short = long_graph(batch=2, max_context=16)
+    assert (short.kv_splits, short.kv_waves) == (2, 1)
+
+
+@pytest.mark.parametrize(("last", "fold"), [(True, False), (False, False), (False, True)],
+                         ids=["merged-by-last", "merge-tasks", "merged-by-o-proj"])
+def test_long_contexts_decode_like_the_oracle_over_many_chunks(last, fold, rng):
+    """Two sequences at 40 and 130 cached tokens decoded together (context 160, chunks of at most 8 keys): the first
+    over 6 chunks, the second over 11-12 of 12 keys (every wave in use, its chunks past the cap), where the default
+    split used 2 before;
+    the empty chunks skip their waits (the simulator runs them at once, adversarially first), and chunk 0 counts
+    them for merge_in_last's arrival. Logits and ids as the oracle's at every step."""
+    path, graph, tg = long_graph(batch=2, last=last, fold=fold)
+    assert not fold or any(st.merged >= 0 for st in tg.stages)
+    plan = plan_queues(tg, CostModel(n_sms=8))
+    sim = TaskSimulator(tg, plan, Oracle(path))
+    oracles, logits = [], []
+    for b, n in enumerate((40, 130)):
+        oracle = Oracle(path)
+        kv, first = prefill_kv(oracle, graph, [int(t) for t in rng.integers(0, 49152, n)])
+        sim.load_prefix(b, kv)
+        oracles.append(oracle)
+        logits.append(first)
+    for step in range(3):
+        spans = [sim.length[b] + 1 for b in range(2)]
+        used = [tg.active_chunks(s) for s in spans]
+        assert used[0] > tg.kv_fill and used[1] > tg.kv_splits // 2 and tg.chunk_keys(spans[1]) > MAX_KEYS
+        tokens = [int(np.argmax(x)) for x in logits]
+        got, ids = sim.step(tokens, seed=step, adversarial=step % 2 == 1)
+        logits = [o.decode(t) for o, t in zip(oracles, tokens, strict=True)]
+        for b in range(2):
+            assert np.max(np.abs(got[b] - logits[b])) / np.max(np.abs(logits[b])) < 1e-10, (step, b)
+            assert ids[b] == int(np.argmax(logits[b]))
+
+
+def test_an_8b_shaped_model_keeps_its_chunks_within_the_cap_at_32k():
+    """The 8B's attention (8 KV heads) on 132 SMs, built for its 131,072-token context: at batch 1 one wave of 16
+    chunks holds 32K keys in chunks of 2,048, 128K takes 4 waves of them; at batch 8 (2 chunks a wave) 32K takes 8
+    waves of 2,048 and 128K's chunks grow to 8,192 past the last wave. The kernel's attention tasks stay within
+    kv_max_waves a layer and SM, and the cost model plans every stage at the short context it did before."""
+    from luce_compile.fuse.taskgraph import KV_MAX_KEYS, KV_MAX_WAVES
+
+    spec = dataclasses.replace(preset("tiny-llama"), n_head=32, n_head_kv=8, n_embd=256, n_layer=1)
+    graph, _ = open_graph(cached_synthetic(spec))
+    sizes = {}
+    for batch in (1, 8):
+        tg = build_task_graph(graph, batch=batch, n_sms=132, max_context=131072, kv_splits=-1, merge_in_last=True)
+        attention = [t for t in tg.tasks if t.kind == TaskKind.ATTN_PARTIAL]
+        assert len(attention) <= KV_MAX_WAVES * 132
+        sizes[batch] = (tg.kv_fill, tg.kv_waves, tg.chunk_keys(32768), tg.chunk_keys(131072))
+        four_k = build_task_graph(graph, batch=batch, n_sms=132, max_context=4096, kv_splits=-1, merge_in_last=True)
+        assert four_k.kv_waves == 1 and four_k.chunk_keys(4096) == tg.chunk_keys(4096)
+        # the cost model's estimate per chunk is a 2,048-key step's, the chunks it does not use are empty
+        assert {t.weight_bytes for t in attention} == {t.weight_bytes for t in four_k.tasks
+                                                       if t.kind == TaskKind.ATTN_PARTIAL} | {0}
+    assert sizes == {1: (16, 4, KV_MAX_KEYS, KV_MAX_KEYS), 8: (2, 8, KV_MAX_KEYS, 4 * KV_MAX_KEYS)}
