@@ -149,7 +149,9 @@ def kernel_spec(p: Program) -> dict:
     return {"name": kernel_name(p.batch), "batch": p.batch, "params": p.param_names, "param_dtypes": p.param_dtypes,
             "arena_size": int(p.arena_size), "n_counters": int(p.n_counters), "lm_tiles": int(p.lm_tiles),
             "logits_at": int(p.arena[LOGITS]), "vocab": int(p.width(LOGITS)), "n_queues": int(len(p.queue_len)),
-            "profile_clocks": PROFILE_CLOCKS, "gave_up_marker": True, "fingerprint": program_fingerprint(p)}
+            "profile_clocks": PROFILE_CLOCKS, "gave_up_marker": True, "fingerprint": program_fingerprint(p),
+            # kernels built since 2026-12-06 take a page table of any width (the caller's context), not max_context's
+            "page_table_any_width": True}
 
 
 def kernel_tables(p: Program) -> dict[str, np.ndarray]:
@@ -175,7 +177,10 @@ def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: s
         return {"skipped": "sliding-window layers (TVM's cache pages them as a ring)"}, {}
     from luce_compile.targets import get_target
 
-    options = target_options(MegakernelOptions(max_context=min(int(graph.config.n_ctx_train), 4096),
+    # the model's whole trained context (issue 38; was capped at 4,096): nothing in the kernel grows with it but the
+    # attention's split count (TaskGraph.chunk_keys: at most KV_MAX_WAVES waves of the splits that fill the SMs), and
+    # the page table is as wide as the engine's context; the engine's --ctx and its KV pool bound the real contexts
+    options = target_options(MegakernelOptions(max_context=int(graph.config.n_ctx_train),
                                                kv_dtype=kv_dtype, q8_activations=q8_activations,
                                                float_mma=float_mma), get_target(target_name))
     try:

@@ -267,7 +267,7 @@ class Engine:
         self._pages = KVPages(self._kv.cache, int(c["n_layer"]), int(c["n_head_kv"]), int(c["head_dim"]),
                               self.page_size, self.max_context, self.contract.kv_dtype)
         self._mk_pages: dict[int, list[int]] = {}  # seq id → its page ids as last read (dropped when they may move)
-        return Megakernel(self.artifact.root, section, self.device, weights)
+        return Megakernel(self.artifact.root, section, self.device, weights, max_context=self.max_context)
 
     def _choose_decode_paths(self, context: int = 512, steps: int = 6) -> None:
         """Time a greedy decode step of n sequences on the megakernel and on the per-op kernels, for every n the

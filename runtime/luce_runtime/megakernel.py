@@ -175,9 +175,10 @@ class Kernel:
 class Megakernel:
     """The decode megakernels of an artifact, ready to launch on one device."""
 
-    def __init__(self, root: Path, section: dict, device, params: dict[str, np.ndarray]):
+    def __init__(self, root: Path, section: dict, device, params: dict[str, np.ndarray], max_context: int = 0):
+        """max_context: the most tokens a sequence the caller steps holds (the engine's context; 0: the kernels'),
+        which sizes the page tables of kernels that take any width."""
         self.batches = sorted(int(b) for b in section["batches"])
-        max_pages = -(-int(section["max_context"]) // int(section["page_size"]))
         module = tvm.runtime.load_module(str(root / section["module"]))
         with np.load(root / section["tables"]) as npz:
             tables = {k: npz[k] for k in npz.files}
@@ -185,11 +186,21 @@ class Megakernel:
         self.kernels = {}
         for spec in section["kernels"].values():
             weights = {n: stacked[n] for n in spec["weights"]}
-            self.kernels[int(spec["batch"])] = Kernel(module[spec["name"]], spec, tables, weights, device, max_pages)
+            self.kernels[int(spec["batch"])] = Kernel(module[spec["name"]], spec, tables, weights, device,
+                                                      self.table_pages(section, spec, max_context))
         # True: the next steps record each task's clocks (the GPU's global timer, ns): wait begins, body begins,
         # task ends, then a matvec body's phases; `profile` returns the last step's (benchmarks/h200/engine_profile)
         self.profiling = False
         self._last: Kernel | None = None
+
+    @staticmethod
+    def table_pages(section: dict, spec: dict, max_context: int = 0) -> int:
+        """Page ids a row of a kernel's page table holds: the caller's context where the kernel takes a table of
+        any width (built since 2026-12-06: its maximum context is the model's, up to 131,072 tokens, 8,192 ids a
+        row that a 4K engine would upload for nothing), else the kernel's maximum context."""
+        built = int(section["max_context"])
+        width = min(max_context, built) if max_context and spec.get("page_table_any_width") else built
+        return -(-width // int(section["page_size"]))
 
     @classmethod
     def refusal(cls, section: dict, *, kv_dtype: str, page_size: int, max_context: int, sm_count: int) -> str | None:

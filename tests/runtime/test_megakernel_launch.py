@@ -173,3 +173,19 @@ def test_masks_refused_by_a_kernel_built_without_them():
     pages = tvm.runtime.tensor(np.zeros(4, np.float32), tvm.cpu(0))
     with pytest.raises(Exception, match="takes no token masks"):
         mk.step([3], [10], [[1]], pages, None, logits=False, allowed=_packed([1])[None])
+
+
+def test_page_tables_are_as_wide_as_the_engines_context_and_long_contexts_are_served():
+    """Kernels built since 2026-12-06 cover the model's trained context (131,072 tokens for Llama 3.1) and take a
+    page table of any width: the engine's rows hold its own context's pages (a 4K engine uploads 256 ids a row, not
+    8,192); older kernels keep the width they were built with. An engine at any context up to the kernels' runs
+    them; past it, the per-op path."""
+    section = {"max_context": 131072, "page_size": 16, "kv_dtype": "float16",
+               "kernels": {"1": {"n_queues": QUEUES}}}
+    new, old = {"page_table_any_width": True}, {}
+    assert Megakernel.table_pages(section, new, 4096) == 256
+    assert Megakernel.table_pages(section, new, 32769) == 2049
+    assert Megakernel.table_pages(section, new) == Megakernel.table_pages(section, old, 4096) == 8192
+    ask = {"kv_dtype": "float16", "page_size": 16, "sm_count": QUEUES}
+    assert Megakernel.refusal(section, max_context=131072, **ask) is None
+    assert "up to 4096 tokens" in Megakernel.refusal({**section, "max_context": 4096}, max_context=32768, **ask)
