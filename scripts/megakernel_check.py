@@ -15,7 +15,9 @@
                  copied in at each prompt's end)
       and with --time: device time per step (CUDA events over back-to-back launches that feed each step's ids
       and lengths to the next, nothing else launched) and the host's wall clock per step when each step's ids are
-      copied to the host, at context 512, batch 1 and 8.
+      copied to the host, at context 512 (or each of --contexts, within the build's --ctx), batch 1 and 8.
+      --long N: the batched check's first sequence holds N tokens (a long context over many key chunks, stepped
+      alone from an empty cache first: minutes for a large model, seconds for a tiny one).
 """
 
 from __future__ import annotations
@@ -275,8 +277,11 @@ def tiny_reference(gguf_path: Path, vocab: int, steps: int = 64, seed: int = 0,
     return {"prompt": np.array(prompt), "ids": np.array(ids), "logits": logits}
 
 
-def check_batched(runners: dict, vocab: int, sizes=(2, 5, 8), steps: int = 12, seed: int = 1) -> dict:
-    """Sequences of different lengths stepped together vs each alone (alone runs give the batched run its cache)."""
+def check_batched(runners: dict, vocab: int, sizes=(2, 5, 8), steps: int = 12, seed: int = 1,
+                  long: int = 0) -> dict:
+    """Sequences of different lengths stepped together vs each alone (alone runs give the batched run its cache).
+    long > 0: the first sequence's prompt has that many tokens (its attention at depth splits into other chunks
+    at each batch size than alone: issue 38's long contexts)."""
     torch = runners[1].torch
     rng = np.random.default_rng(seed)
     worst, mism, done = 0.0, 0, []
@@ -284,7 +289,8 @@ def check_batched(runners: dict, vocab: int, sizes=(2, 5, 8), steps: int = 12, s
         if n not in runners:
             continue
         batch, alone = runners[n], runners[1]
-        prompts = [[int(t) for t in rng.integers(1, min(vocab, 49152), 3 + 2 * i)] for i in range(n)]
+        prompts = [[int(t) for t in rng.integers(1, min(vocab, 49152), long if long and i == 0 else 3 + 2 * i)]
+                   for i in range(n)]
         want_rows, want_ids = [], []
         for i, pr in enumerate(prompts):
             rows, ids = decode_trace(alone, pr, None, steps)
@@ -303,11 +309,14 @@ def check_batched(runners: dict, vocab: int, sizes=(2, 5, 8), steps: int = 12, s
             toks = ids
         done.append(n)
         torch.cuda.synchronize()
-    return {"sizes": done, "max_rel_diff": worst, "ids_mismatched": int(mism), "ok": worst < BATCH_TOL and mism == 0}
+    return {"sizes": done, "max_rel_diff": worst, "ids_mismatched": int(mism), "long": long,
+            "ok": worst < BATCH_TOL and mism == 0}
 
 
 def time_runner(runner, context: int = 512, steps: int = 200) -> dict:
     torch = runner.torch
+    # every position stays within the build's context (each phase restarts at `context` and steps up to 210 on)
+    context = max(1, min(context, runner.max_pages * runner.p.page_size - 2 * steps - 16))
     runner.pages.normal_()  # values do not change the speed; positions below `context` are read
     b = runner.p.batch
     tokens = [int(t) for t in np.random.default_rng(0).integers(1, 1000, b)]
@@ -346,6 +355,7 @@ def profile_step(runner, context: int = 512) -> dict:
     from luce_compile.fuse.program import profile_summary
 
     b = runner.p.batch
+    context = max(1, min(context, runner.max_pages * runner.p.page_size - 16))
     runner.profiling = 1
     runner.start([1] * b, [context] * b)
     runner.kernel.finish()
@@ -424,13 +434,26 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
         say(f"{folder.name}: values {result['values']}")
     result["batched"] = check_batched(runners, runners[1].vocab)
     say(f"{folder.name}: batched {result['batched']}")
+    if args.long:
+        if args.long + 16 > build["max_context"]:
+            result["batched_long"] = {"skipped": f"--long {args.long} past the build's context {build['max_context']}",
+                                      "ok": True}
+        else:
+            result["batched_long"] = check_batched(runners, runners[1].vocab, sizes=(2, 8), steps=4, long=args.long)
+        say(f"{folder.name}: batched at depth {args.long} {result['batched_long']}")
     result["check_seconds"] = round(time.perf_counter() - t0, 1)
     if args.time:
-        result["timing"] = [time_runner(runners[b]) for b in (1, 8) if b in runners]
+        contexts = args.contexts or [512]
+        result["timing"] = [time_runner(runners[b], c) for c in contexts for b in (1, 8) if b in runners]
         result["profile_b1"] = profile_step(runners[1])
         if 8 in runners:
             result["profile_b8"] = profile_step(runners[8])
-    result["ok"] = result["oracle"]["ok"] and result["batched"]["ok"]
+        for c in contexts:  # where a long context's step goes (the attention's share), per batch size
+            if c != 512:
+                for b in (1, 8):
+                    if b in runners:
+                        result[f"profile_b{b}_ctx{c}"] = profile_step(runners[b], c)
+    result["ok"] = result["oracle"]["ok"] and result["batched"]["ok"] and result.get("batched_long", {}).get("ok", True)
     return result
 
 
@@ -549,6 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out")
     r.add_argument("--work", default="/tmp/mk-work")
     r.add_argument("--time", action="store_true")
+    r.add_argument("--contexts", nargs="*", type=int, help="with --time: the contexts to time at (default 512), each "
+                   "within the build's --ctx (a context past it is timed just under it)")
+    r.add_argument("--long", type=int, default=0, help="also step the batched check with a first sequence of this "
+                   "many tokens (at most the build's --ctx)")
     r.add_argument("--no-oracle", action="store_true", help="skip the oracle check of a model with no reference "
                    "(a 7B or larger, prepared with --no-reference); batched vs alone still runs")
     r.set_defaults(func=run)
