@@ -31,6 +31,8 @@ class DecoderStyle:
     post_norms: bool = False  # post_attention_norm / post_ffw_norm, before each residual add
     scale_q: bool = False  # q *= attention scale after RoPE, attention itself unscaled (gemma3.cpp)
     rope_freq_factors: bool = False  # llama 3's optional rope_freqs.weight divides each RoPE frequency
+    attn_sinks: bool = False  # attn_sinks.weight: a logit per query head in every softmax (gpt-oss), required
+    ffn_norm: str = "ffn_norm"  # the norm before the FFN (gpt-oss calls it post_attention_norm)
 
 
 class _Builder:
@@ -76,6 +78,9 @@ def check_style(config: ModelConfig, style: DecoderStyle) -> None:
         what = "lacks attn_q_norm/attn_k_norm, which it requires" if style.qk_norm else \
             "has attn_q_norm/attn_k_norm, which its llama.cpp graph does not read"
         raise GGUFError(f"graph ({config.arch}): the file {what}; it is not a standard {config.arch} model.")
+    if style.attn_sinks != config.attn_sinks:
+        raise GGUFError(f"graph ({config.arch}): attention sinks are {config.attn_sinks} in the config but the "
+                        f"{config.arch} graph {'needs' if style.attn_sinks else 'has no'} them.")
     if style.post_norms != config.post_norms:
         raise GGUFError(f"graph ({config.arch}): post-norms are {config.post_norms} in the config but the "
                         f"{config.arch} graph {'needs' if style.post_norms else 'has no'} them.")
@@ -95,9 +100,12 @@ def _attention_block(b: _Builder, style: DecoderStyle, il: int, x: str) -> str:
         flat = b.linear(h, p + f"attn_{t}", p + f"{t.upper()}cur", bias=c.attn_bias)
         qkv[t] = b.emit(OpKind.RESHAPE, (flat,), p + f"{t.upper()}cur_heads", shape=(B, S, n, d))
     sliding = c.sliding[il] if c.sliding else False
-    # llama.cpp's get_rope_freq_base/scale: sliding layers use the local base and no position scaling
+    # llama.cpp's get_rope_freq_base/scale: sliding layers use the local base and scale (gemma3: no scaling)
     rope = dict(layout=c.rope_layout, dim=c.rope_dim, base=c.rope_base_local if sliding else c.rope_base,
-                freq_scale=1.0 if sliding else c.rope_scale)
+                freq_scale=c.rope_scale_local if sliding else c.rope_scale)
+    if c.rope_yarn_ext_factor or c.rope_yarn_attn_factor != 1.0:  # YaRN: cparams, the same on every layer
+        rope |= dict(ext_factor=c.rope_yarn_ext_factor, attn_factor=c.rope_yarn_attn_factor,
+                     beta_fast=c.rope_yarn_beta_fast, beta_slow=c.rope_yarn_beta_slow, n_ctx_orig=c.rope_yarn_orig_ctx)
     rope_w = {"freq_factors": "rope_freqs.weight"} if style.rope_freq_factors and b.has("rope_freqs.weight") else {}
     for t in ("q", "k"):
         if style.qk_norm:
@@ -107,7 +115,8 @@ def _attention_block(b: _Builder, style: DecoderStyle, il: int, x: str) -> str:
     if style.scale_q:
         qkv["q"] = b.emit(OpKind.SCALE, (qkv["q"],), p + "Qcur_scaled", scale=scale)
         scale = 1.0
-    att = b.emit(OpKind.ATTENTION, (qkv["q"], qkv["k"], qkv["v"], POSITIONS), p + "kqv_out",
+    sinks = {"sinks": p + "attn_sinks.weight"} if style.attn_sinks else {}
+    att = b.emit(OpKind.ATTENTION, (qkv["q"], qkv["k"], qkv["v"], POSITIONS), p + "kqv_out", sinks,
                  n_head=c.n_head, n_head_kv=c.n_head_kv, scale=scale,
                  sliding_window=c.sliding_window if sliding else 0, softcap=c.attn_logit_softcap, layer=il)
     out = b.linear(att, p + "attn_output", p + "attn_out",
@@ -124,13 +133,9 @@ def _ffn_block(b: _Builder, style: DecoderStyle, il: int, x: str) -> str:
     def bias(t: str) -> bool:
         return t in style.optional_biases and b.has(p + t + ".bias")
 
-    h = b.norm(x, p + "ffn_norm.weight", p + "ffn_norm")
+    h = b.norm(x, p + f"{style.ffn_norm}.weight", p + "ffn_norm")
     if b.config.n_expert:  # qwen3moe.cpp: the FFN is build_moe_ffn, the same norm before and residual add after
-        c = b.config
-        weights = {r: p + f"ffn_{r}.weight" for r in ("gate_inp", "gate_exps", "up_exps", "down_exps")}
-        out = b.emit(OpKind.MOE, (h,), p + "ffn_moe_out", weights, n_expert=c.n_expert,
-                     n_expert_used=c.n_expert_used, norm_w=c.expert_weights_norm, activation=c.activation)
-        return b.emit(OpKind.ADD, (out, x), p + "l_out")
+        return b.emit(OpKind.ADD, (_moe(b, il, h), x), p + "l_out")
     gate = b.linear(h, p + "ffn_gate", p + "ffn_gate", bias("ffn_gate"))
     up = b.linear(h, p + "ffn_up", p + "ffn_up", bias("ffn_up"))
     act = b.emit(OpKind.GLU, (gate, up), p + "ffn_glu", activation=b.config.activation)
@@ -138,6 +143,26 @@ def _ffn_block(b: _Builder, style: DecoderStyle, il: int, x: str) -> str:
     if style.post_norms:
         out = b.norm(out, p + "post_ffw_norm.weight", p + "ffn_post_norm")
     return b.emit(OpKind.ADD, (out, x), p + "l_out")
+
+
+# ggml_swiglu_oai's constants in build_moe_ffn (LLM_FFN_SWIGLU_OAI_MOE: "TODO: move to hparams?")
+SWIGLU_OAI = {"alpha": 1.702, "limit": 7.0}
+
+
+def _moe(b: _Builder, il: int, h: str) -> str:
+    """build_moe_ffn: router, chosen experts, their weighted sum (OpKind.MOE); biases where the config has them."""
+    c, p = b.config, f"blk.{il}."
+    roles = ("gate_inp", "gate_exps", "up_exps", "down_exps")
+    weights = {r: p + f"ffn_{r}.weight" for r in roles}
+    if c.expert_bias:
+        weights |= {f"{r}_b": p + f"ffn_{r}.bias" for r in roles}
+    attrs = dict(n_expert=c.n_expert, n_expert_used=c.n_expert_used, norm_w=c.expert_weights_norm,
+                 activation=c.activation)
+    if c.expert_gating != "softmax":
+        attrs["gating"] = c.expert_gating
+    if c.activation == "swiglu_oai":
+        attrs |= SWIGLU_OAI
+    return b.emit(OpKind.MOE, (h,), p + "ffn_moe_out", weights, **attrs)
 
 
 def build_decoder(config: ModelConfig, tensors: Mapping[str, TensorInfo], style: DecoderStyle) -> Graph:

@@ -39,22 +39,35 @@ class OpKind(StrEnum):
     rope         x (B,S,H,D), positions (B,S) int → x with its first attrs["dim"] dims of each head rotated by
                  theta_i = pos · freq_scale · base^(-2i/dim) / freq_factors[i]; layout "norm" rotates
                  (x[2i], x[2i+1]), "neox" rotates (x[i], x[i+dim/2]) (ggml's GGML_ROPE_TYPE_NORMAL / NEOX).
+                 YaRN where attrs["ext_factor"] is present and not 0 (ggml's rope_yarn): with theta_e = pos ·
+                 base^(-2i/dim) and ramp_i = 1 − clamp((i − lo)/max(0.001, hi − lo), 0, 1),
+                 theta_i = theta_e · (freq_scale · (1 − r) + r), r = ramp_i · ext_factor, and cos and sin are
+                 multiplied by attrs["attn_factor"] · (1 + 0.1 ln(1/freq_scale)); lo = max(0, floor(c(beta_fast))),
+                 hi = min(dim − 1, ceil(c(beta_slow))), c(b) = dim · ln(n_ctx_orig / (2π b)) / (2 ln base)
+                 (ggml_rope_yarn_corr_dims; attrs "beta_fast", "beta_slow", "n_ctx_orig").
     scale        x → x · attrs["scale"].
     attention    q (B,S,H,D), k (B,S,Hkv,D), v (B,S,Hkv,Dv), positions (B,S) → (B,S,H·Dv). The step's k, v are
                  appended to KV-cache slot attrs["layer"]; query head h reads kv head h // (H/Hkv). Scores
                  s = q·k; with attrs["softcap"] > 0, s = softcap·tanh(s/softcap); then s · attrs["scale"], masked,
                  softmax over keys, times v (llama.cpp's build_attn_mha, non-flash path). A key at position pk is
                  visible to a query at pq iff pk ≤ pq and, when attrs["sliding_window"] = w > 0, pq − pk < w
-                 (llama_hparams::is_masked_swa, LLAMA_SWA_TYPE_STANDARD).
+                 (llama_hparams::is_masked_swa, LLAMA_SWA_TYPE_STANDARD). With weights["sinks"] (H,) (gpt-oss's
+                 attn_sinks), query head h's softmax has one more term, exp(sinks[h]) (the raw logit: not scaled,
+                 not masked), in its denominator only (ggml_soft_max_add_sinks).
     add          a + b.
     glu          gate, up → act(gate) · up; attrs["activation"] "silu" (SwiGLU) or "gelu_tanh" (GeGLU, the tanh
                  form that ggml_gelu uses).
     softcap      x → cap · tanh(x / cap), cap = attrs["cap"] (final logit softcapping).
     moe          x (B,S,E) → (B,S,E), llama.cpp's build_moe_ffn: router logits l = x @ weights["gate_inp"].T
-                 (n_expert, E); p = softmax(l); the attrs["n_expert_used"] experts of largest p; their weights
-                 w_j = p_j, divided by Σ_j w_j when attrs["norm_w"]; out = Σ_j w_j · down_j(act(gate_j(x)) ·
-                 up_j(x)) with expert j's rows of the stacked weights["gate_exps"], ["up_exps"] (n_expert, F, E)
-                 and ["down_exps"] (n_expert, E, F); act = attrs["activation"] as in glu.
+                 (n_expert, E) (+ weights["gate_inp_b"] (n_expert,)); the attrs["n_expert_used"] experts of largest
+                 l; their weights w_j: with attrs["gating"] "softmax" (the default) p_j of p = softmax(l), divided by
+                 Σ_j w_j when attrs["norm_w"]; with "softmax_weight" the softmax of the chosen l_j alone;
+                 out = Σ_j w_j · down_j(glu(gate_j(x), up_j(x))) with expert j's rows of the stacked
+                 weights["gate_exps"], ["up_exps"] (n_expert, F, E) and ["down_exps"] (n_expert, E, F), each plus
+                 its row of weights["gate_exps_b"], ["up_exps_b"] (n_expert, F), ["down_exps_b"] (n_expert, E)
+                 where given (ggml_add_id); glu = attrs["activation"]: "silu" or "gelu_tanh" as in glu, or
+                 "swiglu_oai" (ggml_swiglu_oai): g = min(gate, limit), u = clamp(up, −limit, limit),
+                 g · sigmoid(alpha · g) · (u + 1), alpha = attrs["alpha"], limit = attrs["limit"].
     """
 
     EMBEDDING = "embedding"
@@ -173,7 +186,13 @@ def _infer_attention(g: Graph, op: Op, ins: list[Value]) -> Value:
     _expect(op, "positions shape", pos.shape, q.shape[:2])
     if h % hkv:
         raise GraphError(f"graph: op {op}: n_head {h} is not a multiple of n_head_kv {hkv}.")
+    if "sinks" in op.weights:
+        _expect(op, "sinks shape", _weight_shape(g, op, "sinks"), (h,))
     return Value((*q.shape[:2], h * v.shape[3]))
+
+
+MOE_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+MOE_GATINGS = ("softmax", "softmax_weight")
 
 
 def _infer_moe(g: Graph, op: Op, x: Value) -> Value:
@@ -183,8 +202,14 @@ def _infer_moe(g: Graph, op: Op, x: Value) -> Value:
     f = _weight_shape(g, op, "up_exps")[1]
     for role, shape in (("gate_exps", (e, f, n_embd)), ("up_exps", (e, f, n_embd)), ("down_exps", (e, n_embd, f))):
         _expect(op, f"{role} shape", _weight_shape(g, op, role), shape)
-    if not 0 < used <= e or op.attrs["activation"] not in ("silu", "gelu_tanh"):
-        raise GraphError(f"graph: op {op}: needs 0 < n_expert_used ≤ n_expert and a silu or gelu_tanh activation.")
+    for role, shape in (("gate_inp_b", (e,)), ("gate_exps_b", (e, f)), ("up_exps_b", (e, f)),
+                        ("down_exps_b", (e, n_embd))):
+        if role in op.weights:
+            _expect(op, f"{role} shape", _weight_shape(g, op, role), shape)
+    if not 0 < used <= e or op.attrs["activation"] not in MOE_ACTIVATIONS or \
+            op.attrs.get("gating", "softmax") not in MOE_GATINGS:
+        raise GraphError(f"graph: op {op}: needs 0 < n_expert_used ≤ n_expert, an activation of {MOE_ACTIVATIONS} "
+                         f"and a gating of {MOE_GATINGS}.")
     return x
 
 

@@ -37,14 +37,37 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """ggml_swiglu_oai: the gate clamped above at limit, the up clamped to ±limit and shifted by 1."""
+    g = np.minimum(gate, limit)
+    return g / (1.0 + np.exp(-alpha * g)) * (np.clip(up, -limit, limit) + 1.0)
+
+
+def yarn_factors(dim: int, base: float, freq_scale: float, ext_factor: float, attn_factor: float, beta_fast: float,
+                 beta_slow: float, n_ctx_orig: int) -> tuple[np.ndarray, float]:
+    """YaRN (OpKind.ROPE's docstring): per rotated pair i, the factor that multiplies pos · base^(-2i/dim), and the
+    magnitude of cos and sin. The pairs below lo keep their full frequency, those above hi are interpolated by
+    freq_scale, a linear ramp between."""
+    def corr(beta: float) -> float:  # the pair whose wavelength fits n_ctx_orig / beta times in the original context
+        return dim * np.log(n_ctx_orig / (2 * np.pi * beta)) / (2 * np.log(base))
+
+    lo, hi = max(0.0, np.floor(corr(beta_fast))), min(dim - 1.0, np.ceil(corr(beta_slow)))
+    ramp = 1.0 - np.clip((np.arange(dim // 2) - lo) / max(0.001, hi - lo), 0.0, 1.0)
+    r = ramp * ext_factor
+    mscale = attn_factor * (1.0 + 0.1 * np.log(1.0 / freq_scale)) if ext_factor else attn_factor
+    return freq_scale * (1.0 - r) + r, mscale
+
+
 def rope(x: np.ndarray, positions: np.ndarray, layout: str, dim: int, base: float, freq_scale: float,
-         freq_factors: np.ndarray | None = None) -> np.ndarray:
-    """x (B,S,H,D), positions (B,S): rotate the first `dim` dims of each head (ggml_rope_ext, ext_factor 0)."""
-    inv_freq = freq_scale * base ** (-2.0 * np.arange(dim // 2) / dim)  # (dim/2,)
+         freq_factors: np.ndarray | None = None, yarn: dict | None = None) -> np.ndarray:
+    """x (B,S,H,D), positions (B,S): rotate the first `dim` dims of each head (ggml_rope_ext; `yarn`: the op's
+    ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig, else ext_factor 0)."""
+    inv_freq = base ** (-2.0 * np.arange(dim // 2) / dim)  # (dim/2,)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors
-    theta = positions[..., None].astype(np.float64) * inv_freq  # (B,S,dim/2)
-    cos, sin = np.cos(theta)[:, :, None, :], np.sin(theta)[:, :, None, :]  # (B,S,1,dim/2)
+    scale, mscale = (freq_scale, 1.0) if yarn is None else yarn_factors(dim, base, freq_scale, **yarn)
+    theta = positions[..., None].astype(np.float64) * (inv_freq * scale)  # (B,S,dim/2)
+    cos, sin = mscale * np.cos(theta)[:, :, None, :], mscale * np.sin(theta)[:, :, None, :]  # (B,S,1,dim/2)
     i0 = np.arange(0, dim, 2) if layout == "norm" else np.arange(dim // 2)  # first of each rotated pair
     i1 = i0 + (1 if layout == "norm" else dim // 2)
     x0, x1 = x[..., i0], x[..., i1]
@@ -55,8 +78,9 @@ def rope(x: np.ndarray, positions: np.ndarray, layout: str, dim: int, base: floa
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
-              sliding_window: int = 0, softcap: float = 0.0) -> np.ndarray:
-    """q (B,S,H,D) against all keys k (B,L,Hkv,D), v (B,L,Hkv,Dv) at positions q_pos (B,S), k_pos (B,L)."""
+              sliding_window: int = 0, softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
+    """q (B,S,H,D) against all keys k (B,L,Hkv,D), v (B,L,Hkv,Dv) at positions q_pos (B,S), k_pos (B,L); sinks (H,):
+    one more logit per query head in each softmax's denominator."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
     # query head h reads kv head h // rep, as ggml_mul_mat broadcasts k over q's heads
@@ -70,8 +94,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
     if sliding_window:
         visible &= delta < sliding_window
     scores = np.where(visible[:, None, None], scores, -np.inf)
-    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.reshape(1, hkv, h // hkv, 1, 1)  # query head h = (kv head, its rank in the group)
+        top = np.maximum(top, sink)
+    probs = np.exp(scores - top)
+    den = probs.sum(axis=-1, keepdims=True) + (np.exp(sink - top) if sinks is not None else 0.0)
+    probs /= den
     out = probs @ v.transpose(0, 2, 1, 3)[:, :, None]  # (B,Hkv,rep,S,Dv)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, h * v.shape[3])
 
@@ -174,7 +203,8 @@ class Oracle:
     def _rope(self, op: Op, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         factors = self.weight(op.weights["freq_factors"]) if "freq_factors" in op.weights else None
         a = op.attrs
-        return rope(x, positions, a["layout"], a["dim"], a["base"], a["freq_scale"], factors)
+        yarn = {n: a[n] for n in YARN_ATTRS} if "ext_factor" in a else None
+        return rope(x, positions, a["layout"], a["dim"], a["base"], a["freq_scale"], factors, yarn)
 
     def _scale(self, op: Op, x: np.ndarray) -> np.ndarray:
         return x * op.attrs["scale"]
@@ -187,7 +217,8 @@ class Oracle:
         else:
             k_pos = positions
         self._kv[a["layer"]] = (k, v, k_pos)
-        return attention(q, k, v, positions, k_pos, a["scale"], a["sliding_window"], a["softcap"])
+        sinks = self.weight(op.weights["sinks"]) if "sinks" in op.weights else None
+        return attention(q, k, v, positions, k_pos, a["scale"], a["sliding_window"], a["softcap"], sinks)
 
     def _add(self, op: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return a + b
@@ -204,24 +235,52 @@ class Oracle:
         """x (T,K) @ w.T for one expert's rows w (N,K) of `tensor` (or the router): GgmlRounding rounds x here."""
         return x @ w.T
 
+    def _bias(self, op: Op, role: str, expert: int | None = None) -> np.ndarray | float:
+        """The op's bias row for a role (an expert's row of a stacked one), 0 where it has none."""
+        if role not in op.weights:
+            return 0.0
+        b = self.weight(op.weights[role])
+        return b if expert is None else b[expert]
+
     def _moe(self, op: Op, x: np.ndarray) -> np.ndarray:
         """build_moe_ffn (OpKind.MOE), token by token: only the chosen experts' rows are read."""
         a, names = op.attrs, op.weights
         xs = x.reshape(-1, x.shape[-1])  # (T, E)
         logits = self._moe_matmul(names["gate_inp"], xs, self.weight(names["gate_inp"]))  # (T, n_expert)
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :a["n_expert_used"]]  # (T, k): ggml_top_k
-        weights = np.take_along_axis(probs, chosen, -1)
-        if a["norm_w"]:
-            weights = weights / weights.sum(-1, keepdims=True)
-        act = silu if a["activation"] == "silu" else gelu_tanh
+        logits = logits + self._bias(op, "gate_inp_b")
+        chosen, weights = route(logits, a["n_expert_used"], a.get("gating", "softmax"), a["norm_w"])
         gate, up, down = (self.weight(names[r]) for r in ("gate_exps", "up_exps", "down_exps"))
         out = np.zeros_like(xs)
         for t, experts in enumerate(chosen):
             row = xs[t:t + 1]
             for j, e in enumerate(experts):
-                h = act(self._moe_matmul(names["gate_exps"], row, gate[e])) * \
-                    self._moe_matmul(names["up_exps"], row, up[e])
-                out[t] += weights[t, j] * self._moe_matmul(names["down_exps"], h, down[e])[0]
+                g = self._moe_matmul(names["gate_exps"], row, gate[e]) + self._bias(op, "gate_exps_b", e)
+                u = self._moe_matmul(names["up_exps"], row, up[e]) + self._bias(op, "up_exps_b", e)
+                y = self._moe_matmul(names["down_exps"], expert_glu(a, g, u), down[e])
+                out[t] += weights[t, j] * (y[0] + self._bias(op, "down_exps_b", e))
         return out.reshape(x.shape)
+
+
+YARN_ATTRS = ("ext_factor", "attn_factor", "beta_fast", "beta_slow", "n_ctx_orig")
+
+
+def route(logits: np.ndarray, k: int, gating: str, norm_w: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The router's choice (OpKind.MOE): (T, k) expert ids, largest first (ggml_argsort_top_k), and their weights."""
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # softmax keeps the order: top-k of the logits
+    picked = np.take_along_axis(logits, chosen, -1)
+    if gating == "softmax":  # p_j of the softmax over every expert
+        top = logits.max(-1, keepdims=True)
+        weights = np.exp(picked - top) / np.exp(logits - top).sum(-1, keepdims=True)
+    else:  # "softmax_weight": the softmax of the chosen logits alone
+        weights = np.exp(picked - picked[:, :1])
+        weights /= weights.sum(-1, keepdims=True)
+    if norm_w:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return chosen, weights
+
+
+def expert_glu(attrs, gate: np.ndarray, up: np.ndarray) -> np.ndarray:  # noqa: ANN001  (an op's attrs)
+    """An expert's gated activation: attrs["activation"] of OpKind.MOE."""
+    if attrs["activation"] == "swiglu_oai":
+        return swiglu_oai(gate, up, attrs["alpha"], attrs["limit"])
+    return (silu if attrs["activation"] == "silu" else gelu_tanh)(gate) * up

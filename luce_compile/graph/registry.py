@@ -8,7 +8,7 @@ from pathlib import Path
 from luce_compile.errors import LuceError, UnsupportedError
 from luce_compile.gguf.config import ModelConfig, model_config
 from luce_compile.gguf.reader import GGUFFile, TensorInfo, read_gguf
-from luce_compile.graph import gemma3, llama, qwen2, qwen3, qwen3moe
+from luce_compile.graph import gemma3, gptoss, llama, qwen2, qwen3, qwen3moe
 from luce_compile.graph.ir import Graph
 
 Builder = Callable[[ModelConfig, Mapping[str, TensorInfo]], Graph]
@@ -19,6 +19,7 @@ BUILDERS: dict[str, Builder] = {
     "qwen3": qwen3.build,
     "gemma3": gemma3.build,
     "qwen3moe": qwen3moe.build,
+    "gpt-oss": gptoss.build,
 }
 
 

@@ -65,7 +65,8 @@ def test_synthetic_config_matches_spec(tiny_configs, name):
          spec.n_ctx)
     assert c.rope_base == spec.rope_base and c.rms_eps == pytest.approx(spec.rms_eps)
     assert c.rope_layout == ("norm" if spec.arch == "llama" else "neox")
-    assert c.attn_bias == (spec.arch == "qwen2") and c.qk_norm == (spec.arch in ("qwen3", "qwen3moe", "gemma3"))
+    assert c.attn_bias == (spec.arch in ("qwen2", "gpt-oss"))
+    assert c.qk_norm == (spec.arch in ("qwen3", "qwen3moe", "gemma3"))
     assert (c.n_expert, c.n_expert_used, c.n_ff_exp) == (spec.n_expert, spec.n_expert_used, spec.n_ff_exp)
     assert c.post_norms == (spec.arch == "gemma3") and c.tied_output == spec.tied_output
     assert c.final_logit_softcap == spec.final_logit_softcap
@@ -156,8 +157,8 @@ def test_expected_tensors_agree_with_synthetic_writer():
         c = ModelConfig(arch=spec.arch, n_layer=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head,
                         n_head_kv=spec.n_head_kv, head_dim=spec.head_size, head_dim_v=spec.head_size, n_ff=spec.n_ff,
                         n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx, rms_eps=spec.rms_eps, rope_base=spec.rope_base,
-                        rope_dim=spec.head_size, rope_layout="neox", attn_bias=spec.arch == "qwen2",
+                        rope_dim=spec.head_size, rope_layout="neox", attn_bias=spec.arch in ("qwen2", "gpt-oss"),
                         qk_norm=spec.arch in ("qwen3", "qwen3moe", "gemma3"), post_norms=spec.arch == "gemma3",
                         tied_output=spec.tied_output, n_expert=spec.n_expert, n_expert_used=spec.n_expert_used,
-                        n_ff_exp=spec.n_ff_exp)
+                        n_ff_exp=spec.n_ff_exp, attn_sinks=spec.arch == "gpt-oss", expert_bias=spec.arch == "gpt-oss")
         assert expected_tensors(c) == synthetic.tensor_shapes(spec), name
