@@ -38,7 +38,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGML_QUANT_VERSION,
+    GGMLQuantizationType,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+    RopeScalingType,
+)
 
 from luce_compile.errors import GGUFError, UnsupportedError
 from luce_compile.gguf.quants import quantize
@@ -47,7 +55,10 @@ from luce_compile.synthetic_blocks import FILLERS, random_blocks
 
 log = logging.getLogger(__name__)
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
+MOE_ARCHS = ("qwen3moe", "gpt-oss")
+# llama.cpp's default sliding_window_pattern per architecture (a file writes the key only where it differs)
+SWA_PATTERN_DEFAULT = {"gemma3": 6, "gpt-oss": 2}
 TOKENIZER_SOURCE = "smollm2-135m"
 N_VOCAB = 49152  # SmolLM2's vocabulary: every synthetic model uses its tokenizer
 SPEC_KEY = "luce.synthetic.spec"  # the spec as JSON, so a file says how it was made
@@ -85,8 +96,8 @@ class SyntheticSpec:
     # suffix that matches at a "." boundary wins
     quant_overrides: dict[str, str] = field(default_factory=dict)
     tied_output: bool = True
-    sliding_window: int = 0  # gemma3: 0 = no sliding-window layers
-    sliding_window_pattern: int = 6  # gemma3: every n-th layer is global
+    sliding_window: int = 0  # gemma3, gpt-oss: 0 = no sliding-window layers
+    sliding_window_pattern: int = 6  # gemma3: every n-th layer is global (gpt-oss: 2, every other layer)
     final_logit_softcap: float = 0.0  # gemma3: 0 = off
     seed: int = 0
     # rows of token_embd/output; above SmolLM2's 49152 its vocabulary is padded with unused tokens "[PAD<id>]"
@@ -99,6 +110,9 @@ class SyntheticSpec:
     n_expert: int = field(default=0, metadata=_OMIT_AT_DEFAULT)
     n_expert_used: int = field(default=0, metadata=_OMIT_AT_DEFAULT)
     n_ff_exp: int = field(default=0, metadata=_OMIT_AT_DEFAULT)
+    # gpt-oss's YaRN RoPE scaling (rope.scaling.factor, .original_context_length): 0 = none
+    yarn_factor: float = field(default=0.0, metadata=_OMIT_AT_DEFAULT)
+    yarn_orig_ctx: int = field(default=4096, metadata=_OMIT_AT_DEFAULT)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quant_overrides", dict(self.quant_overrides))  # not shared with the caller
@@ -113,11 +127,18 @@ class SyntheticSpec:
             raise GGUFError(f"synthetic: n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}.")
         if self.arch == "qwen2" and self.head_size * self.n_head != self.n_embd:
             raise GGUFError("synthetic: llama.cpp's qwen2 needs head_dim * n_head == n_embd; use qwen3 instead.")
-        if self.arch != "gemma3" and (self.sliding_window or self.final_logit_softcap):
-            raise UnsupportedError(f"synthetic: sliding windows and softcapping are gemma3 features, not {self.arch}.")
-        if (self.arch == "qwen3moe") != (0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0):
-            raise GGUFError(f"synthetic: qwen3moe, and only it, needs 0 < n_expert_used <= n_expert and n_ff_exp > 0; "
-                            f"got {self.arch} with {self.n_expert_used}/{self.n_expert} experts of {self.n_ff_exp}.")
+        if (self.arch not in SWA_PATTERN_DEFAULT and self.sliding_window) or \
+                (self.arch != "gemma3" and self.final_logit_softcap):
+            raise UnsupportedError(f"synthetic: sliding windows (gemma3, gpt-oss) and softcapping (gemma3) are not "
+                                   f"{self.arch} features.")
+        if (self.arch in MOE_ARCHS) != (0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0):
+            raise GGUFError(f"synthetic: {', '.join(MOE_ARCHS)}, and only they, need 0 < n_expert_used <= n_expert and "
+                            f"n_ff_exp > 0; got {self.arch} with {self.n_expert_used}/{self.n_expert} experts of "
+                            f"{self.n_ff_exp}.")
+        if self.arch == "gpt-oss" and (not self.sliding_window or self.tied_output):
+            raise GGUFError("synthetic: gpt-oss needs a sliding window and an untied output (llama.cpp requires both).")
+        if self.yarn_factor and self.arch != "gpt-oss":
+            raise UnsupportedError(f"synthetic: YaRN is written for gpt-oss only, not {self.arch}.")
         for t in (self.quant, *self.quant_overrides.values()):
             if t not in _FILE_TYPES:
                 raise UnsupportedError(f"synthetic: quant type {t!r} is not supported ({', '.join(_FILE_TYPES)}).")
@@ -159,6 +180,10 @@ def _gemma3_270m_overrides(n_layer: int = 18) -> dict[str, str]:
     return _q4_k_m_overrides(n_layer, ("Q8_0", "Q5_0"), ("Q6_K", "Q4_K"), token_embd="Q8_0", attn_output="Q4_K")
 
 
+# gpt-oss's released GGUF (ggml-org/gpt-oss-20b-GGUF, mxfp4): the experts in MXFP4 as trained, the other matrices
+# Q8_0 (an assumption from its size: 12.1 GB for 20.9B parameters leaves ~8.5 bits for the 1.8B outside the experts)
+_MXFP4_EXPERTS = {f"ffn_{r}_exps.weight": "MXFP4" for r in ("gate", "up", "down")}
+
 PRESETS: dict[str, SyntheticSpec] = {
     "tiny-llama": SyntheticSpec(),
     # untied output and q/k/v biases
@@ -169,6 +194,12 @@ PRESETS: dict[str, SyntheticSpec] = {
     # 8 experts of width 64, 2 chosen per token: prompts of a few tokens route to most of them
     "tiny-qwen3moe": SyntheticSpec(arch="qwen3moe", head_dim=32, rope_base=1e6, rms_eps=1e-6, n_expert=8,
                                    n_expert_used=2, n_ff_exp=64),
+    # gpt-oss in miniature: MXFP4 experts (8 of 64, 2 used) and Q8_0 elsewhere as in the released mxfp4 GGUF, a
+    # window of 8 on the even layers (test prompts cross it), 4 query heads a KV head, gpt-oss's YaRN and RoPE base
+    "tiny-gptoss": SyntheticSpec(arch="gpt-oss", n_layer=4, n_embd=64, n_head=8, n_head_kv=2, head_dim=32, n_ff=64,
+                                 n_ctx=131072, rope_base=150000.0, tied_output=False, sliding_window=8,
+                                 sliding_window_pattern=2, n_expert=8, n_expert_used=2, n_ff_exp=64,
+                                 yarn_factor=32.0, quant_overrides=_MXFP4_EXPERTS),
     "tiny-gemma3": SyntheticSpec(arch="gemma3", n_layer=3, head_dim=32, n_head_kv=1, rms_eps=1e-6, rope_base=1e6,
                                  sliding_window=8, sliding_window_pattern=3, final_logit_softcap=30.0),
     "smollm2-135m": SyntheticSpec(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_ctx=8192,
@@ -220,6 +251,12 @@ PRESETS |= {
                                    n_expert_used=8, n_ff_exp=768, **_Q4_K_M,
                                    quant_overrides=_q4_k_m_overrides(48, *_MORE_BITS_Q6_K, by_name=True,
                                                                      down="ffn_down_exps", output="Q6_K")),
+    # gpt-oss-20b (config.json: 24 layers of 2880, 64 query and 8 KV heads of 64, 32 experts of 2880 with 4 used,
+    # window 128 on every other layer, YaRN x32 from 4096, o200k's 201088 rows); MXFP4 experts, Q8_0 elsewhere
+    "gpt-oss-20b": SyntheticSpec(arch="gpt-oss", n_layer=24, n_embd=2880, n_head=64, n_head_kv=8, head_dim=64,
+                                 n_ff=2880, n_ctx=131072, rope_base=150000.0, n_vocab=201088, tied_output=False,
+                                 sliding_window=128, sliding_window_pattern=2, n_expert=32, n_expert_used=4,
+                                 n_ff_exp=2880, yarn_factor=32.0, direct_blocks=True, quant_overrides=_MXFP4_EXPERTS),
     "qwen2.5-14b": SyntheticSpec(n_layer=48, n_embd=5120, n_head=40, n_head_kv=8, n_ff=13824, n_vocab=152064,
                                  **_QWEN, **_Q4_K_M,
                                  quant_overrides=_q4_k_m_overrides(48, *_MORE_BITS_Q6_K, by_name=True, output="Q6_K")),
@@ -267,7 +304,7 @@ def in_type(spec: SyntheticSpec, type_name: str) -> SyntheticSpec:
     head = "token_embd.weight" if spec.tied_output else "output.weight"
     overrides = {}
     for name, shape in tensor_shapes(plain).items():
-        if len(shape) < 2 or name.endswith(ROUTER):
+        if _kept_f32(name, shape):
             continue
         want = type_name
         if name == head and type_name != "Q8_0":
@@ -286,39 +323,53 @@ def in_type(spec: SyntheticSpec, type_name: str) -> SyntheticSpec:
 
 def tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor llama.cpp's loader reads for this architecture, numpy shape (out, in), in file order."""
-    q_out, kv_out = spec.n_head * spec.head_size, spec.n_head_kv * spec.head_size
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, spec.n_embd)}
     for i in range(spec.n_layer):
-        b = f"blk.{i}."
-        shapes |= {b + "attn_norm.weight": (spec.n_embd,), b + "attn_q.weight": (q_out, spec.n_embd),
-                   b + "attn_k.weight": (kv_out, spec.n_embd), b + "attn_v.weight": (kv_out, spec.n_embd)}
-        if spec.arch == "qwen2":
-            shapes |= {b + "attn_q.bias": (q_out,), b + "attn_k.bias": (kv_out,), b + "attn_v.bias": (kv_out,)}
-        if spec.arch in ("qwen3", "gemma3", "qwen3moe"):
-            shapes |= {b + "attn_q_norm.weight": (spec.head_size,), b + "attn_k_norm.weight": (spec.head_size,)}
-        shapes[b + "attn_output.weight"] = (spec.n_embd, q_out)
-        if spec.arch == "gemma3":
-            shapes[b + "post_attention_norm.weight"] = (spec.n_embd,)
-        shapes[b + "ffn_norm.weight"] = (spec.n_embd,)
-        if spec.n_expert:  # the converter's order: router, then the experts stacked (expert, out, in)
-            e, f = spec.n_expert, spec.n_ff_exp
-            shapes |= {b + ROUTER: (e, spec.n_embd), b + "ffn_gate_exps.weight": (e, f, spec.n_embd),
-                       b + "ffn_down_exps.weight": (e, spec.n_embd, f), b + "ffn_up_exps.weight": (e, f, spec.n_embd)}
-        else:
-            shapes |= {b + "ffn_gate.weight": (spec.n_ff, spec.n_embd), b + "ffn_up.weight": (spec.n_ff, spec.n_embd),
-                       b + "ffn_down.weight": (spec.n_embd, spec.n_ff)}
-        if spec.arch == "gemma3":
-            shapes[b + "post_ffw_norm.weight"] = (spec.n_embd,)
+        shapes |= _attention_shapes(spec, f"blk.{i}.") | _ffn_shapes(spec, f"blk.{i}.")
     shapes["output_norm.weight"] = (spec.n_embd,)
     if not spec.tied_output:
         shapes["output.weight"] = (spec.n_vocab, spec.n_embd)
     return shapes
 
 
+def _attention_shapes(spec: SyntheticSpec, b: str) -> dict[str, tuple[int, ...]]:
+    q_out, kv_out = spec.n_head * spec.head_size, spec.n_head_kv * spec.head_size
+    shapes = {b + "attn_norm.weight": (spec.n_embd,), b + "attn_q.weight": (q_out, spec.n_embd),
+              b + "attn_k.weight": (kv_out, spec.n_embd), b + "attn_v.weight": (kv_out, spec.n_embd)}
+    if spec.arch in ("qwen2", "gpt-oss"):
+        shapes |= {b + "attn_q.bias": (q_out,), b + "attn_k.bias": (kv_out,), b + "attn_v.bias": (kv_out,)}
+    if spec.arch in ("qwen3", "gemma3", "qwen3moe"):
+        shapes |= {b + "attn_q_norm.weight": (spec.head_size,), b + "attn_k_norm.weight": (spec.head_size,)}
+    shapes[b + "attn_output.weight"] = (spec.n_embd, q_out)
+    if spec.arch == "gpt-oss":  # its output bias, a sink logit per query head, and its pre-FFN norm's name
+        shapes |= {b + "attn_output.bias": (spec.n_embd,), b + "attn_sinks.weight": (spec.n_head,)}
+    if spec.arch in ("gemma3", "gpt-oss"):
+        shapes[b + "post_attention_norm.weight"] = (spec.n_embd,)
+    return shapes
+
+
+def _ffn_shapes(spec: SyntheticSpec, b: str) -> dict[str, tuple[int, ...]]:
+    shapes = {} if spec.arch == "gpt-oss" else {b + "ffn_norm.weight": (spec.n_embd,)}
+    if spec.n_expert:  # the converter's order: router, then the experts stacked (expert, out, in)
+        e, f = spec.n_expert, spec.n_ff_exp
+        shapes |= {b + ROUTER: (e, spec.n_embd), b + "ffn_gate_exps.weight": (e, f, spec.n_embd),
+                   b + "ffn_down_exps.weight": (e, spec.n_embd, f), b + "ffn_up_exps.weight": (e, f, spec.n_embd)}
+        if spec.arch == "gpt-oss":  # a bias for the router and a row per expert for each stacked matrix
+            shapes |= {b + "ffn_gate_inp.bias": (e,), b + "ffn_gate_exps.bias": (e, f),
+                       b + "ffn_down_exps.bias": (e, spec.n_embd), b + "ffn_up_exps.bias": (e, f)}
+    else:
+        shapes |= {b + "ffn_gate.weight": (spec.n_ff, spec.n_embd), b + "ffn_up.weight": (spec.n_ff, spec.n_embd),
+                   b + "ffn_down.weight": (spec.n_embd, spec.n_ff)}
+    if spec.arch == "gemma3":
+        shapes[b + "post_ffw_norm.weight"] = (spec.n_embd,)
+    return shapes
+
+
 def tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> GGMLQuantizationType:
-    """F32 for 1-D tensors and the MoE router (llama-quantize never quantizes ffn_gate_inp); else the longest
+    """F32 for 1-D tensors, biases (gpt-oss's experts' are 2-D) and the MoE router (llama-quantize never quantizes
+    ffn_gate_inp); else the longest
     matching override, else spec.quant. Checks the row fits the blocks."""
-    if len(shape) == 1 or name.endswith(ROUTER):
+    if _kept_f32(name, shape):
         return GGMLQuantizationType.F32
     matches = [k for k in spec.quant_overrides if name == k or name.endswith("." + k)]
     type_name = spec.quant_overrides[max(matches, key=len)] if matches else spec.quant
@@ -332,6 +383,10 @@ def tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> GGMLQ
 
 
 ROUTER = "ffn_gate_inp.weight"
+
+
+def _kept_f32(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 1 or name.endswith((ROUTER, ".bias"))
 
 
 def _rng(spec: SyntheticSpec, name: str) -> np.random.Generator:
@@ -358,6 +413,8 @@ def tensor_values(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.
         return (1 + 0.1 * noise) * _sharpen(name)
     if name.endswith(".bias"):
         return 0.2 * noise
+    if name.endswith("attn_sinks.weight"):  # logits next to the attention scores' (std ≈ 2): a sink takes a share
+        return 1 + noise
     return noise * weight_std(spec, name, shape)
 
 
@@ -453,8 +510,12 @@ def _write_metadata(w: GGUFWriter, spec: SyntheticSpec) -> None:
         w.add_expert_feed_forward_length(spec.n_ff_exp)
     if spec.sliding_window:
         w.add_sliding_window(spec.sliding_window)
-        if spec.sliding_window_pattern != 6:  # llama.cpp's gemma3 default
+        if spec.sliding_window_pattern != SWA_PATTERN_DEFAULT[spec.arch]:
             w.add_sliding_window_pattern(spec.sliding_window_pattern)
+    if spec.yarn_factor:  # what convert_hf_to_gguf writes for config.json's rope_scaling {"rope_type": "yarn", ...}
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(spec.yarn_orig_ctx)
     if spec.final_logit_softcap:
         w.add_final_logit_softcapping(spec.final_logit_softcap)
     w.add_file_type(_FILE_TYPES[spec.quant])
