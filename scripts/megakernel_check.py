@@ -142,7 +142,9 @@ class Runner:
     """One compiled megakernel's program, launched by the runtime's own launcher (luce_runtime.megakernel.Kernel,
     what the engine runs) over a torch-held KV pool (float16 pages, each sequence's page table contiguous)."""
 
-    def __init__(self, fn, prog, weights: list, torch, params: list[str]):
+    def __init__(self, fn, prog, weights: list, torch, params: list[str], pool_tokens: int = 0):
+        """pool_tokens: the positions each sequence's pages hold (0: the build's context): the kernel takes a page
+        table of any width, as the engine sizes it, so a build for 131,072 tokens runs on a pool of what is used."""
         import tvm
         from luce_runtime.megakernel import KERNEL_ARGS, Kernel
 
@@ -151,7 +153,7 @@ class Runner:
         self.p, self.torch = prog, torch
         t, dev = torch, "cuda"
         b, kv = prog.batch, prog.kv
-        self.max_pages = -(-prog.tg.max_context // prog.page_size)
+        self.max_pages = -(-min(pool_tokens or prog.tg.max_context, prog.tg.max_context) // prog.page_size)
         self.pages = t.zeros((kv["n_layers"], b * self.max_pages, 2, kv["kv_heads"], prog.page_size, kv["head_dim"]),
                              dtype=t.float16, device=dev)
         # the kernel takes the pool flat with each layer's offset (TVM's cache gives it one tensor per layer)
@@ -414,7 +416,9 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
     gguf = read_gguf(gguf_path)
     weights = stacked_weights(programs[1], gguf, torch)  # the same stacks for every batch size
     say(f"{folder.name}: weights stacked")
-    runners = {b: Runner(mod[f"megakernel_b{b}"], p, weights, torch, build["params"][str(b)])
+    # each sequence's pages: what the checks and timings reach (an 8B's 131,072-token pool at b=8 would be 137 GB)
+    pool = max(4096, *(c + 432 for c in (args.contexts or [512])), args.long + 64)
+    runners = {b: Runner(mod[f"megakernel_b{b}"], p, weights, torch, build["params"][str(b)], pool)
                for b, p in programs.items()}
     ref_path = data("reference.npz")
     rounded = roundings(build.get("options", {}))
