@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 from tvm.target import Target
 
@@ -23,7 +22,7 @@ from luce_compile.graph.registry import open_graph
 from luce_compile.synthetic import cached_synthetic, preset
 from luce_compile.targets import get_target
 from tests.fuse.test_program import run_protocol
-from tests.fuse.test_taskgraph import prefill_kv
+from tests.fuse.test_taskgraph import assert_decodes_like_oracle
 
 ROCM = Target({"kind": "rocm", "mcpu": "gfx1201", "thread_warp_size": 32})
 CUDA_ONLY = ("T.cuda.", "T.ptx.", "tirx.cuda.", "tirx.ptx.", "__dp4a", "__shfl")
@@ -93,20 +92,7 @@ def test_amd_plans_decode_like_the_oracle(name, rng):
     prog = plan_programs(graph, info.facts, opts)[2]
     assert len(prog.queue_len) == info.facts["sm_count"]
     sim = TaskSimulator(prog.tg, prog.plan, Oracle(path))
-    oracles, last = [], []
-    for b in range(2):
-        oracle = Oracle(path)
-        kv, logits = prefill_kv(oracle, graph, [int(t) for t in rng.integers(0, 49152, 3 + 4 * b)])
-        sim.load_prefix(b, kv)
-        oracles.append(oracle)
-        last.append(logits)
-    for step in range(4):
-        tokens = [int(np.argmax(x)) for x in last]
-        got, ids = sim.step(tokens, seed=step, adversarial=step % 2 == 1)
-        last = [o.decode(t) for o, t in zip(oracles, tokens, strict=True)]
-        for b in range(2):
-            assert np.max(np.abs(got[b] - last[b])) / np.max(np.abs(last[b])) < 1e-10
-            assert ids[b] == int(np.argmax(last[b]))
+    assert_decodes_like_oracle(path, graph, sim, rng, batch=2, steps=4, adversarial=lambda step: step % 2 == 1)
 
 
 @pytest.mark.slow  # ~10 s each on 2 shared cores

@@ -48,6 +48,28 @@ def prefill_kv(oracle: Oracle, graph, prompt: list[int]) -> tuple[dict[str, np.n
     return kv, env[LOGITS][0, -1]
 
 
+def assert_decodes_like_oracle(path, graph, sim: TaskSimulator, rng, batch: int, steps: int, vocab: int = 49152,
+                               prompt_len=lambda b: 3 + 4 * b, adversarial=lambda step: step % 3 == 2) -> None:
+    """Each sequence's prompt (prompt_len(b) random tokens) prefilled by its own oracle and its keys loaded into the
+    simulator, then `steps` greedy steps decoded together: every step's logits within 1e-10 of the oracle's and
+    its ids equal (adversarial(step): the simulator's adversarial block interleaving that step)."""
+    oracles, last = [], []
+    for b in range(batch):
+        oracle = Oracle(path)
+        kv, logits = prefill_kv(oracle, graph, [int(t) for t in rng.integers(0, vocab, prompt_len(b))])
+        sim.load_prefix(b, kv)
+        oracles.append(oracle)
+        last.append(logits)
+    for step in range(steps):
+        tokens = [int(np.argmax(x)) for x in last]
+        got, ids = sim.step(tokens, seed=step, adversarial=adversarial(step))
+        last = [o.decode(t) for o, t in zip(oracles, tokens, strict=True)]
+        for b in range(batch):
+            err = np.max(np.abs(got[b] - last[b])) / np.max(np.abs(last[b]))
+            assert err < 1e-10, (step, b, err)
+            assert ids[b] == int(np.argmax(last[b]))
+
+
 @pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize(("kv_splits", "fold", "last"), [(0, False, False), (3, False, False), (3, True, False),
@@ -56,21 +78,8 @@ def prefill_kv(oracle: Oracle, graph, prompt: list[int]) -> tuple[dict[str, np.n
 def test_task_graph_decodes_like_the_oracle(name, batch, kv_splits, fold, last, rng):
     path, graph, tg, plan = setup(name, batch, kv_splits=kv_splits, fold=fold, last=last)
     sim = TaskSimulator(tg, plan, Oracle(path))
-    oracles, last = [], []
-    for b in range(batch):  # sequences of different lengths: 3, 7, 11 prompt tokens
-        oracle = Oracle(path)
-        kv, logits = prefill_kv(oracle, graph, [int(t) for t in rng.integers(0, 49152, 3 + 4 * b)])
-        sim.load_prefix(b, kv)
-        oracles.append(oracle)
-        last.append(logits)
-    for step in range(10):
-        tokens = [int(np.argmax(x)) for x in last]
-        got, ids = sim.step(tokens, seed=step, adversarial=step % 3 == 2)
-        last = [o.decode(t) for o, t in zip(oracles, tokens, strict=True)]
-        for b in range(batch):
-            err = np.max(np.abs(got[b] - last[b])) / np.max(np.abs(last[b]))
-            assert err < 1e-10, (step, b, err)
-            assert ids[b] == int(np.argmax(last[b]))
+    # sequences of different lengths: 3, 7, 11 prompt tokens
+    assert_decodes_like_oracle(path, graph, sim, rng, batch, steps=10)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
@@ -100,20 +109,8 @@ def test_q_and_k_tiles_split_heads_only_where_rope_pairs_neighbours(name, rng):
     else:
         assert not split
     sim = TaskSimulator(tg, plan, Oracle(path))
-    oracles, last = [], []
-    for b in range(2):
-        oracle = Oracle(path)
-        kv, logits = prefill_kv(oracle, graph, [int(t) for t in rng.integers(0, 49152, 5 + 3 * b)])
-        sim.load_prefix(b, kv)
-        oracles.append(oracle)
-        last.append(logits)
-    for step in range(4):
-        tokens = [int(np.argmax(x)) for x in last]
-        got, ids = sim.step(tokens, seed=step, adversarial=step % 2 == 1)
-        last = [o.decode(t) for o, t in zip(oracles, tokens, strict=True)]
-        for b in range(2):
-            assert np.max(np.abs(got[b] - last[b])) / np.max(np.abs(last[b])) < 1e-10, (step, b)
-            assert ids[b] == int(np.argmax(last[b]))
+    assert_decodes_like_oracle(path, graph, sim, rng, batch=2, steps=4, prompt_len=lambda b: 5 + 3 * b,
+                               adversarial=lambda step: step % 2 == 1)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -234,18 +231,7 @@ def test_capped_tiles_fill_whole_waves(balance, rng):
         assert len(head) == unbalanced
     plan = plan_queues(tg, CostModel(n_sms=n_sms))
     sim = TaskSimulator(tg, plan, Oracle(path))
-    oracles, last = [], []
-    for b in range(2):
-        oracle = Oracle(path)
-        kv, logits = prefill_kv(oracle, graph, [int(t) for t in rng.integers(0, vocab, 3 + 4 * b)])
-        sim.load_prefix(b, kv)
-        oracles.append(oracle)
-        last.append(logits)
-    tokens = [int(np.argmax(x)) for x in last]
-    got, ids = sim.step(tokens, seed=0, adversarial=True)
-    for b, o in enumerate(oracles):
-        want = o.decode(tokens[b])
-        assert np.max(np.abs(got[b] - want)) / np.max(np.abs(want)) < 1e-10 and ids[b] == int(np.argmax(want))
+    assert_decodes_like_oracle(path, graph, sim, rng, batch=2, steps=1, vocab=vocab, adversarial=lambda step: True)
 
 
 # ---- long contexts: more key chunks as the context grows, each within a cap ------------------------------------
