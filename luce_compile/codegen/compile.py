@@ -29,6 +29,7 @@ from luce_compile.errors import LuceError
 from luce_compile.gguf.reader import GGUFFile, read_gguf
 from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
+from luce_compile.lower.attention_sinks import kv_head_dim
 from luce_compile.lower.cpu_int8 import resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype
 from luce_compile.lower.quant_layout import weight_planes
@@ -198,7 +199,9 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     say("writing the artifact (weights repacked into kernel planes)")
     contract = RuntimeContract(kv_dtype=kv_dtype,
                                sliding_prefill_chunks=cpu_prefill_applies_window(
-                                   target, graph.config.head_dim, graph.config.head_dim_v, kv_dtype),
+                                   target, kv_head_dim(graph.config),
+                                   kv_head_dim(graph.config) if graph.config.attn_sinks else graph.config.head_dim_v,
+                                   kv_dtype),
                                functions=tuple(str(f) for f in exported_functions(options.precision)))
     manifest = {
         "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},

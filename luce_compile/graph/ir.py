@@ -107,6 +107,7 @@ class Op:
 
 
 TOKENS, POSITIONS, LOGITS = "tokens", "positions", "logits"
+YARN_ATTRS = ("ext_factor", "attn_factor", "beta_fast", "beta_slow", "n_ctx_orig")  # a rope op's YaRN (OpKind)
 
 
 @dataclass

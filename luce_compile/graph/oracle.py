@@ -16,7 +16,7 @@ import numpy as np
 
 from luce_compile.errors import LuceError
 from luce_compile.gguf.reader import GGUFFile
-from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, Op
+from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, YARN_ATTRS, Graph, Op
 from luce_compile.graph.registry import open_graph
 
 log = logging.getLogger(__name__)
@@ -260,8 +260,6 @@ class Oracle:
                 out[t] += weights[t, j] * (y[0] + self._bias(op, "down_exps_b", e))
         return out.reshape(x.shape)
 
-
-YARN_ATTRS = ("ext_factor", "attn_factor", "beta_fast", "beta_slow", "n_ctx_orig")
 
 
 def route(logits: np.ndarray, k: int, gating: str, norm_w: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -2,10 +2,12 @@
 read, per token.
 
 One MOE op becomes, for R = B·S token rows and k = n_expert_used:
-  router    logits (R, n_expert) = x @ ffn_gate_inp.T: an ordinary matmul (the router is F32 in every GGUF:
-            llama-quantize never quantizes ffn_gate_inp), float32 as ggml's F32 vec_dot.
+  router    logits (R, n_expert) = x @ ffn_gate_inp.T (+ its bias, gpt-oss): an ordinary matmul (the router is F32
+            in every GGUF: llama-quantize never quantizes ffn_gate_inp), float32 as ggml's F32 vec_dot.
   route     `route_func`: softmax, the k largest (ggml_top_k: descending, the lower expert first on a tie), their
-            probabilities, renormalized to sum 1 when norm_w. Gives ids (R, k) int32 and weights (R, k).
+            probabilities, renormalized to sum 1 when norm_w. Gives ids (R, k) int32 and weights (R, k). gpt-oss's
+            SOFTMAX_WEIGHT gating (the softmax of the k largest logits alone) is the same choice and the same weights
+            as softmax then renormalized (p_j / Σ_chosen p = e^l_j / Σ_chosen e^l), so it takes norm_w.
   sort      `sort_func`: the P = R·k rows (token p // k, slot p % k) grouped by expert (a counting sort), so that
             consecutive rows of the expert matmuls read one expert's weights: a prompt reads each chosen expert's
             rows from memory about once, from cache for its other tokens (llama.cpp's mul_mat_id groups the same way).
@@ -13,6 +15,8 @@ One MOE op becomes, for R = B·S token rows and k = n_expert_used:
             tensor, whose planes are (n_expert·n_out, …) (the GGUF's (expert, out, in) rows flattened: quant_layout
             repacks any leading dims as rows). gate and up read token tokens[q]'s input (quantized once, as ggml
             quantizes src1 once for mul_mat_id); down reads the sorted rows as they are.
+  biases    gpt-oss's expert biases (expert, out), F32: each sorted row adds its expert's row (ggml_add_id) after
+            gate, up and down.
   combine   down's rows back in token order (inverse), out (R, E) = Σ_j weights[:, j] · down[:, j].
 Under precision int8 the expert matmuls take 8-bit activations with llama.cpp's vec_dot arithmetic (cpu_int8.int8_dot,
 the same TE stages as every int8 matmul, with gathered weight rows); f32 keeps exact float32.
@@ -185,6 +189,24 @@ def _experts(m, x: nn.Tensor, tensor: str, rows: list[nn.Tensor], n_rows) -> nn.
     return op.tensor_ir_op(func, func.attrs["global_symbol"], [*quantized, *rows, *m._planes(tensor)], out)
 
 
+def _biased(m, y: nn.Tensor, o: Op, role: str, experts: nn.Tensor) -> nn.Tensor:
+    """y (P, N) in sorted order plus each row's expert's row of the op's (n_expert, N) bias, where it has one."""
+    if role not in o.weights:
+        return y
+    (bias,) = m._planes(o.weights[role])  # F32 (n_expert, N): the rows are taken as they are
+    return y + op.take(bias, experts, axis=0)
+
+
+def _glu(a, gate: nn.Tensor, up: nn.Tensor) -> nn.Tensor:  # noqa: ANN001  (the op's attrs)
+    """The experts' gated activation (OpKind.MOE): SwiGLU, GeGLU or ggml_swiglu_oai."""
+    if a["activation"] == "swiglu_oai":
+        limit, floor = nn.Tensor.from_scalar(a["limit"], F32), nn.Tensor.from_scalar(-a["limit"], F32)
+        g = op.minimum(gate, limit)
+        u = op.minimum(op.maximum(up, floor), limit)
+        return g * op.sigmoid(g * a["alpha"]) * (u + 1.0)
+    return (op.silu(gate) if a["activation"] == "silu" else op.gelu(gate, approximate="tanh")) * up
+
+
 def lower_moe(m, o: Op, ins: list, **_) -> nn.Tensor:
     """relax_model's lowering of one MOE op (module docstring); m is the GraphModule."""
     check_target(m.target.kind.name, m.graph.config.arch)
@@ -193,9 +215,10 @@ def lower_moe(m, o: Op, ins: list, **_) -> nn.Tensor:
     b, s, e = x.shape
     used = a["n_expert_used"]
     x2 = op.reshape(x, (b * s, e))  # (R, E)
-    logits = m.linear(x2, w["gate_inp"], None)  # (R, n_expert)
-    route = m._kernel(("moe_route", a["n_expert"], used, a["norm_w"]), lambda: route_func(
-        a["n_expert"], used, a["norm_w"], f"moe_route_{a['n_expert']}_top{used}{'_norm' if a['norm_w'] else ''}"))
+    logits = m.linear(x2, w["gate_inp"], w.get("gate_inp_b"))  # (R, n_expert)
+    norm = a["norm_w"] or a.get("gating", "softmax") == "softmax_weight"  # the same weights (module docstring)
+    route = m._kernel(("moe_route", a["n_expert"], used, norm), lambda: route_func(
+        a["n_expert"], used, norm, f"moe_route_{a['n_expert']}_top{used}{'_norm' if norm else ''}"))
     ids, weights = op.tensor_ir_op(route, route.attrs["global_symbol"], [logits], [
         nn.Tensor.placeholder((b * s, used), "int32"), nn.Tensor.placeholder((b * s, used), F32)])
     rows = b * s * used
@@ -205,9 +228,9 @@ def lower_moe(m, o: Op, ins: list, **_) -> nn.Tensor:
     experts, tokens, inverse = op.tensor_ir_op(sort, sort.attrs["global_symbol"], [flat], [
         nn.Tensor.placeholder((rows,), "int32") for _ in range(3)])
     # rows grouped by expert: consecutive rows read one expert's weights, which stay in cache (prefill's grouping)
-    gate = _experts(m, x2, w["gate_exps"], [experts, tokens], rows)  # (P, F), sorted
-    up = _experts(m, x2, w["up_exps"], [experts, tokens], rows)
-    act = op.silu(gate) if a["activation"] == "silu" else op.gelu(gate, approximate="tanh")
-    down = op.take(_experts(m, act * up, w["down_exps"], [experts], rows), inverse, axis=0)  # (P, E), token order
+    gate = _biased(m, _experts(m, x2, w["gate_exps"], [experts, tokens], rows), o, "gate_exps_b", experts)  # (P, F)
+    up = _biased(m, _experts(m, x2, w["up_exps"], [experts, tokens], rows), o, "up_exps_b", experts)
+    down = _biased(m, _experts(m, _glu(a, gate, up), w["down_exps"], [experts], rows), o, "down_exps_b", experts)
+    down = op.take(down, inverse, axis=0)  # (P, E), token order
     slots = op.reshape(down, (b * s, used, e)) * op.reshape(weights, (b * s, used, 1))
     return op.reshape(op.sum(slots, axis=1), (b, s, e))

@@ -32,10 +32,11 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 
 from luce_compile.errors import UnsupportedError
 from luce_compile.gguf.reader import TensorInfo
-from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, Graph, Op, OpKind
+from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, YARN_ATTRS, Graph, Op, OpKind
+from luce_compile.lower.attention_sinks import check_sinks, kv_head_dim, pad_with_sinks
 from luce_compile.lower.cpu_int8 import int8_linear, resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype
-from luce_compile.lower.moe import lower_moe
+from luce_compile.lower.moe import check_target, lower_moe
 from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul, with_tensor_core_twin
 from luce_compile.lower.rope import rope_func
@@ -97,15 +98,17 @@ class GraphModule(nn.Module):
         # the argument names and order are KVCacheArgs' (export_spec builds the signature from it)
         c = self.graph.config
         kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
+        head = kv_head_dim(c)  # the head's row in the cache: wider where it carries attention sinks
         with prefill_attention_tiles(self.target, c.head_dim, self.kv_dtype), \
                 tensor_core_prefill_attention(self.target, self.precision), kv_pages_probe(), \
-                cpu_attention(self.target):
+                cpu_attention(self.target, c.head_dim if c.attn_sinks else None, c.attn_sinks):
             return TIRPagedKVCache(
                 attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
                 prefill_chunk_size=prefill_chunk_size, page_size=page_size,
                 support_sliding_window=support_sliding_window, layer_partition=relax.ShapeExpr([0, c.n_layer]),
                 num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head_kv,
-                qk_head_dim=c.head_dim, v_head_dim=c.head_dim_v, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
+                qk_head_dim=head, v_head_dim=head if c.attn_sinks else c.head_dim_v, mla_original_qk_head_dim=0,
+                mla_original_v_head_dim=0,
                 # RoPE is the graph's own op (both layouts, per-layer bases): the cache stores keys already rotated.
                 rope_mode=RopeMode.NONE, rope_scale=1, rope_theta=int(c.rope_base), rope_scaling={},
                 rope_ext_factors=relax.prim_value(0), rotary_dim=c.rope_dim, enable_disaggregation=False,
@@ -264,13 +267,14 @@ def tensor_core_prefill_attention(target: tvm.target.Target, precision: str) -> 
 
 
 @contextlib.contextmanager
-def cpu_attention(target: tvm.target.Target) -> Iterator[None]:
+def cpu_attention(target: tvm.target.Target, d_att: int | None = None, sinks: bool = False) -> Iterator[None]:
     """On the CPU (llvm), the cache's attention kernels are schedules/cpu's: parallel and vectorized where TVM's run
     on one thread, scalar. Prefill (attention_prefill.py; benchmarks/README.md, issue 13: pp512 3.2x on SmolLM2 and
     Qwen3-0.6B; 5.6x for SmolLM2's 2048 tokens in 512-token chunks): the ragged kernel takes a prompt's own tokens,
     the paged ones (plain and sliding-window) a cached prefix. Decode (attention_decode.py): one token a sequence
     against its pages. Swapped as tensor_core_prefill_attention swaps CUDA's; a dtype or head size they do not take
-    keeps TVM's."""
+    keeps TVM's. `d_att`, `sinks`: the cache's rows carry attention sinks after d_att columns (attention_sinks.py);
+    the kernels then must be ours (the check refuses before anything is built)."""
     from luce_schedules.cpu.attention_decode import paged_decode_cpu
     from luce_schedules.cpu.attention_prefill import paged_prefill_cpu, ragged_prefill_cpu, supports
     from tvm.relax.frontend.nn.llm import kv_cache
@@ -280,20 +284,27 @@ def cpu_attention(target: tvm.target.Target) -> Iterator[None]:
         return
     originals = kv_cache._attention_prefill_ragged_cpu, kv_cache._attention_prefill_cpu, kv_cache._attention_decode_cpu
 
+    def ours(d: int, dtype: str) -> bool:
+        if sinks and not supports(d, d, dtype):
+            raise UnsupportedError(f"lower: attention sinks need luce-compile's CPU attention kernels, which do not "
+                                   f"take head size {d} in {dtype}.")
+        return supports(d, d, dtype)
+
     def ragged(h_kv, h_q, d_qk, d_v, dtype, rope_scaling):  # noqa: ANN001, ANN202  (TVM's signature)
-        if not supports(d_qk, d_v, dtype):
+        if d_qk != d_v or not ours(d_qk, dtype):
             return originals[0](h_kv, h_q, d_qk, d_v, dtype, rope_scaling)
-        return ragged_prefill_cpu(h_kv, h_q, d_qk, dtype=dtype)
+        return ragged_prefill_cpu(h_kv, h_q, d_qk, dtype=dtype, d_att=d_att, sink=sinks)
 
     def paged(h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size=16, sliding_window_size=1024):  # noqa: ANN001, ANN202
-        if not supports(d, d, dtype):
+        if not ours(d, dtype):
             return originals[1](h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size, sliding_window_size)
-        return paged_prefill_cpu(h_kv, h_q, d, sliding_window, page_size, sliding_window_size, dtype=dtype)
+        return paged_prefill_cpu(h_kv, h_q, d, sliding_window, page_size, sliding_window_size, dtype=dtype,
+                                 d_att=d_att)
 
     def decode(h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size=16):  # noqa: ANN001, ANN202
-        if not supports(d, d, dtype):
+        if not ours(d, dtype):
             return originals[2](h_kv, h_q, d, dtype, sliding_window, rope_scaling, page_size)
-        return paged_decode_cpu(h_kv, h_q, d, sliding_window, page_size, dtype=dtype)
+        return paged_decode_cpu(h_kv, h_q, d, sliding_window, page_size, dtype=dtype, d_att=d_att, sink=sinks)
 
     # TVM's llvm branch passes its two tree-attention kernels in the other order than the runtime takes them (paged
     # first, as the CUDA branch does): "Expected 16 arguments ... tree_attn_paged_kv_cpu" at a tree verify
@@ -374,10 +385,13 @@ def _rope(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
     factors = o.weights.get("freq_factors")  # llama 3's rope_freqs.weight: a float32 vector input
     _, _, h, d = x.shape
     a = o.attrs
-    key = ("rope", a["layout"], h, d, a["dim"], a["base"], a["freq_scale"], bool(factors))
+    yarn = {n: a[n] for n in YARN_ATTRS} if "ext_factor" in a else None
+    key = ("rope", a["layout"], h, d, a["dim"], a["base"], a["freq_scale"], bool(factors),
+           tuple(sorted(yarn.items())) if yarn else None)
     func = m._kernel(key, lambda: rope_func(
         a["layout"], h, d, a["dim"], a["base"], a["freq_scale"], dtype=m.options.dtype,
-        name=f"rope_{a['layout']}_{h}x{d}_{int(a['base'])}{'_ff' if factors else ''}", freq_factors=bool(factors)))
+        name=f"rope_{a['layout']}_{h}x{d}_{int(a['base'])}{'_ff' if factors else ''}{'_yarn' if yarn else ''}",
+        freq_factors=bool(factors), yarn=yarn))
     out = nn.Tensor.placeholder(x.shape, m.options.dtype)
     extra = []
     if factors:
@@ -387,17 +401,21 @@ def _rope(m: GraphModule, o: Op, ins: list, **_) -> nn.Tensor:
 
 
 def _attention(m: GraphModule, o: Op, ins: list, kv: PagedKVCache, **_) -> nn.Tensor:
-    q, k, v, _positions = ins
+    q, k, v, positions = ins
     a = o.attrs
     if a.get("softcap"):
         raise UnsupportedError("lower: attention logit softcapping is not supported by the paged KV cache kernels.")
     if q.shape[-1] != v.shape[-1]:
         raise UnsupportedError("lower: different key and value head sizes are not supported yet.")
     b, s, h, d = q.shape
+    if "sinks" in o.weights:  # the sink logits and the positions ride in the rows' padding (attention_sinks.py)
+        q, k, v = pad_with_sinks(q, k, v, m._vector(o.weights["sinks"]), positions)
     qkv = op.concat([q, k, v], dim=2)  # (B, S, H + 2·Hkv, D): the cache appends k, v and attends
     if m.kv_dtype != qkv.dtype:  # the cache takes q, k, v and gives its output in its own dtype (--kv-cache f16)
         qkv = op.astype(qkv, m.kv_dtype)
     out = kv.attention_with_fused_qkv(a["layer"], qkv, a["n_head"], sm_scale=a["scale"])
+    if "sinks" in o.weights:
+        out = op.split(out, [d], axis=3)[0]  # (B, S, H, D): the padding columns (zeros) dropped
     if out.dtype != m.options.dtype:
         out = op.astype(out, m.options.dtype)
     return op.reshape(out, (b, s, h * d))
@@ -452,8 +470,24 @@ def export_spec(graph: Graph, precision: str = "f32") -> dict:
     return {str(f): specs[str(f)] for f in exported_functions(precision)}
 
 
+def check_graph(graph: Graph, target: tvm.target.Target) -> None:
+    """Refuse, before any work, a graph this target cannot run, naming every missing piece."""
+    checks = [lambda: check_sinks(graph.config, target.kind.name)]
+    if any(o.kind == OpKind.MOE for o in graph.ops):
+        checks.insert(0, lambda: check_target(target.kind.name, graph.config.arch))
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except UnsupportedError as e:
+            problems.append(str(e))
+    if problems:
+        raise UnsupportedError(" ".join(problems))
+
+
 def lower_graph(graph: Graph, target: tvm.target.Target, options: LowerOptions = LowerOptions()):
     """Graph → (Relax IRModule, [(param name, shape, dtype)] in the packed order the functions take)."""
+    check_graph(graph, target)
     module = GraphModule(graph, target, options)
     with target:
         mod, named_params = module.export_tvm(spec=export_spec(graph, module.precision))

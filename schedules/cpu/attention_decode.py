@@ -14,7 +14,7 @@ them), so it is the paged prefill's causal-0 case, and its outputs are TVM's: O 
 
 from __future__ import annotations
 
-from luce_schedules.cpu.attention_prefill import RB, _tile_macro, page_gather, supports
+from luce_schedules.cpu.attention_prefill import RB, _tile_macro, owns_key_check, page_gather, supports
 from tvm import tirx
 from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info, _get_kv_chunk_len
 from tvm.script import tirx as T
@@ -29,12 +29,15 @@ def rows_per_block(group: int) -> int:
 
 
 def paged_decode_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_size: int = 16,
-                     dtype: str = "float32") -> tirx.PrimFunc:
+                     dtype: str = "float32", d_att: int | None = None, sink: bool = False) -> tirx.PrimFunc:
     """TVM's batch_decode_paged_kv_cpu(_sliding_window) (a dtype of attention_prefill.DTYPES; same signature and
-    outputs)."""
+    outputs); `d_att`, `sink`: attention sinks, folded in where the pages hold the query's own key
+    (attention_prefill's module docstring)."""
     global_symbol = "batch_decode_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
     group = h_q // h_kv
-    tile = _tile_macro(group, d, 1, page_gather(d, page_size), 0, rows_per_block(group))
+    cols = d if d_att is None else d_att
+    tile = _tile_macro(group, d, 1, page_gather(cols, page_size), 0, rows_per_block(group), d_att=d_att, sink=sink,
+                       owns_key=owns_key_check(cols, page_size) if sink else None)
 
     # fmt: off  (the parameters are named as TVM's)
     @T.prim_func(s_tir=True)

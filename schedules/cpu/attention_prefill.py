@@ -22,6 +22,15 @@ CPU, float32 throughout:
 Same signatures and outputs as TVM's kernels: O and the base-2 log-sum-exp (in units of sm_scale·log2 e scores) that
 the cache merges partial states with when a prefix is already cached. `rotary_mode` must be 0: luce-compile
 applies RoPE in the graph (RopeMode.NONE), so the cache never asks for inline rotation (asserted in the kernel).
+
+Attention sinks (gpt-oss; lower/attention_sinks.py says how the rows carry them): the cache's rows are the head's
+`d_att` columns and a few more; only those d_att are loaded and multiplied, the others written 0 in O. With `sink`, a
+row's online softmax takes one more term at its end, the query row's sink logit (column d_att) as a key of value 0,
+in the call that holds the query's own key: the ragged kernel always (its keys are the step's new tokens, causal),
+the decode kernel where the last key's position (columns d_att, d_att + 1 of the key: position mod 1024 and
+// 1024) is the query's (columns d_att + 1, d_att + 2 of the query). So the sink is counted once per query however
+TVM's cache splits its keys between calls (ragged, then paged per fork depth; or, decoding, paged only) and merges
+them by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -76,24 +85,29 @@ def _exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.reinterpret("float32", bits)
 
 
-def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int, rb: int = RB) -> object:
+def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int, rb: int = RB, d_att: int | None = None,
+                sink: bool = False, owns_key: object = None) -> object:
     """One task's work: TQ query tokens x the `group` query heads of KV head hk (module docstring). `gather` is the
     kernel's own macro that fills a key block, transposed (kt), and its value rows (vb) from where the keys live;
     src1..src5 are its arguments. `window` > 0: TVM's sliding-window mask under causal (the paged kernel's). `rb`
-    rows share each K and V load (RB; decode, with one token a task, takes a divisor of the group)."""
+    rows share each K and V load (RB; decode, with one token a task, takes a divisor of the group). `d_att`: the
+    columns attended (d: all); `sink`: fold each query row's sink logit (column d_att) in; `owns_key`: a macro that
+    clears flag[0] where this call does not hold the query's own key (decode; None: it always does, ragged)."""
     RB = rb  # noqa: N806  (the module constant's name, as the docstring uses it)
     rows = tile_q * group  # score rows of a task: (token, head of the group), token-major
     assert rows % RB == 0, "TQ·group must be a multiple of RB"
-    chunks = d // LANES
+    d_att = d if d_att is None else d_att
+    assert d_att % LANES == 0 and d_att + 3 * sink <= d, "the attended columns are whole vectors, the sink after them"
+    chunks = d_att // LANES
 
     @T.macro
     def tile(q, output, lse, causal, sm_scale, q0, n_q, n_kv, r0, hk, src1, src2, src3, src4, src5):  # noqa: ANN001
-        qs = T.decl_buffer((rows, d), "float32", scope="local")  # Q · sm_scale · log2 e
-        kt = T.decl_buffer((d, KB), "float32", scope="local")  # the key block, transposed
-        vb = T.decl_buffer((KB, d), "float32", scope="local")  # its value rows
+        qs = T.decl_buffer((rows, d_att), "float32", scope="local")  # Q · sm_scale · log2 e
+        kt = T.decl_buffer((d_att, KB), "float32", scope="local")  # the key block, transposed
+        vb = T.decl_buffer((KB, d_att), "float32", scope="local")  # its value rows
         s = T.decl_buffer((RB, KB), "float32", scope="local")  # scores, then probabilities
         acc = T.decl_buffer((RB, LANES), "float32", scope="local")
-        o = T.decl_buffer((rows, d), "float32", scope="local")
+        o = T.decl_buffer((rows, d_att), "float32", scope="local")
         m = T.decl_buffer((rows,), "float32", scope="local")  # running max (base 2)
         den = T.decl_buffer((rows,), "float32", scope="local")  # running sum of 2^(score - m)
         red = T.decl_buffer((RB, 2), "float32", scope="local")  # a row's block max, then its new max and scale
@@ -105,7 +119,7 @@ def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int, rb
         for r in T.serial(rows):
             m[r] = T.float32(EMPTY)
             den[r] = T.float32(0)
-            for c in T.vectorized(d):
+            for c in T.vectorized(d_att):
                 o[r, c] = T.float32(0)
                 qs[r, c] = T.if_then_else(
                     r // group < n_rows, f32(q[q0 + r0 + r // group, hk * group + r % group, c]) * scale, T.float32(0))
@@ -117,7 +131,7 @@ def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int, rb
                 for i in T.unroll(RB):
                     for j in T.vectorized(KB):
                         s[i, j] = T.float32(0)
-                for c in T.serial(d):
+                for c in T.serial(d_att):
                     for i in T.unroll(RB):
                         for j in T.vectorized(KB):
                             s[i, j] = s[i, j] + qs[rb * RB + i, c] * kt[c, j]
@@ -150,11 +164,27 @@ def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int, rb
                     for i in T.unroll(RB):
                         for c in T.vectorized(LANES):
                             o[rb * RB + i, cc * LANES + c] = acc[i, c]
+        if sink:  # one more key per row, score the sink logit (base 2), value 0 (module docstring)
+            flag = T.decl_buffer((1,), "int32", scope="local")
+            flag[0] = 1
+            if owns_key is not None:
+                owns_key(flag, q, q0 + r0, n_kv, hk, src1, src2, src3, src4, src5)
+            if flag[0] > 0:
+                for r in T.serial(n_rows * group):
+                    red[0, 0] = f32(q[q0 + r0 + r // group, hk * group + r % group, d_att]) * T.float32(LOG2E)
+                    red[0, 1] = T.max(m[r], red[0, 0])
+                    scale_old = _exp2(m[r] - red[0, 1])
+                    den[r] = den[r] * scale_old + _exp2(red[0, 0] - red[0, 1])
+                    m[r] = red[0, 1]
+                    for c in T.vectorized(d_att):
+                        o[r, c] = o[r, c] * scale_old
         for r in T.serial(n_rows * group):
             # a row with no key at all (an empty sequence's keys) writes 0 and a log-sum-exp that merges as weight 0
-            for c in T.vectorized(d):
+            for c in T.vectorized(d_att):
                 output[q0 + r0 + r // group, hk * group + r % group, c] = T.Cast(output.dtype, T.if_then_else(
                     den[r] > T.float32(0), o[r, c] / den[r], T.float32(0)))
+            for c in T.serial(d - d_att):  # the cache's padding columns (attention sinks)
+                output[q0 + r0 + r // group, hk * group + r % group, d_att + c] = T.Cast(output.dtype, 0)
             lse[q0 + r0 + r // group, hk * group + r % group] = T.if_then_else(
                 den[r] > T.float32(0), m[r] + T.log2(den[r]), T.float32(EMPTY))
 
@@ -177,20 +207,22 @@ def _find_tile(q_indptr, batch_size, slots, zz, tile_q, found):  # noqa: ANN001
         found[2] = found[2] + n_tiles
 
 
-def ragged_prefill_cpu(h_kv: int, h_q: int, d: int, tile_q: int = TQ, dtype: str = "float32") -> tirx.PrimFunc:
+def ragged_prefill_cpu(h_kv: int, h_q: int, d: int, tile_q: int = TQ, dtype: str = "float32",
+                       d_att: int | None = None, sink: bool = False) -> tirx.PrimFunc:
     """TVM's batch_prefill_ragged_kv (a dtype of DTYPES, d_qk = d_v = d), multi-threaded and vectorized (module
-    docstring)."""
+    docstring); d_att and sink as _tile_macro's (attention sinks)."""
+    cols = d if d_att is None else d_att
 
     @T.macro
     def gather(kt, vb, kb, n_keys, hk, k, v, kv0, _unused1, _unused2):  # noqa: ANN001
         for j in T.serial(KB):
-            for c in T.serial(d):
+            for c in T.serial(cols):
                 kt[c, j] = T.if_then_else(j < n_keys, f32(k[kv0 + kb * KB + j, hk, c]), T.float32(0))
         for j in T.serial(n_keys):
-            for c in T.vectorized(d):
+            for c in T.vectorized(cols):
                 vb[j, c] = f32(v[kv0 + kb * KB + j, hk, c])
 
-    tile = _tile_macro(h_q // h_kv, d, tile_q, gather, 0)
+    tile = _tile_macro(h_q // h_kv, d, tile_q, gather, 0, d_att=d_att, sink=sink)
 
     # fmt: off
     @T.prim_func(s_tir=True)
@@ -247,8 +279,27 @@ def ragged_prefill_cpu(h_kv: int, h_q: int, d: int, tile_q: int = TQ, dtype: str
     return batch_prefill_ragged_kv
 
 
+def owns_key_check(d_att: int, page_size: int) -> object:
+    """The decode kernel's `owns_key` (module docstring): flag[0] = 0 unless the last key of this call sits at the
+    position the query's row carries, i.e. the cache appended the query's own key before attending and this call
+    reads the pages it went to."""
+
+    @T.macro
+    def owns_key(flag, q, row, n_kv, hk, pages, page_values, page0, sink, offset):  # noqa: ANN001
+        flag[0] = 0
+        if n_kv > 0:
+            pos = T.if_then_else(n_kv - 1 < sink, n_kv - 1, n_kv - 1 - sink + offset)  # as page_gather maps it
+            page = page_values[page0 + pos // page_size]
+            if f32(pages[page, 0, hk, pos % page_size, d_att]) == f32(q[row, 0, d_att + 1]) and \
+                    f32(pages[page, 0, hk, pos % page_size, d_att + 1]) == f32(q[row, 0, d_att + 2]):
+                flag[0] = 1
+
+    return owns_key
+
+
 def page_gather(d: int, page_size: int) -> object:
-    """The tile's gather from the cache's pages: key block kb of KV head hk, transposed into kt, values into vb."""
+    """The tile's gather from the cache's pages: key block kb of KV head hk, transposed into kt, values into vb (the
+    first d columns of each row)."""
 
     @T.macro
     def gather(kt, vb, kb, n_keys, hk, pages, page_values, page0, sink, offset):  # noqa: ANN001
@@ -266,14 +317,16 @@ def page_gather(d: int, page_size: int) -> object:
 
 
 def paged_prefill_cpu(h_kv: int, h_q: int, d: int, sliding_window: bool, page_size: int = 16,
-                      sliding_window_size: int = 1024, tile_q: int = TQ, dtype: str = "float32") -> tirx.PrimFunc:
+                      sliding_window_size: int = 1024, tile_q: int = TQ, dtype: str = "float32",
+                      d_att: int | None = None) -> tirx.PrimFunc:
     """TVM's batch_prefill_paged_kv_cpu(_sliding_window) (a dtype of DTYPES): the queries of a prefill against the keys
     already in the cache's pages (the cache calls it with causal 0 for a prompt after a cached prefix, then merges with
     the ragged kernel's result by the log-sum-exps). Same task split as the ragged kernel; a key block is gathered
     from its pages. The sliding variant reads TVM's length_info (last page length, window offset, sink length) and
-    applies TVM's sliding mask under causal, as its kernel does."""
+    applies TVM's sliding mask under causal, as its kernel does. `d_att`: the columns attended (attention sinks)."""
     global_symbol = "batch_prefill_paged_kv_cpu" + ("_sliding_window" if sliding_window else "")
-    tile = _tile_macro(h_q // h_kv, d, tile_q, page_gather(d, page_size), sliding_window_size if sliding_window else 0)
+    tile = _tile_macro(h_q // h_kv, d, tile_q, page_gather(d if d_att is None else d_att, page_size),
+                       sliding_window_size if sliding_window else 0, d_att=d_att)
 
     # fmt: off
     @T.prim_func(s_tir=True)

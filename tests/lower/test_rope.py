@@ -54,3 +54,23 @@ def test_a_graph_with_rope_freqs_lowers_with_the_factors_as_a_parameter(tmp_path
     mod, params = lower_graph(graph, CPU)
     assert ("rope_freqs.weight::w", (config.rope_dim // 2,), "float32") in params
     assert any(g.name_hint.endswith("_ff") for g, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
+
+
+@pytest.mark.parametrize("dim", [32, 64])
+def test_yarn_matches_the_oracle(dim):
+    """gpt-oss's YaRN (x32 from 4096, base 150000) against the oracle's: positions past the original context too,
+    where the interpolated and the kept frequencies differ most."""
+    rng = np.random.default_rng()
+    h, d = 2, 64
+    yarn = dict(ext_factor=1.0, attn_factor=1.0, beta_fast=32.0, beta_slow=1.0, n_ctx_orig=4096)
+    x = rng.standard_normal((1, 6, h, d)).astype(np.float32)
+    positions = np.array([[0, 3, 127, 4095, 30000, 131071]], dtype=np.int32)
+    with CPU:
+        lib = tvm.compile(tvm.IRModule({"main": rope_func("neox", h, d, dim, 150000.0, 1 / 32, yarn=yarn)}), target=CPU)
+    dev = tvm.cpu()
+    out = tvm.runtime.tensor(np.zeros_like(x), dev)
+    lib["main"](tvm.runtime.tensor(x, dev), tvm.runtime.tensor(positions, dev), out)
+    want = rope(x.astype(np.float64), positions, "neox", dim, 150000.0, 1 / 32, yarn=yarn)
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-5, rtol=1e-5)
+    plain = rope(x.astype(np.float64), positions, "neox", dim, 150000.0, 1 / 32)
+    assert np.abs(want - plain).max() > 0.1  # YaRN is not linear scaling: the test would catch it being dropped
