@@ -195,6 +195,26 @@ def test_refusals(tiny_gptoss, tmp_path):
         _config_with(tiny_gptoss, {}, extra_tensor="blk.0.ffn_gate_up_exps.weight")
 
 
+@pytest.mark.unit
+def test_a_tokenizer_the_runtime_lacks_is_refused_before_lowering(tiny_gptoss, tmp_path, monkeypatch):
+    """gpt-oss's o200k vocabulary comes with llama.cpp's pre-tokenizer "gpt-4o", which the runtime's tokenizer does
+    not implement yet: compile refuses it by name before lowering, not when the finished artifact is loaded."""
+    import luce_compile.codegen.compile as compile_module
+    from luce_compile.errors import TokenizerError
+
+    real_read = compile_module.read_gguf
+
+    def read_gpt4o(path):
+        gguf = real_read(path)
+        gguf.metadata["tokenizer.ggml.pre"] = "gpt-4o"
+        return gguf
+
+    monkeypatch.setattr(compile_module, "read_gguf", read_gpt4o)
+    monkeypatch.setattr(compile_module, "lower_graph", lambda *a, **k: pytest.fail("lowered before the refusal"))
+    with pytest.raises(TokenizerError, match="'gpt-4o' is not supported"):
+        compile_module.compile_model(tiny_gptoss, "cpu", tmp_path / "out", use_cache=False)
+
+
 def _config_with(path, metadata: dict, extra_tensor: str | None = None):
     """model_config of the file with some metadata keys (and a tensor name) added, as a file could hold them."""
     gguf = read_gguf(path)
