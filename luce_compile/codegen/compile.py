@@ -201,11 +201,11 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     elif info.kind in GPU_KINDS:
         megakernel_fields["megakernel"] = {"skipped": "built with --no-megakernel"}
     say("writing the artifact (weights repacked into kernel planes)")
-    contract = RuntimeContract(kv_dtype=kv_dtype,
+    c = graph.config
+    kv_head = kv_head_dim(c) if c.attn_sinks else 0  # the cache's rows, where wider than the head (attention sinks)
+    contract = RuntimeContract(kv_dtype=kv_dtype, kv_head_dim=kv_head,
                                sliding_prefill_chunks=cpu_prefill_applies_window(
-                                   target, kv_head_dim(graph.config),
-                                   kv_head_dim(graph.config) if graph.config.attn_sinks else graph.config.head_dim_v,
-                                   kv_dtype),
+                                   target, kv_head or c.head_dim, kv_head or c.head_dim_v, kv_dtype),
                                functions=tuple(str(f) for f in exported_functions(options.precision)))
     manifest = {
         "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},

@@ -91,7 +91,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     art = load_artifact(args.artifact)
     artifact_device(art)  # a GPU artifact on a machine without that GPU: refused before the pool is sized
     plan = plan_kv_pool(art.config, art.manifest["runtime"].get("kv_dtype", "float32"), art.manifest["target"]["kind"],
-                        context=args.ctx, sequences=1, kv_memory=kv_memory_arg(args))
+                        context=args.ctx, sequences=1, kv_memory=kv_memory_arg(args),
+                        kv_head_dim=art.manifest["runtime"].get("kv_head_dim", 0))
     print(f"[{plan.describe()}]", file=sys.stderr)
     engine = Engine(art, EngineOptions(max_batch=1, max_context=plan.context))
     tok = engine.tokenizer

@@ -76,6 +76,9 @@ class RuntimeContract:
     # 0.27's CPU kernel is wrong there): a sliding-window sequence then prefills in chunks of up to the window after
     # its first, where it otherwise takes one token a call (Engine.chunk_limit). False for artifacts built before.
     sliding_prefill_chunks: bool = False
+    # the width of a head's row in the KV cache where it is not the config's head_dim (attention sinks ride in 16
+    # more columns: luce_compile/lower/attention_sinks.py); 0: head_dim. Sizes the KV pool (kv_memory).
+    kv_head_dim: int = 0
 
     def to_manifest(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

@@ -35,11 +35,13 @@ def parse_memory(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def kv_bytes_per_token(config: dict, kv_dtype: str = "float32") -> int:
-    """KV-cache bytes one token takes over all layers: keys and values of every KV head, in the cache's dtype."""
+def kv_bytes_per_token(config: dict, kv_dtype: str = "float32", kv_head_dim: int = 0) -> int:
+    """KV-cache bytes one token takes over all layers: keys and values of every KV head, in the cache's dtype; a
+    head's row is kv_head_dim wide where the artifact's contract says so (attention sinks), else head_dim."""
     if kv_dtype not in DTYPE_BYTES:
         raise KVMemoryError(f"engine: unknown KV cache dtype {kv_dtype!r} (known: {', '.join(DTYPE_BYTES)}).")
-    return 2 * int(config["n_layer"]) * int(config["n_head_kv"]) * int(config["head_dim"]) * DTYPE_BYTES[kv_dtype]
+    head = int(kv_head_dim or config["head_dim"])
+    return 2 * int(config["n_layer"]) * int(config["n_head_kv"]) * head * DTYPE_BYTES[kv_dtype]
 
 
 def _size(n: float) -> str:
@@ -85,13 +87,13 @@ def check_context(config: dict, context: int) -> int:
 
 
 def plan_kv_pool(config: dict, kv_dtype: str, kind: str, *, context: int = 0, sequences: int = 0, extra: int = 0,
-                 kv_memory: int = 0, available: int | None = None) -> KVPlan:
+                 kv_memory: int = 0, available: int | None = None, kv_head_dim: int = 0) -> KVPlan:
     """How many sequences of `context` tokens (plus up to `extra` for cached prefixes) the budget holds: `sequences`
     when given (refused when it does not fit an explicit kv_memory), else as many as fit, between 1 and MAX_SEQUENCES,
     after the prefixes' (fewer of those where the budget holds fewer sequences than extra + 1).
-    `available`: the free memory (default: engine.available_memory(kind))."""
+    `available`: the free memory (default: engine.available_memory(kind)); `kv_head_dim`: the contract's."""
     context = check_context(config, context)
-    per_token = kv_bytes_per_token(config, kv_dtype)
+    per_token = kv_bytes_per_token(config, kv_dtype, kv_head_dim)
     if kv_memory:
         budget, source = kv_memory, "--kv-memory"
     else:

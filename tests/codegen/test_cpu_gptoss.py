@@ -50,6 +50,7 @@ def test_artifact_carries_the_sinks_in_wider_cache_rows(tiny, engine_of):
     c = engine.config
     assert c["arch"] == "gpt-oss" and c["attn_sinks"] and c["sliding"] == [True, False, True, False]
     assert engine.contract.sliding_prefill_chunks  # the CPU kernels take the padded rows (head 32 + 16)
+    assert engine.contract.kv_head_dim == 48  # and the KV pool is sized by them (kv_memory)
     assert engine.sliding_window == WINDOW
 
 

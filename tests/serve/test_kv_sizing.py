@@ -58,3 +58,13 @@ def test_host_memory_is_read_from_proc():
     from luce_runtime.engine import available_memory
 
     assert available_memory("llvm") > 1 << 28
+
+
+def test_wider_cache_rows_of_the_contract_count():
+    """An artifact whose cache rows are wider than its heads (gpt-oss's attention sinks: 64 + 16 columns) says so in
+    its contract's kv_head_dim, and the pool is sized by the rows."""
+    gptoss = {"n_layer": 24, "n_head_kv": 8, "head_dim": 64, "n_ctx_train": 131072}
+    assert kv_bytes_per_token(gptoss, "float32", kv_head_dim=80) == 2 * 24 * 8 * 80 * 4
+    plan = plan_kv_pool(gptoss, "float32", "llvm", context=4096, available=80 * 2 * 24 * 8 * 80 * 4 * 4096,
+                        kv_head_dim=80)
+    assert plan.sequences == 20 and plan.bytes_per_token == 2 * 24 * 8 * 80 * 4

@@ -85,9 +85,10 @@ def kv_plan(options: ServeOptions) -> KVPlan:
     the KV budget, the prefix cache's sequences beside them, at the artifact's KV type."""
     art = load_artifact(options.artifact, verify=False)  # the Engine verifies it right after
     artifact_device(art)  # a GPU artifact on a machine without that GPU: refused before the pool is sized
-    kv_dtype = (art.manifest.get("runtime") or {}).get("kv_dtype", "float32")
-    return plan_kv_pool(art.config, kv_dtype, art.manifest["target"]["kind"], context=options.max_context,
-                        sequences=options.max_batch, extra=options.prefix_cache, kv_memory=options.kv_memory)
+    runtime = art.manifest.get("runtime") or {}
+    return plan_kv_pool(art.config, runtime.get("kv_dtype", "float32"), art.manifest["target"]["kind"],
+                        context=options.max_context, sequences=options.max_batch, extra=options.prefix_cache,
+                        kv_memory=options.kv_memory, kv_head_dim=runtime.get("kv_head_dim", 0))
 
 
 class Service:
