@@ -111,8 +111,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"arch {c['arch']}: {c['n_layer']} layers, hidden {c['n_embd']}, heads {c['n_head']}/{c['n_head_kv']} "
           f"× {c['head_dim']}, ffn {c['n_ff']}, vocab {c['n_vocab']}, context {c['n_ctx_train']}")
     if c.get("n_expert"):
-        print(f"experts {c['n_expert']} × ffn {c['n_ff_exp']}, {c['n_expert_used']} used a token"
-              f"{', weights renormalized' if c['expert_weights_norm'] else ''}")
+        gating = " by the softmax of their logits" if c.get("expert_gating") == "softmax_weight" else ""
+        print(f"experts {c['n_expert']} × ffn {c['n_ff_exp']}, {c['n_expert_used']} used a token{gating}"
+              f"{', weights renormalized' if c['expert_weights_norm'] else ''}"
+              f"{', biased' if c.get('expert_bias') else ''}")
+    if c.get("attn_sinks"):
+        print("attention sinks: a learned logit per query head in every softmax")
+    if c.get("rope_yarn_ext_factor"):
+        print(f"rope scaling YaRN x{1 / c['rope_scale']:g} from {c['rope_yarn_orig_ctx']} (beta "
+              f"{c['rope_yarn_beta_fast']:g}/{c['rope_yarn_beta_slow']:g})")
     print(f"rope {c['rope_layout']} base {c['rope_base']:g} dims {c['rope_dim']}; rms eps {c['rms_eps']:g}; "
           f"{'tied' if c['tied_output'] else 'separate'} output; activation {c['activation']}")
     if any(c["sliding"]):
