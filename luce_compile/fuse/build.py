@@ -71,12 +71,15 @@ def program_fingerprint(prog: Program) -> str:
 
 def target_options(options: MegakernelOptions, info) -> MegakernelOptions:
     """The options as a target builds them: shared memory resolved (MegakernelOptions.for_target); on AMD, the
-    tensor-core bodies off (they are PTX mma), no L2 prefetch (gfx11/gfx1201 have no prefetch instruction) and at
-    most the threads a workgroup may have (TVM marks every ROCm kernel amdgpu-flat-work-group-size 1,256)."""
+    tensor-core bodies off (they are PTX mma), no L2 prefetch (gfx11/gfx1201 have no prefetch instruction), q and k
+    tiles of whole heads (rope_pairs gave the 8B's b=8 kernel 608 bytes of scratch a lane on gfx1151, over the
+    bound of kernel_resources.py) and at most the threads a workgroup may have (TVM marks every ROCm kernel
+    amdgpu-flat-work-group-size 1,256)."""
     options = options.for_target(info.facts)
     if info.kind != "rocm":
         return options
     return dataclasses.replace(options, q8_mma=False, float_mma=False, prefetch_bytes=0, prefetch_ahead=False,
+                               rope_pairs=False,
                                threads=min(options.threads, int(info.facts["max_threads_per_block"])))
 
 

@@ -20,7 +20,9 @@ MMA_FLOAT_TYPES = ("F16", "BF16")
 
 
 STATIC_KIB = 44  # shared memory without opting in (under 48 KiB, with room for the kernel's static buffers)
-SHARED_KIB_MAX = 128  # measured no faster above (96 vs 44 at b=1; 128 lets K = 8,192 inputs of 8 rows take 8 bits)
+# 200 lets the 8B's K = 14,336 down projection take 8-bit inputs at b=8 (the float body took 5.8 of a 12.5 ms step);
+# with interleave_slices the 8B's b=8 step went 12,181 -> 8,379 µs on the H200 (96 vs 44 measured no faster at b=1)
+SHARED_KIB_MAX = 200
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,15 @@ class MegakernelOptions:
     # measured on the H200, the LM head's stage at b=8 93 -> 71 µs on SmolLM2, 103 -> 82 on the 1B, 59 -> 47 on Qwen3
     balance_waves: bool = True
     # q and k tiles may split heads where RoPE pairs neighbouring features (Llama's layout): the QKV stage of an 8B
-    # (32 + 8 heads of 128) then spreads over every SM instead of 62 of 132
-    rope_pairs: bool = False
+    # (32 + 8 heads of 128) then spreads over every SM instead of 62 of 132 (H200, the 8B: 3,450 -> 3,366 µs a step
+    # at b=1, 8,379 -> 7,595 at b=8)
+    rope_pairs: bool = True
     kv_dtype: str = "float16"
     # bytes of each weight plane's tile (and of each attention chunk's keys/values) asked into L2 before a task's
     # wait, so the fetch overlaps the wait instead of following it; 0 turns it off
     prefetch_bytes: int = 64 * 1024
-    # a lane matvec's pass asks L2 for the next pass's (or the next step's) weight blocks before its own arithmetic
+    # a lane matvec's pass asks L2 for the next pass's (or the next step's) weight blocks before its own arithmetic;
+    # measured slower on the H200 (the 8B at b=1 3,366 -> 3,589 µs: the LM head 142 -> 185 µs a task), so off
     prefetch_ahead: bool = False
     poll_sleep_ns: int = 32  # back-off between two polls of a counter
     # float32 partial sums a lane keeps in a matvec step (rows x matmuls x sequences); 0: 16 below batch 4, 32 from
@@ -67,8 +71,9 @@ class MegakernelOptions:
     k_slice_units: int = 32
     # a lane matvec's K slices take turns along K (pass p of slice s reads units (p·split + s)·32 + lane), so a
     # pass of a group's warps reads each row's next split·32 units as one run; off: each slice a contiguous range
-    # (a pass reads split runs a row, one per slice, far apart)
-    interleave_slices: bool = False
+    # (a pass reads split runs a row, one per slice, far apart). With shared_kib 200, measured on the H200: the 8B's
+    # b=1 step 6,231 -> 3,450 µs, its K = 14,336 down projection 74 -> 25 µs a task (Q4_K), 63 -> 17 (Q6_K)
+    interleave_slices: bool = True
     # matvecs of Q4_0/1, Q5_0/1, Q8_0, Q4_K weights take 8-bit activations (llama.cpp's q8_0/q8_1 blocks of 32, as
     # its CUDA mmvq: Q4_K too, where its CPU takes q8_K) and integer dot products (dp4a): ~4x fewer instructions per
     # weight than dequantizing to float32

@@ -185,9 +185,9 @@ def test_8b_shape_megakernels_pass_the_check(name, tmp_path):
 def test_8b_shape_megakernels_at_32k_fit_sm_90(tmp_path):
     """Issue 38: Llama-3.1-8B's shapes (2 of its layers) built for a 32,768-token context on sm_90, b1 and b8: the
     check passes (registers x threads within the register file, spills within the bound, shared memory within the
-    opt-in; measured 128 registers, 112 / 560 bytes spilled, 2,368 / 3,776 bytes static + 128 KiB dynamic, as at
-    4,096 within 16 bytes of spills), and the attention's chunks hold at most 2,048 keys at 32K (b1: one wave of
-    16 chunks a KV head; b8: 8 waves of 2)."""
+    opt-in; measured with 128 KiB of dynamic shared memory: 128 registers, 112 / 560 bytes spilled, 2,368 / 3,776
+    bytes static, as at 4,096 within 16 bytes of spills; the default is 200 KiB since), and the attention's
+    chunks hold at most 2,048 keys at 32K (b1: one wave of 16 chunks a KV head; b8: 8 waves of 2)."""
     from luce_compile.fuse.taskgraph import KV_MAX_KEYS
 
     programs = build("sm_90", "llama-3.1-8b", tmp_path / "mk.so", layers=2, max_context=32768)
