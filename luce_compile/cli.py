@@ -342,20 +342,20 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def add_kv_cache_arg(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--kv-cache", choices=KV_CACHE_TYPES, default="f32",
-                   help="the KV cache's type (llama.cpp's -ctk/-ctv): f32 (default), f16 = half the bytes per token "
-                        "of context (queries, keys and values rounded to float16 for attention); q8_0 and q4_0 are "
-                        "not built yet (refused with the reason)")
+    s.add_argument("--kv-cache", choices=KV_CACHE_TYPES, default="auto",
+                   help="the KV cache's type (llama.cpp's -ctk/-ctv): auto (default) is f16 on GPU targets and f32 "
+                        "on the CPU; f16 = half the bytes per token of context (queries, keys and values rounded to "
+                        "float16 for attention); q8_0 and q4_0 are not built yet (refused with the reason)")
 
 
-def compile_into_cache(model: str, target: str, purpose: str, kv_cache: str = "f32") -> Path:
+def compile_into_cache(model: str, target: str, purpose: str, kv_cache: str = "auto") -> Path:
     """MODEL compiled for `target` into the cache's folder for `purpose` (bench, serve): the cache's own copy, replaced
     when an earlier run left one."""
     from luce_compile.codegen.compile import compile_model
     from luce_compile.models import cache_dir
 
     gguf = resolve_for_target(model, target)
-    suffix = "" if kv_cache == "f32" else f".kv{kv_cache}"
+    suffix = "" if kv_cache == "auto" else f".kv{kv_cache}"
     return compile_model(gguf, target, cache_dir() / purpose / f"{gguf.stem}.{target}{suffix}", overwrite=True,
                          kv_cache=kv_cache)
 
@@ -413,12 +413,12 @@ def bench_spec(path: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_path(model: str, target: str, kv_cache: str = "f32") -> Path:
+def serve_path(model: str, target: str, kv_cache: str = "auto") -> Path:
     """An artifact (directory or packed file) as is; a GGUF (or model name) compiled first, through the cache."""
     path = Path(model)
     if (path / "manifest.json").is_file():
         built = json.loads((path / "manifest.json").read_text()).get("kernels", {}).get("kv_cache", "f32")
-        if kv_cache not in ("f32", built):  # f32 is the flag's default: an artifact's own type is taken as is
+        if kv_cache not in ("auto", built):  # auto, the flag's default: an artifact's own type is taken as is
             raise LuceError(f"serve: {path} was compiled with --kv-cache {built}; its kernels cannot take "
                             f"{kv_cache}: compile the GGUF again with --kv-cache {kv_cache}, or serve the GGUF.")
         return path

@@ -86,8 +86,10 @@ def prepare(args: argparse.Namespace) -> None:
     logits = []
     (out / "reference.npz").unlink(missing_ok=True)  # a re-run without one must not keep an older model's
     if args.reference:
+        half_kv = manifest["kernels"].get("kv_cache") == "f16"  # compile's auto on a GPU: keys and values rounded
         ids, logits = _cached_oracle_trace(gguf, prompt, args.steps, q8_types=q8, q8_decode_only=True,
-                                           tf32_types=tf32, half_above=LOW_BATCH[-1][0] if precision == "f16" else None)
+                                           tf32_types=tf32, half_above=LOW_BATCH[-1][0] if precision == "f16" else None,
+                                           **({"half_kv": True} if half_kv else {}))
         np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
     (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name, "target": args.target,
                                                "megakernel_q8": megakernel_q8,

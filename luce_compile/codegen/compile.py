@@ -32,7 +32,7 @@ from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
 from luce_compile.lower.attention_sinks import kv_head_dim
 from luce_compile.lower.cpu_int8 import resolve_precision
-from luce_compile.lower.kv_cache import kv_cache_dtype
+from luce_compile.lower.kv_cache import kv_cache_dtype, resolve_kv_cache
 from luce_compile.lower.quant_layout import weight_planes
 from luce_compile.lower.relax_model import (
     PLANE_SEP,
@@ -74,7 +74,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
                   overwrite: bool = False, progress: Progress | None = None, precision: str = "auto",
                   tune_logs: Path | None = None, use_tune_logs: bool = True, megakernel: bool = True,
                   megakernel_q8: bool | None = None, megakernel_tf32: bool | None = None,
-                  kv_cache: str = "f32") -> Path:
+                  kv_cache: str = "auto") -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
     An existing out_dir is replaced only if it is an artifact and `overwrite` is set (the CLI's --force); anything
@@ -92,8 +92,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     to tf32 (MegakernelOptions.float_mma; CUDA only). Both default (None) to on where the precision resolves to f16
     (CUDA's auto: the fast build, as llama.cpp's CUDA backend rounds by default) and off with f32, the exact build the
     oracle checks; the manifest's megakernel options record the choice. `kv_cache`: the KV cache's type (--kv-cache,
-    lower/kv_cache.py: f32 by default, f16 half its bytes), recorded as the manifest's kernels.kv_cache and the
-    runtime contract's kv_dtype.
+    lower/kv_cache.py: auto is f16 on GPU targets and f32 on the CPU), recorded as the manifest's kernels.kv_cache
+    and the runtime contract's kv_dtype.
     """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -107,6 +107,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     say("hashing the model")
     gguf_sha = file_sha256(gguf_path)
     precision = resolve_precision(precision, info.tvm_target())  # refuses int8 where it cannot run, before work
+    kv_cache = resolve_kv_cache(kv_cache, info.kind in GPU_KINDS)
     kv_cache_dtype(kv_cache)  # refuses a KV cache type that is not built, before work
     fast = precision == "f16"  # the GPU's default build: the megakernels round as llama.cpp's CUDA kernels do
     megakernel_q8 = fast if megakernel_q8 is None else megakernel_q8

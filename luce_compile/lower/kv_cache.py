@@ -1,13 +1,14 @@
 """The KV cache's element type (`compile --kv-cache`), as the lowering gives it to TVM's PagedKVCache.
 
-"f32" is the default: the cache in the activations' float32, as every build before. "f16" halves a token's bytes
-(llama.cpp's default -ctk/-ctv f16): queries, keys and values are rounded to float16 on their way into the cache's
-attention, its output widened back to float32 (relax_model._attention); on the CPU the attention kernels widen each
-float16 load and sum in float32 (schedules/cpu/attention_*.py), and the oracle emulates the rounding
-(graph/kv_rounding.round_kv). llama.cpp's q8_0 and q4_0 (KV_CACHE_BLOCK_TYPES) need a page layout with per-block
-scales: TVM 0.27's PagedKVCache allocates each layer's pages as one (pages, 2, kv heads, page size, head dim) tensor
-whose dtype must also be that of the queries and of the attention output (paged_kv_cache.cc checks
-qkv.dtype == o.dtype == pages.dtype), so they need a cache layout of their own, not a dtype.
+"auto" (the default) is f16 on GPU targets, as llama.cpp's default -ctk/-ctv, and f32 on the CPU, whose attention
+kernels widen every float16 load (not measured faster there: benchmarks/README.md, long context on the CPU). "f32"
+is the cache in the activations' float32. "f16" halves a token's bytes: queries, keys and values are rounded to
+float16 on their way into the cache's attention, its output widened back to float32 (relax_model._attention); on the
+CPU the attention kernels widen each float16 load and sum in float32 (schedules/cpu/attention_*.py), and the oracle
+emulates the rounding (graph/kv_rounding.round_kv). llama.cpp's q8_0 and q4_0 (KV_CACHE_BLOCK_TYPES) need a page
+layout with per-block scales: TVM 0.27's PagedKVCache allocates each layer's pages as one (pages, 2, kv heads, page
+size, head dim) tensor whose dtype must also be that of the queries and of the attention output (paged_kv_cache.cc
+checks qkv.dtype == o.dtype == pages.dtype), so they need a cache layout of their own, not a dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from luce_compile.errors import UnsupportedError
 
 KV_CACHE_DTYPES = {"f32": "float32", "f16": "float16"}  # --kv-cache → the pages' dtype
 KV_CACHE_BLOCK_TYPES = ("q8_0", "q4_0")  # llama.cpp's, refused with the reason (module docstring)
-KV_CACHE_TYPES = (*KV_CACHE_DTYPES, *KV_CACHE_BLOCK_TYPES)
+KV_CACHE_TYPES = ("auto", *KV_CACHE_DTYPES, *KV_CACHE_BLOCK_TYPES)
+GPU_KV_CACHE = "f16"  # auto's choice on GPU targets: at depth the attention reads the cache, half of f32's bytes
+
+
+def resolve_kv_cache(kv_cache: str, gpu: bool) -> str:
+    """--kv-cache as built: "auto" is f16 on a GPU target and f32 on the CPU; any other type as given."""
+    return (GPU_KV_CACHE if gpu else "f32") if kv_cache == "auto" else kv_cache
 
 
 def kv_cache_dtype(kv_cache: str) -> str:

@@ -56,6 +56,8 @@ def test_tiny_model_builds_real_binaries(name, built):
     info = get_target(name)
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["target"]["kind"] == info.kind
+    # compile's --kv-cache auto: float16 pages on a GPU, as llama.cpp's default cache
+    assert manifest["kernels"]["kv_cache"] == "f16" and manifest["runtime"]["kv_dtype"] == "float16"
     report = check_library(artifact / "model.so", info)  # re-extracted and re-read with the vendor tools
     (binary,) = report.binaries
     want_archs = sorted(info.archs or (info.name,))
@@ -202,6 +204,7 @@ def test_cuda_artifacts_carry_the_decode_megakernels(name, built, tiny_gguf):
     manifest = json.loads((artifact / "manifest.json").read_text())
     mk = manifest["megakernel"]
     assert mk["batches"] == [1, 2, 4, 8] and {mk["module"], mk["tables"]} <= set(manifest["files"])
+    assert mk["kv_dtype"] == "float16"  # the megakernels read the engine's float16 pages
     if info.kind == "cuda":
         # the default build is the fast one: 8-bit and tf32 matvecs, recorded in the manifest (f32: the exact build)
         assert manifest["kernels"]["precision"] == "f16" and mk["options"]["q8_activations"]
