@@ -217,8 +217,6 @@ class Engine:
         self._fns = {str(f): self.vm[str(f)] for f in REQUIRED_FUNCTIONS}
         self._fns.update({str(f): self.vm[str(f)] for f in OPTIONAL_FUNCTIONS if str(f) in self.contract.functions})
         weights = self.artifact.weights()
-        self.params = [tvm.runtime.tensor(np.ascontiguousarray(weights[p["name"]]), self.device)
-                       for p in manifest["weights"]["params"]]
         window = int(self.config.get("sliding_window") or 0)
         self.sliding_window = window if window and any(self.config.get("sliding", ())) else 0
         # every live sequence may grow to max_context; pages are whole, so round each one up (+1 spare page)
@@ -235,6 +233,11 @@ class Engine:
         if self.options.megakernel not in (True, False, "auto"):
             raise EngineError(f"engine: megakernel must be True, False or 'auto', got {self.options.megakernel!r}")
         self.megakernel = self._load_megakernel(weights)
+        # the megakernel's stacked weights are the per-op kernels' too where they can be (device_views.py)
+        shared = self.megakernel.layer_views if self.megakernel is not None else {}
+        self.params = [shared[p["name"]] if p["name"] in shared else
+                       tvm.runtime.tensor(np.ascontiguousarray(weights[p["name"]]), self.device)
+                       for p in manifest["weights"]["params"]]
         self._mk_sizes: set[int] = set()  # numbers of sequences whose decode steps run the megakernel
         # rows of a verify the megakernel takes (each fed token a row, at its own position of its sequence's pages)
         self._mk_verify_rows = 0

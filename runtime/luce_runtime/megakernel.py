@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import tvm
 
+from luce_runtime.device_views import layer_views
 from luce_runtime.errors import ArtifactError, LuceError
 
 NO_TOKEN = 2**31 - 1  # a masked row's id when its mask allowed no token
@@ -182,7 +183,10 @@ class Megakernel:
         module = tvm.runtime.load_module(str(root / section["module"]))
         with np.load(root / section["tables"]) as npz:
             tables = {k: npz[k] for k in npz.files}
-        stacked = _stack_weights(section, params, device)
+        stacked, shareable = _stack_weights(section, params, device)
+        # the per-op kernels' weights as views of the stacked ones: the GPU holds each weight once
+        self.layer_views = {name: view for arg, layers in shareable.items()
+                            for name, view in layer_views(stacked[arg], layers).items()}
         self.kernels = {}
         for spec in section["kernels"].values():
             weights = {n: stacked[n] for n in spec["weights"]}
@@ -250,10 +254,11 @@ class Megakernel:
         return self._last.profile.numpy()
 
 
-def _stack_weights(section: dict, params: dict[str, np.ndarray], device) -> dict[str, object]:
+def _stack_weights(section: dict, params: dict[str, np.ndarray], device) -> tuple[dict[str, object], dict]:
     """Each stacked weight argument: the per-op weights of its layers on a leading axis, in the kernel's dtype
-    (norm vectors stored as float16 are widened; the rest are the per-op planes as they are)."""
-    out = {}
+    (norm vectors stored as float16 are widened; the rest are the per-op planes as they are), and for those kept
+    as they are, the per-op names of their layers in order (their layers can be the per-op kernels' weights)."""
+    out, shareable = {}, {}
     for spec in section["kernels"].values():
         for name, layers in spec["weights"].items():
             if name in out:
@@ -266,5 +271,7 @@ def _stack_weights(section: dict, params: dict[str, np.ndarray], device) -> dict
             stacked = np.stack([np.asarray(params[p]) for p in layers])
             if str(stacked.dtype) != dtype:
                 stacked = stacked.astype(dtype)
+            elif len(set(layers)) == len(layers):
+                shareable[name] = list(layers)
             out[name] = tvm.runtime.tensor(np.ascontiguousarray(stacked), device)
-    return out
+    return out, shareable

@@ -192,6 +192,7 @@ def test_cuda_artifacts_carry_the_decode_megakernels(name, built, tiny_gguf):
     resolves to f32 (no tensor-core matmuls there), and its megakernels never take the tensor-core bodies."""
     import numpy as np
     from luce_runtime.artifact import load_artifact
+    from luce_runtime.device_views import layer_views
     from luce_runtime.megakernel import _stack_weights
 
     from luce_compile.fuse.build import MegakernelOptions, kernel_name, plan_programs, program_fingerprint
@@ -222,8 +223,12 @@ def test_cuda_artifacts_carry_the_decode_megakernels(name, built, tiny_gguf):
         assert mk["kernels"][str(b)]["fingerprint"] == program_fingerprint(prog)
         assert np.array_equal(tables[f"b{b}_tasks"], prog.tasks)
     gguf = read_gguf(tiny_gguf)
-    stacked = _stack_weights(mk, load_artifact(artifact).weights(), tvm.cpu())
-    assert len(stacked) >= 10
+    weights = load_artifact(artifact).weights()
+    stacked, shareable = _stack_weights(mk, weights, tvm.cpu())
+    assert len(stacked) >= 10 and shareable
+    for arg, names in shareable.items():  # what the per-op kernels get in place of their own copies
+        for name, view in layer_views(stacked[arg], names).items():
+            assert np.array_equal(view.numpy(), weights[name]), name
     for arg, layers in mk["kernels"]["1"]["weights"].items():
         want = []
         for param in layers:
