@@ -85,14 +85,14 @@ def kv_memory_arg(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from luce_runtime.artifact import load_artifact
     from luce_runtime.engine import Engine, EngineOptions, artifact_device
-    from luce_runtime.kv_memory import plan_kv_pool
+    from luce_runtime.kv_memory import plan_kv_pool, weights_bytes
 
     params = sampling_params(args)
     art = load_artifact(args.artifact)
     artifact_device(art)  # a GPU artifact on a machine without that GPU: refused before the pool is sized
     plan = plan_kv_pool(art.config, art.manifest["runtime"].get("kv_dtype", "float32"), art.manifest["target"]["kind"],
                         context=args.ctx, sequences=1, kv_memory=kv_memory_arg(args),
-                        kv_head_dim=art.manifest["runtime"].get("kv_head_dim", 0))
+                        kv_head_dim=art.manifest["runtime"].get("kv_head_dim", 0), weights=weights_bytes(art.manifest))
     print(f"[{plan.describe()}]", file=sys.stderr)
     engine = Engine(art, EngineOptions(max_batch=1, max_context=plan.context))
     tok = engine.tokenizer
@@ -153,8 +153,9 @@ def add_threads_arg(s: argparse.ArgumentParser) -> None:
 
 def add_kv_memory_arg(s: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-memory", metavar="SIZE",
-                   help="memory the KV cache may take, e.g. 8G or 512M (default: a quarter of the free memory: the "
-                        "host's on the CPU, the GPU's on a GPU); the start line says how many tokens it holds")
+                   help="memory the KV cache may take, e.g. 8G or 512M (default: a quarter of the memory free "
+                        "after the weights: the host's on the CPU, the GPU's on a GPU); the start line says how many "
+                        "tokens it holds")
 
 
 def add_run_args(s: argparse.ArgumentParser) -> None:

@@ -93,8 +93,8 @@ def artifact_device(artifact: Artifact):
 
 
 def available_memory(kind: str) -> int:
-    """Bytes free for the KV pool: MemAvailable on the host; a GPU's total global memory (weights are small next
-    to it at the sizes served here; the fraction the caller takes leaves room for them)."""
+    """Bytes free now: MemAvailable on the host; a GPU's free global memory (its total where the device API cannot
+    say)."""
     if kind == "llvm":
         with open("/proc/meminfo") as f:
             for line in f:
@@ -102,7 +102,8 @@ def available_memory(kind: str) -> int:
                     return int(line.split()[1]) * 1024
         raise LuceError("engine: /proc/meminfo has no MemAvailable; pass --max-batch explicitly.")
     load_device_api(kind)
-    return int(tvm.device(kind, 0).total_global_memory)
+    device = tvm.device(kind, 0)
+    return int(device.available_global_memory or device.total_global_memory)
 
 
 def load_device_api(kind: str) -> bool:

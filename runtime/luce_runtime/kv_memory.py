@@ -2,8 +2,10 @@
 so when `serve` or `run` starts.
 
 Every live sequence is given its whole context of pages up front (Engine: admission can never run out of pages), so
-the pool is sequences × context tokens. The budget is `--kv-memory`, else a quarter of what is free: the host's
-MemAvailable on the CPU, the GPU's total memory where the artifact is a GPU's (engine.available_memory).
+the pool is sequences × context tokens. The budget is `--kv-memory`, else a quarter of what is free once the weights
+are loaded: the host's MemAvailable on the CPU, the GPU's free memory where the artifact is a GPU's
+(engine.available_memory), less the artifact's weights, which the engine loads after the pool is planned (once on
+a GPU: the per-op kernels' weights are views of the megakernel's, device_views.py).
 A token's bytes are the artifact's KV type's (its manifest's kv_dtype: float32 4, float16 2 per value).
 """
 
@@ -86,12 +88,19 @@ def check_context(config: dict, context: int) -> int:
     return context or min(trained, 4096)
 
 
+def weights_bytes(manifest: dict) -> int:
+    """The bytes of an artifact's weights as the engine loads them (its manifest's planes)."""
+    return sum(int(p.get("nbytes", 0)) for p in manifest.get("weights", {}).get("params", []))
+
+
 def plan_kv_pool(config: dict, kv_dtype: str, kind: str, *, context: int = 0, sequences: int = 0, extra: int = 0,
-                 kv_memory: int = 0, available: int | None = None, kv_head_dim: int = 0) -> KVPlan:
+                 kv_memory: int = 0, available: int | None = None, kv_head_dim: int = 0,
+                 weights: int = 0) -> KVPlan:
     """How many sequences of `context` tokens (plus up to `extra` for cached prefixes) the budget holds: `sequences`
     when given (refused when it does not fit an explicit kv_memory), else as many as fit, between 1 and MAX_SEQUENCES,
     after the prefixes' (fewer of those where the budget holds fewer sequences than extra + 1).
-    `available`: the free memory (default: engine.available_memory(kind)); `kv_head_dim`: the contract's."""
+    `available`: the free memory (default: engine.available_memory(kind)); `kv_head_dim`: the contract's;
+    `weights`: the bytes of the weights the engine will load into that memory (weights_bytes)."""
     context = check_context(config, context)
     per_token = kv_bytes_per_token(config, kv_dtype, kv_head_dim)
     if kv_memory:
@@ -101,8 +110,9 @@ def plan_kv_pool(config: dict, kv_dtype: str, kind: str, *, context: int = 0, se
             from luce_runtime.engine import available_memory
 
             available = available_memory(kind)
-        budget = int(available * BUDGET_FRACTION)
-        source = f"a quarter of the {_size(available)} free"
+        budget = int(max(0, available - weights) * BUDGET_FRACTION)
+        source = (f"a quarter of the {_size(available)} free, less {_size(weights)} of weights" if weights else
+                  f"a quarter of the {_size(available)} free")
     per_seq = per_token * context
     fit = budget // per_seq
     if sequences:

@@ -22,6 +22,16 @@ def test_sequences_follow_the_free_memory():
     assert (plan.sequences, plan.extra, plan.tokens) == (6, 4, 10 * 4096)
     plan = plan_kv_pool(SMOLLM2, "float32", "llvm", available=8 * per_seq, extra=4)
     assert (plan.sequences, plan.extra) == (1, 1)
+    # the weights the engine loads into that memory after the plan come off it first
+    plan = plan_kv_pool(SMOLLM2, "float32", "llvm", available=40 * per_seq, weights=20 * per_seq)
+    assert plan.sequences == 5 and "less" in plan.describe()
+
+
+def test_the_weights_are_the_manifest_planes_bytes():
+    from luce_runtime.kv_memory import weights_bytes
+
+    manifest = {"weights": {"params": [{"name": "a", "nbytes": 1000}, {"name": "b", "nbytes": 24}]}}
+    assert weights_bytes(manifest) == 1024 and weights_bytes({}) == 0
 
 
 def test_kv_memory_sets_the_budget_and_the_start_line_says_what_it_holds():

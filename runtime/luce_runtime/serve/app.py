@@ -34,7 +34,7 @@ from luce_runtime.chat import render_prompt
 from luce_runtime.engine import Engine, EngineOptions, artifact_device
 from luce_runtime.errors import LuceError
 from luce_runtime.grammar import Constraint, GrammarBackend
-from luce_runtime.kv_memory import KVPlan, plan_kv_pool
+from luce_runtime.kv_memory import KVPlan, plan_kv_pool, weights_bytes
 from luce_runtime.sampler import SamplingParams, SamplingParamsError
 from luce_runtime.serve import access, reasoning
 from luce_runtime.serve.metrics import render_metrics
@@ -88,7 +88,8 @@ def kv_plan(options: ServeOptions) -> KVPlan:
     runtime = art.manifest.get("runtime") or {}
     return plan_kv_pool(art.config, runtime.get("kv_dtype", "float32"), art.manifest["target"]["kind"],
                         context=options.max_context, sequences=options.max_batch, extra=options.prefix_cache,
-                        kv_memory=options.kv_memory, kv_head_dim=runtime.get("kv_head_dim", 0))
+                        kv_memory=options.kv_memory, kv_head_dim=runtime.get("kv_head_dim", 0),
+                        weights=weights_bytes(art.manifest))
 
 
 class Service:
