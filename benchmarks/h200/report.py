@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -136,6 +137,27 @@ def collect(*runs: Path) -> dict[str, Any]:
         {"spec_replay": replays[-1]} if replays else {})
 
 
+def long_rows(folder: Path) -> dict[str, dict[str, Any]]:
+    """run.sh LONG=N: each engine's prefill of an N-token prompt (`prefill_N`) and decode of one sequence at depth
+    N (`decode_b1_ctxN`); ours from bench --prompt-len N (its TTFT prompt and the decode after it), llama.cpp's
+    from llama-bench -p N -n 0 and -p 0 -n 32 -d N (medians of its samples, as the table's)."""
+    rows: dict[str, dict[str, Any]] = {}
+    ours = _load(folder / "ours-long.json")
+    if ours:
+        n = ours["prompt_len"]
+        rows[OURS] = {f"prefill_{n}": ours["prefill_tok_s"], f"decode_b1_ctx{n}": ours["decode_tok_s"]}
+    elif (folder / "ours-long.err").is_file():
+        rows[OURS] = {"long_error": (folder / "ours-long.err").read_text()[-2000:]}
+    for name in ("llama_long_prefill.json", "llama_long_decode.json"):
+        for entry in _load(folder / name) or []:
+            value = statistics.median(entry["samples_ts"]) if entry.get("samples_ts") else entry["avg_ts"]
+            if entry.get("n_gen") == 0 and entry.get("n_prompt"):
+                rows.setdefault("llama.cpp", {})[f"prefill_{entry['n_prompt']}"] = value
+            elif entry.get("n_gen") and entry.get("n_depth"):
+                rows.setdefault("llama.cpp", {})[f"decode_b1_ctx{entry['n_depth']}"] = value
+    return rows
+
+
 def _engine_rows(folder: Path) -> dict[str, dict[str, Any]]:
     """The engines this folder holds results (or errors) for; an engine with no files in it was not run there."""
     rows: dict[str, dict[str, Any]] = {}
@@ -151,6 +173,9 @@ def _engine_rows(folder: Path) -> dict[str, dict[str, Any]]:
     if (folder / "torch.json").is_file() or (folder / "torch.log").is_file():
         torch_d = _load(folder / "torch.json")
         rows["torch"] = torch_row(torch_d) if torch_d else {"error": (folder / "torch.log").read_text()[-2000:]}
+    for engine, extra in long_rows(folder).items():
+        if engine in rows and "error" not in rows[engine]:
+            rows[engine] |= extra
     return rows
 
 
@@ -238,9 +263,37 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"| {name} | {_fmt(o.get('max_rel_err'), '.1e')} | {o.get('ids_checked', 'n/a')} / "
                      f"{len(o.get('ids_mismatched', [])) if o else 'n/a'} | {_fmt(b.get('max_rel_diff'), '.1e')} | "
                      + (f"{paths} | " if with_paths else "") + f"{'yes' if ok else 'NO'} |")
+    lines += _long_lines(res["workloads"])
     lines += _profile_lines(res["workloads"])
     lines += spec_replay_lines(res.get("spec_replay"))
     return "\n".join(lines) + "\n"
+
+
+def long_lengths(row: dict[str, Any]) -> set[int]:
+    """The long-context lengths an engine's row holds: its decode_b1_ctxN keys and its prefill_N past pp2048."""
+    decode = {int(k.removeprefix("decode_b1_ctx")) for k in row if k.startswith("decode_b1_ctx")}
+    prefill = {int(k.removeprefix("prefill_")) for k in row if re.fullmatch(r"prefill_\d+", k)}
+    return decode | {n for n in prefill if n > 2048}
+
+
+def _long_lines(workloads: dict[str, Any]) -> list[str]:
+    """The long-context section (run.sh LONG=N): prefill of an N-token prompt and decode at depth N, per engine."""
+    rows = []
+    for name, w in workloads.items():
+        ours = w["engines"][OURS]
+        for engine, e in w["engines"].items():
+            for n in sorted(long_lengths(e)):
+                pre, dec = f"prefill_{n}", f"decode_b1_ctx{n}"
+                vs = "" if engine == OURS else ", ".join(_fmt(ratio(ours, e, m), ".2f") + "×" for m in (pre, dec))
+                rows.append(f"| {name} | {engine} | {n:,} | {_fmt(e.get(pre))} | {_fmt(e.get(dec), ',.1f')} | {vs} |")
+    if not rows:
+        return []
+    return ["", "Long context (run.sh LONG=N, one sequence): prefill of an N-token prompt in one call, then decode at "
+            "depth N (ours: bench --prompt-len N, its KV cache as built; llama.cpp: llama-bench -fa 1 -p N, "
+            "and -d N -n 32, its f16 KV cache):", "",
+            "| workload | engine | tokens | prefill tok/s | decode b=1 tok/s at depth | "
+            "ours / peer (prefill, decode) |",
+            "|---|---|---|---|---|---|", *rows]
 
 
 def spec_replay_lines(replay: dict[str, Any] | None) -> list[str]:

@@ -20,6 +20,8 @@
 # PEROP=1 also times each artifact's decode with the per-op kernels (bench --no-megakernel): ours-perop.json.
 # SERVED=1 adds the served batch-invariance check to each workload's checks (device_check run --served: 8 concurrent
 # greedy requests on `serve --deterministic`'s scheduler against each alone).
+# LONG=32768 then times each workload's prefill of a LONG-token prompt and its decode at that depth (batch 1), ours
+# and llama-bench's (-p LONG; -d LONG -n 32): report.py's prefill_LONG and decode_b1_ctxLONG (issue 38).
 # TORCH=0 and PROFILE=0 leave out the torch peer and the megakernel's per-task profile (a call short of device time).
 # A workload prepared elsewhere (prepare.py --dir .gpucheck/h200-8b) joins by a link: ln -s ../h200-8b/W $H/W.
 # 8-bit megakernel matvecs: prepare.py --megakernel-q8 --dir .gpucheck/h200-q8, then H=.gpucheck/h200-q8 (the
@@ -106,13 +108,26 @@ sys.exit('kernels' not in json.load(open(sys.argv[1])).get('megakernel', {}))" "
     python3 benchmarks/peers/torch_peer.py "$G" --out "$O/torch.json" --repeat $REPEAT > "$O/torch.log" 2>&1
     stamp "$w torch rc=$?"
   fi
-  [ "$LLAMA_CPP" = 1 ] || { pack; continue; }
-  "$L/llama-bench" -m "$G" -p 512,2048 -n 128 -fa 1 -ngl 99 -r $REPEAT -o json > "$O/llama_bench.json" \
-    2> "$O/llama_bench.err"
-  stamp "$w llama-bench rc=$?"
-  "$L/llama-batched-bench" -m "$G" -c 8192 -b 2048 -ub 512 -npp 512 -ntg 128 -npl 1,8 -fa on -ngl 99 \
-    --output-format jsonl > "$O/llama_batched.txt" 2>&1
-  stamp "$w llama-batched-bench rc=$?"
+  if [ "$LLAMA_CPP" = 1 ]; then
+    "$L/llama-bench" -m "$G" -p 512,2048 -n 128 -fa 1 -ngl 99 -r $REPEAT -o json > "$O/llama_bench.json" \
+      2> "$O/llama_bench.err"
+    stamp "$w llama-bench rc=$?"
+    "$L/llama-batched-bench" -m "$G" -c 8192 -b 2048 -ub 512 -npp 512 -ntg 128 -npl 1,8 -fa on -ngl 99 \
+      --output-format jsonl > "$O/llama_batched.txt" 2>&1
+    stamp "$w llama-batched-bench rc=$?"
+  fi
+  if [ -n "${LONG:-}" ]; then  # issue 38: a LONG-token prompt's prefill, then decode at that depth (one sequence)
+    python3 -m luce_runtime.bench $H/$w/artifact --prompt-len $LONG --gen-len 32 --batch 1 --repeat 1 \
+      > "$O/ours-long.json" 2> "$O/ours-long.err"
+    stamp "$w luce-compile at $LONG tokens rc=$?"
+    if [ "$LLAMA_CPP" = 1 ]; then  # its f16 KV cache, flash attention; -d: decode after a depth-token prefill
+      "$L/llama-bench" -m "$G" -p $LONG -n 0 -fa 1 -ngl 99 -r 1 -o json > "$O/llama_long_prefill.json" \
+        2> "$O/llama_long_prefill.err"
+      "$L/llama-bench" -m "$G" -p 0 -n 32 -d $LONG -fa 1 -ngl 99 -r 1 -o json > "$O/llama_long_decode.json" \
+        2> "$O/llama_long_decode.err"
+      stamp "$w llama-bench at $LONG tokens rc=$?"
+    fi
+  fi
   pack
 done
 if [ -n "${SPEC_TRACE:-}" ]; then  # issue 14: speculation replayed from the CPU run's trace (spec_replay.py's header)

@@ -81,6 +81,33 @@ def test_markdown_rows_and_failed_engine(report, tmp_path):
 
 
 @pytest.mark.unit
+def test_long_context_rows_and_section(report, tmp_path):
+    """run.sh LONG=32768: ours-long.json (bench --prompt-len 32768) and llama-bench's -p 32768 / -d 32768 records
+    become prefill_32768 and decode_b1_ctx32768 beside the table's keys, and a section of their own."""
+    fabricate(tmp_path)
+    w = tmp_path / "tiny"
+    (w / "ours-long.json").write_text(json.dumps({"prompt_len": 32768, "prefill_tok_s": 5000.0, "decode_tok_s": 90.0,
+                                                  "batch": 1}))
+    (w / "llama_long_prefill.json").write_text(json.dumps([
+        {"n_prompt": 32768, "n_gen": 0, "n_depth": 0, "avg_ts": 3900.0, "samples_ts": [4000.0]}]))
+    (w / "llama_long_decode.json").write_text(json.dumps([
+        {"n_prompt": 0, "n_gen": 32, "n_depth": 32768, "avg_ts": 70.0, "samples_ts": [72.0]}]))
+    res = report.collect(tmp_path)
+    e = res["workloads"]["tiny"]["engines"]
+    assert (e["luce-compile"]["prefill_32768"], e["luce-compile"]["decode_b1_ctx32768"]) == (5000.0, 90.0)
+    assert (e["llama.cpp"]["prefill_32768"], e["llama.cpp"]["decode_b1_ctx32768"]) == (4000.0, 72.0)
+    assert e["luce-compile"]["decode_b1"] == 400.0  # the short-context keys are untouched
+    doc = {"meta": {"date": "2026-12-06T23:00", "gpu": "H200", "torch": "2.11", "cuda": "13.0",
+                    "llama_cpp_python": "0.3.36", "luce_compile": "0.1.0", "tvm": "0.27", "command": "bash x"},
+           "results": res}
+    lines = report.markdown(doc).splitlines()
+    at = lines.index("| workload | engine | tokens | prefill tok/s | decode b=1 tok/s at depth | "
+                     "ours / peer (prefill, decode) |")
+    assert lines[at + 2:at + 4] == ["| tiny | luce-compile | 32,768 | 5,000 | 90.0 |  |",
+                                    "| tiny | llama.cpp | 32,768 | 4,000 | 72.0 | 1.25×, 1.25× |"]
+
+
+@pytest.mark.unit
 def test_gguf_bytes_per_token_counts_every_tensor_of_a_tied_model(report):
     from luce_compile.gguf.reader import read_gguf
     from luce_compile.synthetic import cached_synthetic
