@@ -534,7 +534,12 @@ def run(args: argparse.Namespace) -> int:
         result["timing"] = time_engine(engine)
     if args.served:  # the check's schedulers make engines of their own
         del engine
-        checks["served_invariance"] = check_served_invariance(artifact)
+        if args.out:  # the checks so far, kept if this one takes the process down
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        try:
+            checks["served_invariance"] = check_served_invariance(artifact)
+        except Exception as e:  # noqa: BLE001  (recorded: a check that cannot run fails, the others stand)
+            checks["served_invariance"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
