@@ -169,7 +169,16 @@ def test_stream_decoder_holds_incomplete_utf8() -> None:
 
 
 # -- the real models against llama.cpp ---------------------------------------------------------------------------
-MODELS = ("smollm2", "gemma3", "qwen2")
+# tiny_gptoss: SmolLM2's vocabulary with gpt-oss's "gpt-4o" pre-tokenizer and harmony tokens, as the synthetic
+# gpt-oss presets write it (no o200k file travels: its 201088 tokens would only add more of the same merges)
+MODELS = ("smollm2", "gemma3", "qwen2", "tiny_gptoss")
+
+
+@pytest.fixture(scope="session")
+def tiny_gptoss_path() -> Path:
+    from luce_compile.synthetic import cached_synthetic
+
+    return cached_synthetic("tiny-gptoss")
 
 
 def _ref_detokenize(vocab: object, ids: list[int], remove_special: bool, unparse_special: bool) -> bytes:
