@@ -191,7 +191,7 @@ async def responses(request: Request):
     messages = _messages(body, before)
     effort = body.reasoning.effort if body.reasoning else None
     prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, messages, plan.offered), param="input",
-                                   thinking=False if effort == "none" else None)
+                                   thinking=False if effort == "none" else None, effort=effort)
     plan.reasoning = svc.reasoning_mode(prompt)
     summary = bool(body.reasoning and (body.reasoning.summary or body.reasoning.generate_summary))
     limit = svc.check_budget(len(prompt), body.max_output_tokens, "max_output_tokens")
