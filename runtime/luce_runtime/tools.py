@@ -11,6 +11,8 @@ Formats (what each supported model was trained to write; the server reads the fo
            template does. SmolLM2-Instruct's card documents a similar `<tool_call>[...]</tool_call>` list for the
            1.7B model; the 135M and Gemma 3 270M were not trained on tool use, so the grammar is what makes their
            calls well-formed.
+  harmony  gpt-oss's messages (`<|channel|>commentary to=functions.NAME ...<|message|>{...}`), read with its
+           reasoning and answer by harmony.py; its template renders tools, calls and results.
 In auto mode a reply that is a call's JSON alone, or that JSON in a ```json fence (what Qwen2.5-Coder-1.5B writes
 at temperature 0 when offered tools), is that call too, held to the schemas by the same grammar.
 """

@@ -175,6 +175,26 @@ def test_responses_reasoning_items_and_function_calls(scripted, summary):
     assert [o["type"] for o in done] == ["reasoning", "function_call"]
 
 
+def test_responses_tool_loop_sends_its_reasoning_back(scripted):
+    """Codex's loop: the reasoning item it sends back goes with its function_call, so the template shows it (gpt-oss
+    keeps a tool loop's reasoning); a reasoning item before an answered turn is dropped by the template."""
+    client, prompts, _ = scripted
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Tool first."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    loop = [{"role": "user", "content": "Weather?"}, reasoning, call,
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    client.post("/v1/responses", json={"model": "m", "input": loop, "tools": RESPONSES_TOOLS})
+    assert "<|channel|>analysis<|message|>Tool first.<|end|><|start|>assistant to=functions.get_weather" in prompts[-1]
+    answered = [*loop, {**reasoning, "summary": [{"type": "summary_text", "text": "Said it."}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+                {"role": "user", "content": "Thanks"}]
+    client.post("/v1/responses", json={"model": "m", "input": answered, "tools": RESPONSES_TOOLS})
+    assert "Tool first." not in prompts[-1] and "Said it." not in prompts[-1]
+    assert "<|channel|>final<|message|>Sunny.<|end|>" in prompts[-1]
+    client.post("/v1/responses", json={"model": "m", "input": [{"role": "user", "content": "Hi"}, reasoning]})
+    assert prompts[-1].endswith("<|start|>user<|message|>Hi<|end|><|start|>assistant")  # reasoning alone: no turn
+
+
 def test_generated_replies_have_each_api_shape(served):
     """The model itself (random weights): whatever it writes comes back in each API's shape; with a tool required
     and an enum-only schema, the grammar leaves it a harmony call or reasoning cut at max_tokens."""
@@ -196,3 +216,35 @@ def test_generated_replies_have_each_api_shape(served):
     assert answer["content"] and {b["type"] for b in answer["content"]} <= {"thinking", "text", "tool_use"}
     output = client.post("/v1/responses", json={"model": "m", "input": "Hi", "max_output_tokens": 16}).json()
     assert output["output"] and {o["type"] for o in output["output"]} <= {"reasoning", "message", "function_call"}
+
+
+def test_openai_template_renders_what_the_server_prepares():
+    """gpt-oss's own template (llama.cpp's models/templates/openai-gpt-oss-120b.jinja, read from the llama-cpp-python
+    sdist the benchmarks pin; not copied here) takes the messages as prepare_chat passes them: the effort, the tools
+    as TypeScript, reasoning kept on the trailing tool-call turn and dropped once an answer follows."""
+    import tarfile
+
+    from luce_runtime.chat import render_chat
+    from luce_runtime.tools import HARMONY, Tool, prepare_chat, tool_format
+
+    from tests.bench._load import load_benchmark_module
+
+    peer = load_benchmark_module("peers/llama_server")
+    with tarfile.open(peer.find_sdist()) as tar:
+        template = tar.extractfile(f"{peer.VENDOR}models/templates/openai-gpt-oss-120b.jinja").read().decode()
+    assert tool_format(template) is HARMONY
+    weather = Tool("get_weather", "The weather", TOOLS[0]["function"]["parameters"])
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    loop = [{"role": "system", "content": "Be brief."}, *ASK,
+            {"role": "assistant", "content": None, "reasoning_content": "Use the tool.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    messages, extra = prepare_chat(HARMONY, loop, [weather])
+    prompt = render_chat(template, messages, **extra, reasoning_effort="high")
+    assert "Reasoning: high" in prompt and "# Instructions\n\nBe brief." in prompt and "city: string" in prompt
+    assert "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant to=functions.get_weather" \
+        '<|channel|>commentary json<|message|>{"city": "Rome"}<|call|>' in prompt
+    assert prompt.endswith('<|channel|>commentary<|message|>"sunny"<|end|><|start|>assistant')
+    done = [*loop, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Easy."}, *ASK]
+    prompt = render_chat(template, *prepare_chat(HARMONY, done, [weather])[:1])
+    assert "Use the tool." not in prompt and "Easy." not in prompt and "<|channel|>final<|message|>Sunny.<|end|>" \
+        in prompt
