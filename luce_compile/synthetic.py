@@ -52,6 +52,7 @@ from luce_compile.errors import GGUFError, UnsupportedError
 from luce_compile.gguf.quants import quantize
 from luce_compile.gguf.reader import SUPPORTED_TYPES, read_gguf
 from luce_compile.synthetic_blocks import FILLERS, random_blocks
+from luce_compile.synthetic_harmony import HARMONY_TOKENS, harmony_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,9 @@ class SyntheticSpec:
                             f"{self.n_ff_exp}.")
         if self.arch == "gpt-oss" and (not self.sliding_window or self.tied_output):
             raise GGUFError("synthetic: gpt-oss needs a sliding window and an untied output (llama.cpp requires both).")
+        if self.arch == "gpt-oss" and self.n_vocab < N_VOCAB + len(HARMONY_TOKENS):
+            raise GGUFError(f"synthetic: gpt-oss needs n_vocab >= {N_VOCAB + len(HARMONY_TOKENS)}: harmony's special "
+                            f"tokens go after SmolLM2's {N_VOCAB} (synthetic_harmony.py); got {self.n_vocab}.")
         if self.yarn_factor and self.arch != "gpt-oss":
             raise UnsupportedError(f"synthetic: YaRN is written for gpt-oss only, not {self.arch}.")
         for t in (self.quant, *self.quant_overrides.values()):
@@ -195,8 +199,10 @@ PRESETS: dict[str, SyntheticSpec] = {
     "tiny-qwen3moe": SyntheticSpec(arch="qwen3moe", head_dim=32, rope_base=1e6, rms_eps=1e-6, n_expert=8,
                                    n_expert_used=2, n_ff_exp=64),
     # gpt-oss in miniature: MXFP4 experts (8 of 64, 2 used) and Q8_0 elsewhere as in the released mxfp4 GGUF, a
-    # window of 8 on the even layers (test prompts cross it), 4 query heads a KV head, gpt-oss's YaRN and RoPE base
+    # window of 8 on the even layers (test prompts cross it), 4 query heads a KV head, gpt-oss's YaRN and RoPE base;
+    # 64 rows past SmolLM2's vocabulary for harmony's special tokens (synthetic_harmony.py)
     "tiny-gptoss": SyntheticSpec(arch="gpt-oss", n_layer=4, n_embd=64, n_head=8, n_head_kv=2, head_dim=32, n_ff=64,
+                                 n_vocab=N_VOCAB + 64,
                                  n_ctx=131072, rope_base=150000.0, tied_output=False, sliding_window=8,
                                  sliding_window_pattern=2, n_expert=8, n_expert_used=2, n_ff_exp=64,
                                  yarn_factor=32.0, quant_overrides=_MXFP4_EXPERTS),
@@ -521,7 +527,10 @@ def _write_metadata(w: GGUFWriter, spec: SyntheticSpec) -> None:
     w.add_file_type(_FILE_TYPES[spec.quant])
     w.add_quantization_version(GGML_QUANT_VERSION)
     w.add_string(SPEC_KEY, spec.to_json())
-    for key, value in _padded_tokenizer(spec.n_vocab).items():
+    keys = _padded_tokenizer(spec.n_vocab)
+    if spec.arch == "gpt-oss":  # o200k's pre-tokenizer, harmony's tokens and chat template, as real files have
+        keys = harmony_tokenizer(keys, len(tokenizer_metadata()["tokenizer.ggml.tokens"]))
+    for key, value in keys.items():
         vtype, sub_type = _value_type(value)
         w.add_key_value(key, value, vtype, sub_type)
 
@@ -597,7 +606,7 @@ def cached_synthetic(spec_or_preset: SyntheticSpec | str, directory: str | Path 
 
     spec = preset(spec_or_preset) if isinstance(spec_or_preset, str) else spec_or_preset
     directory = Path(directory) if directory is not None else cache_dir() / "synthetic"
-    digest = zlib.crc32((spec.to_json() + _FORMAT_VERSION).encode())
+    digest = zlib.crc32((spec.to_json() + _FORMAT_VERSION + _ARCH_FORMAT.get(spec.arch, "")).encode())
     path = directory / f"{spec.arch}-{spec.n_layer}x{spec.n_embd}-{spec.quant}-{digest:08x}.gguf"
     if not path.is_file():
         directory.mkdir(parents=True, exist_ok=True)
@@ -606,6 +615,8 @@ def cached_synthetic(spec_or_preset: SyntheticSpec | str, directory: str | Path 
 
 
 _FORMAT_VERSION = "2"  # bump when the weights or metadata this module writes change
+# per architecture, so that a change to one architecture's files does not rewrite every cached model
+_ARCH_FORMAT = {"gpt-oss": "-harmony1"}  # "gpt-4o" pre-tokenizer, harmony tokens and template
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ tests stay `unit`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -19,6 +20,7 @@ from luce_compile.errors import GGUFError, UnsupportedError
 from luce_compile.gguf.config import model_config
 from luce_compile.gguf.reader import read_gguf
 from luce_compile.synthetic import PRESETS, SyntheticSpec, cached_synthetic, tensor_type, write_synthetic
+from luce_compile.synthetic_harmony import HARMONY_TEMPLATE, HARMONY_TOKENS
 from tests.conftest import have_llama_cpp, requires_llama_cpp
 
 T = GGMLQuantizationType
@@ -42,6 +44,7 @@ def tiny_files(tmp_path_factory) -> dict[str, object]:
     ({"sliding_window": 8}, UnsupportedError, "are not llama features"),
     ({"quant": "IQ2_XXS"}, UnsupportedError, "'IQ2_XXS' is not supported"),
     ({"quant_overrides": {"ffn_down.weight": "IQ3_S"}}, UnsupportedError, "'IQ3_S'"),
+    ({**dataclasses.asdict(PRESETS["tiny-gptoss"]), "n_vocab": 49152}, GGUFError, "harmony's special tokens"),
 ])
 def test_bad_specs_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -125,10 +128,18 @@ def test_tiny_preset_metadata(tiny_files, smollm2_path, name):
     assert (f"{a}.attention.sliding_window" in md) == (spec.sliding_window > 0)
     assert (f"{a}.final_logit_softcapping" in md) == (spec.final_logit_softcap > 0)
     assert SyntheticSpec(**json.loads(md[synthetic.SPEC_KEY])) == spec
-    real = read_gguf(smollm2_path).metadata
-    assert {k: v for k, v in md.items() if k.startswith("tokenizer.")} == \
-        {k: v for k, v in real.items() if k.startswith("tokenizer.")}
-    assert len(md["tokenizer.ggml.tokens"]) == 49152 and gguf.tensors["token_embd.weight"].shape == (49152, 64)
+    real = {k: v for k, v in read_gguf(smollm2_path).metadata.items() if k.startswith("tokenizer.")}
+    ours = {k: v for k, v in md.items() if k.startswith("tokenizer.")}
+    assert len(ours["tokenizer.ggml.tokens"]) == spec.n_vocab and gguf.tensors["token_embd.weight"].shape == \
+        (spec.n_vocab, 64)
+    if a == "gpt-oss":  # SmolLM2's tokens and merges, then harmony's specials, as a real gpt-oss file names them
+        n = len(real["tokenizer.ggml.tokens"])
+        assert ours["tokenizer.ggml.tokens"][:n] == real["tokenizer.ggml.tokens"]
+        assert ours["tokenizer.ggml.tokens"][n:n + len(HARMONY_TOKENS)] == list(HARMONY_TOKENS)
+        assert ours["tokenizer.ggml.merges"] == real["tokenizer.ggml.merges"]
+        assert (ours["tokenizer.ggml.pre"], ours["tokenizer.chat_template"]) == ("gpt-4o", HARMONY_TEMPLATE)
+        return
+    assert ours == real
 
 
 @pytest.mark.unit
@@ -250,7 +261,7 @@ def test_llama_cpp_runs_tiny_presets(tiny_files, name):
     """llama.cpp loads the file and its logits are usable by an argmax oracle: finite, spread (std ≈ 4), the
     greedy token varies by position and is not the input token, and the top-2 gap is rarely tiny."""
     tokens, logits = _llama_cpp_logits(tiny_files[name])
-    assert logits.shape == (len(tokens), 49152) and np.isfinite(logits).all()
+    assert logits.shape == (len(tokens), PRESETS[name].n_vocab) and np.isfinite(logits).all()
     assert 3.0 < logits.std(axis=1).mean() < 5.0
     greedy = logits.argmax(axis=1)
     assert len(set(greedy.tolist())) >= 0.8 * len(tokens)

@@ -131,7 +131,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
             say(f"the cached build went away while it was copied ({e.__class__.__name__}); building it again")
     gguf = read_gguf(gguf_path)
     graph = build_graph(gguf)  # refuses unsupported models before any work
-    # the runtime must load the tokenizer the artifact carries (a pre-tokenizer it lacks, as gpt-oss's gpt-4o, would
+    # the runtime must load the tokenizer the artifact carries (a pre-tokenizer it lacks, as Kimi K2's kimi-k2, would
     # otherwise be refused only when the finished artifact is loaded): refused here, in ~0.1 s
     Tokenizer.from_metadata(_tokenizer_metadata(gguf))
     built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision, kv_cache=kv_cache), tuning,

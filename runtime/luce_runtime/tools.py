@@ -11,6 +11,8 @@ Formats (what each supported model was trained to write; the server reads the fo
            template does. SmolLM2-Instruct's card documents a similar `<tool_call>[...]</tool_call>` list for the
            1.7B model; the 135M and Gemma 3 270M were not trained on tool use, so the grammar is what makes their
            calls well-formed.
+  harmony  gpt-oss's messages (`<|channel|>commentary to=functions.NAME ...<|message|>{...}`), read with its
+           reasoning and answer by harmony.py; its template renders tools, calls and results.
 In auto mode a reply that is a call's JSON alone, or that JSON in a ```json fence (what Qwen2.5-Coder-1.5B writes
 at temperature 0 when offered tools), is that call too, held to the schemas by the same grammar.
 """
@@ -37,8 +39,14 @@ class ToolFormat:
     native: bool  # the chat template renders tools, tool calls and tool results itself
 
 
+HARMONY = ToolFormat("harmony", "<|channel|>", "<|call|>", True)
+
+
 def tool_format(template: str | None) -> ToolFormat:
-    """The call format of a chat template: hermes when the template writes <tool_call> blocks, generic otherwise."""
+    """The call format of a chat template: harmony when it writes harmony messages (gpt-oss: its calls, reasoning and
+    answer are read by harmony.py), hermes when it writes <tool_call> blocks, generic otherwise."""
+    if template and "<|channel|>" in template and "<|message|>" in template:
+        return HARMONY
     native = bool(template) and "tools" in template and "<tool_call>" in template
     return ToolFormat("hermes" if native else "generic", "<tool_call>", "</tool_call>", native)
 
@@ -96,6 +104,8 @@ def prepare_chat(fmt: ToolFormat, messages: Sequence[Mapping[str, Any]],
                 m["tool_calls"] = [{**c, "function": {**c["function"],
                                                       "arguments": _loads_or_raw(c["function"]["arguments"])}}
                                    for c in m["tool_calls"]]
+            if fmt is HARMONY:
+                _harmony_turn(m)
             out.append(m)
         return out, ({"tools": [t.as_openai() for t in tools]} if tools else {})
     out = []
@@ -120,6 +130,19 @@ def prepare_chat(fmt: ToolFormat, messages: Sequence[Mapping[str, Any]],
         else:
             out.insert(0, {"role": "system", "content": _generic_system(tools)})
     return out, {}
+
+
+def _harmony_turn(m: dict[str, Any]) -> None:
+    """What gpt-oss's template reads, as llama.cpp passes it (common/parsers/gpt-oss.cpp): an assistant turn's
+    reasoning as `thinking` (rendered only on a tool-call turn that no final answer follows: earlier reasoning is
+    dropped), and no content beside it on a tool-call turn (the template refuses both); no content is "" (the
+    template looks for markers in it)."""
+    if isinstance(m.get("reasoning_content"), str):
+        m["thinking"] = m.pop("reasoning_content")
+        if m.get("tool_calls"):
+            m.pop("content", None)
+    if m.get("content", "") is None:
+        m["content"] = ""
 
 
 def _content_text(content: Any) -> str:

@@ -196,22 +196,41 @@ def test_refusals(tiny_gptoss, tmp_path):
 
 
 @pytest.mark.unit
+def test_the_file_tokenizes_as_a_real_gpt_oss(tiny_gptoss):
+    """Real gpt-oss files name llama.cpp's "gpt-4o" pre-tokenizer and carry harmony's tokens and template; the
+    synthetic ones too (synthetic_harmony.py), and the runtime's tokenizer loads them (it refused "gpt-4o" once)."""
+    from luce_runtime.chat import render_prompt
+    from luce_runtime.tokenizer import Tokenizer
+
+    md = read_gguf(tiny_gptoss).metadata
+    assert md["tokenizer.ggml.pre"] == "gpt-4o"
+    tok = Tokenizer.from_metadata({k: v for k, v in md.items() if k.startswith("tokenizer.")})
+    assert tok.vocab.pre.name == "gpt-4o" and tok.vocab_size == PRESETS["tiny-gptoss"].n_vocab
+    harmony = "<|start|>assistant<|channel|>final<|message|>Hi<|end|>"
+    assert tok.decode(tok.encode(harmony, add_special=False), special=True) == harmony
+    assert tok.token_id("<|start|>") in tok.encode(harmony) and tok.token_id("<|end|>") not in tok.eos_ids
+    assert {tok.token_id("<|return|>"), tok.token_id("<|call|>")} <= tok.eos_ids and tok.eos_text == "<|return|>"
+    prompt = render_prompt(tok, [{"role": "user", "content": "Hi"}], reasoning_effort="high")
+    assert "Reasoning: high" in prompt and prompt.endswith("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+
+
+@pytest.mark.unit
 def test_a_tokenizer_the_runtime_lacks_is_refused_before_lowering(tiny_gptoss, tmp_path, monkeypatch):
-    """gpt-oss's o200k vocabulary comes with llama.cpp's pre-tokenizer "gpt-4o", which the runtime's tokenizer does
-    not implement yet: compile refuses it by name before lowering, not when the finished artifact is loaded."""
+    """A pre-tokenizer llama.cpp knows and the runtime's tokenizer does not implement ("kimi-k2"): compile refuses
+    it by name before lowering, not when the finished artifact is loaded."""
     import luce_compile.codegen.compile as compile_module
     from luce_compile.errors import TokenizerError
 
     real_read = compile_module.read_gguf
 
-    def read_gpt4o(path):
+    def read_kimi(path):
         gguf = real_read(path)
-        gguf.metadata["tokenizer.ggml.pre"] = "gpt-4o"
+        gguf.metadata["tokenizer.ggml.pre"] = "kimi-k2"
         return gguf
 
-    monkeypatch.setattr(compile_module, "read_gguf", read_gpt4o)
+    monkeypatch.setattr(compile_module, "read_gguf", read_kimi)
     monkeypatch.setattr(compile_module, "lower_graph", lambda *a, **k: pytest.fail("lowered before the refusal"))
-    with pytest.raises(TokenizerError, match="'gpt-4o' is not supported"):
+    with pytest.raises(TokenizerError, match="'kimi-k2' is not supported"):
         compile_module.compile_model(tiny_gptoss, "cpu", tmp_path / "out", use_cache=False)
 
 

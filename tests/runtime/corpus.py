@@ -85,12 +85,16 @@ CORPUS: list[tuple[str, str]] = [
     # contractions, upper-case ones too
     ("contractions", "it's don't they're we've I'm you'll he'd"),
     ("contractions_upper", "IT'S DON'T THEY'RE WE'VE I'M YOU'LL HE'D It'S"),
+    ("case_runs", "HelloWorld XMLHttpRequest iPhone getHTTPResponseCode McDONALD's ÉCOLE Éclair ǅemal"),
+    ("slash_after_newline", "a/b\n/c\r\n//d ./e?\n/"),
     ("apostrophes", "'s 't 're ' ' '' rock 'n' roll O'Neil 'quoted'"),
     ("detok_cleanup", "Hello , world ! Is it ? Yes . He said ' hi ' and 's 'm 're 've 'll 'd"),
     # special tokens written in the text
     ("chatml", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"),
     ("gemma_turns", "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n"),
     ("bos_eos_text", "<bos>text<eos> <s>x</s> <|endoftext|>"),
+    ("harmony", "<|start|>assistant<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final"
+                "<|message|>Hi<|return|> <|constrain|>json<|call|>"),
     ("special_glued", "a<|im_end|>b<end_of_turn>c<bos><bos>"),
     ("special_partial", "<|im_start <|im_end| <start_of_turn <unused0> [multimodal] <pad>"),
     ("html_tags", "<table><tr><td>cell</td></tr></table> <b>bold</b> <h1>T</h1>"),

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from luce_runtime.errors import TokenizerError
 from luce_runtime.tokenizer import StreamDecoder, Tokenizer
-from luce_runtime.tokenizer.pretokenize import GPT2_RE, LLAMA3_RE, QWEN2_RE, split_words
+from luce_runtime.tokenizer.pretokenize import GPT2_RE, GPT4O_RE, LLAMA3_RE, QWEN2_RE, split_words
 
 from tests.conftest import requires_llama_cpp
 from tests.runtime.corpus import CORPUS, tiny_bpe_metadata, tiny_spm_metadata
@@ -38,6 +38,14 @@ from tests.runtime.corpus import CORPUS, tiny_bpe_metadata, tiny_spm_metadata
     ((LLAMA3_RE,), "a\n\n  b", ["a", "\n\n", " ", " b"]),
     ((QWEN2_RE,), "12 ab", ["1", "2", " ab"]),
     ((QWEN2_RE,), "x?!\r\ny", ["x", "?!\r\n", "y"]),
+    # gpt-4o (o200k): case runs split words, contractions stay on them, digits by three, "/" after a newline joins
+    ((GPT4O_RE,), "HelloWorld XMLHttpRequest", ["Hello", "World", " XMLHttp", "Request"]),
+    ((GPT4O_RE,), "CAN'T can't 1234567", ["CAN'T", " can't", " ", "123", "456", "7"]),
+    ((GPT4O_RE,), "x?!\n/y", ["x", "?!\n/", "y"]),
+    # llama.cpp's collapsed std::regex: a non-ASCII letter is neither a-z nor A-Z, so it counts as both cases (tiktoken
+    # would keep " ÉCOLE" whole), and a combining mark is no letter
+    ((GPT4O_RE,), "Éclair ÉCOLE", ["Éclair", " É", "COLE"]),
+    ((GPT4O_RE,), "a\u0301b", ["a", "\u0301b"]),
 ])
 def test_split_words_follows_llama_cpp(regexes: tuple[str, ...], text: str, words: list[str]) -> None:
     assert split_words(text, regexes) == words
@@ -161,7 +169,16 @@ def test_stream_decoder_holds_incomplete_utf8() -> None:
 
 
 # -- the real models against llama.cpp ---------------------------------------------------------------------------
-MODELS = ("smollm2", "gemma3", "qwen2")
+# tiny_gptoss: SmolLM2's vocabulary with gpt-oss's "gpt-4o" pre-tokenizer and harmony tokens, as the synthetic
+# gpt-oss presets write it (no o200k file travels: its 201088 tokens would only add more of the same merges)
+MODELS = ("smollm2", "gemma3", "qwen2", "tiny_gptoss")
+
+
+@pytest.fixture(scope="session")
+def tiny_gptoss_path() -> Path:
+    from luce_compile.synthetic import cached_synthetic
+
+    return cached_synthetic("tiny-gptoss")
 
 
 def _ref_detokenize(vocab: object, ids: list[int], remove_special: bool, unparse_special: bool) -> bytes:

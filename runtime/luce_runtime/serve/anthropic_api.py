@@ -1,6 +1,7 @@
 """Anthropic routes: /v1/messages (JSON, or the SSE events message_start … message_stop) and count_tokens, with
 tools: `tool_use` / `tool_result` content blocks, and `input_json_delta` events while a call's input streams; a
-thinking model's reasoning as `thinking` blocks when the request turns thinking on.
+thinking model's reasoning as `thinking` blocks when the request turns thinking on (gpt-oss always reasons: its
+analysis channel is always a thinking block, and `thinking` or output_config.effort set its Reasoning level).
 
 What Claude Code sends is taken as it comes: `role: "system"` turns join the system prompt, server tools (web
 search, ...) are dropped, `thinking`, `output_config` (its `format` is held by the grammar) and
@@ -129,10 +130,27 @@ def _thinking(body: CountTokensRequest) -> bool:
     return body.thinking is not None and body.thinking.type != "disabled"
 
 
+# thinking budgets onto effort levels (a harmony model's Reasoning line): below 4K tokens low, below 16K medium
+_BUDGET_EFFORT = ((4096, "low"), (16384, "medium"))
+
+
+def _effort(body: CountTokensRequest) -> str | None:
+    """How hard a model that always reasons (harmony) should: output_config.effort when given, else from
+    `thinking`: off (Anthropic's default) is the least, a budget by its size, adaptive the model's default."""
+    if body.output_config and body.output_config.effort:
+        return body.output_config.effort
+    if not _thinking(body):
+        return "low"
+    budget = body.thinking.budget_tokens
+    if body.thinking.type == "adaptive" or budget is None:
+        return None
+    return next((level for limit, level in _BUDGET_EFFORT if budget < limit), "high")
+
+
 async def _prompt(svc: Service, body: CountTokensRequest, plan: OutputPlan) -> list[int]:
     svc.check_model(body.model)
     prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, _openai_messages(body), plan.offered),
-                                   thinking=_thinking(body))
+                                   thinking=_thinking(body), effort=_effort(body))
     plan.reasoning = svc.reasoning_mode(prompt)
     return prompt
 

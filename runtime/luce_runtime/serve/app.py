@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from luce_runtime import harmony
 from luce_runtime.artifact import load_artifact
 from luce_runtime.chat import render_prompt
 from luce_runtime.engine import Engine, EngineOptions, artifact_device
@@ -41,7 +42,7 @@ from luce_runtime.serve.metrics import render_metrics
 from luce_runtime.serve.protocol import MAX_STOP_CHARS, ApiError, anthropic_error, openai_error
 from luce_runtime.serve.scheduler import GenRequest, Scheduler
 from luce_runtime.serve.speculation import Speculation
-from luce_runtime.tools import tool_format
+from luce_runtime.tools import HARMONY, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -159,13 +160,18 @@ class Service:
             return await asyncio.to_thread(fn, *args)
 
     async def encode_chat(self, messages: list[dict[str, Any]], extra: dict[str, Any] | None = None,
-                          param: str = "messages", thinking: bool | None = None) -> list[int]:
+                          param: str = "messages", thinking: bool | None = None,
+                          effort: str | None = None) -> list[int]:
         """The chat prompt's tokens (as chat.encode_chat; `extra` goes to the template, e.g. tools), bounded by
         characters before rendering and again before tokenizing, both off the event loop. `thinking` turns a
-        thinking model's reasoning on or off (the template's enable_thinking); None: the template's default."""
+        thinking model's reasoning on or off (the template's enable_thinking); `effort` (the API's name for it) sets
+        a harmony model's `Reasoning:` level (its template's reasoning_effort); None: the template's default."""
         self.check_chars(sum(_chars(m.get("content")) for m in messages), param)
         if thinking is not None and self.thinks:
             extra = {**(extra or {}), "enable_thinking": thinking}
+        level = harmony.effort(effort) if self.tool_format is HARMONY else None
+        if level is not None:
+            extra = {**(extra or {}), "reasoning_effort": level}
         return await self.tokenize(self._encode_chat, messages, extra or {}, param)
 
     def reasoning_mode(self, prompt: list[int]) -> reasoning.Mode:

@@ -115,7 +115,8 @@ async def chat_completions(request: Request):
     messages = [m.model_dump(exclude_none=True, by_alias=True) for m in body.messages]
     for m in messages:  # the templates know "system"; OpenAI's newer name for it is "developer"
         m["role"] = "system" if m["role"] == "developer" else m["role"]
-    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, messages, plan.offered), thinking=_thinking(body))
+    prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, messages, plan.offered), thinking=_thinking(body),
+                                   effort=body.reasoning_effort)
     plan.reasoning = svc.reasoning_mode(prompt)
     constraints = await plan.constraints(svc, body.n)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -4,7 +4,8 @@ Responses `reasoning` items), as llama.cpp's and vLLM's reasoning parsers do.
 
 A model thinks when its chat template writes `<think>`. Its reply then either opens with `<think>` (Qwen3), or starts
 inside the block when the generation prompt already opened it (DeepSeek-R1, Qwen3-Thinking-2507): `mode(...)` tells
-which from the prompt's last tokens. A reply that does not open a block is all answer.
+which from the prompt's last tokens. A reply that does not open a block is all answer. gpt-oss's reasoning is its
+harmony analysis channel instead, read with its calls by luce_runtime.harmony (serve/structured.py uses either).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 `client.responses` sends and reads it: input items (messages, function_call, function_call_output), instructions,
 function tools, tool_choice, text.format (json_object / json_schema, grammar-constrained), streaming events. A
 thinking model's reasoning comes back as a `reasoning` item: its summary when the request asks for one
-(`reasoning.summary`, as Codex does), else its `reasoning_text` content; reasoning items sent back are skipped.
+(`reasoning.summary`, as Codex does), else its `reasoning_text` content; reasoning items sent back go with their
+turn as its reasoning_content, which the template shows or drops (gpt-oss's keeps a tool loop's).
 Tools of types the server cannot run are dropped and `namespace` tools flattened (protocol.runnable_tools).
 
 Responses are stored unless the request says `store: false` (OpenAI's default), in memory and for this server's
@@ -85,8 +86,11 @@ def _item_message(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -
         if role not in ("user", "assistant", "system", "developer"):
             raise ApiError(400, f"{where}.role must be user, assistant, system or developer, got {role!r}.",
                            param=f"{where}.role")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _part_text(item.get("content", ""), where)})
+        text = _part_text(item.get("content", ""), where)
+        if role == "assistant" and out and _reasoning_only(out[-1]):  # the answer after its reasoning: one turn
+            out[-1]["content"] = text
+            return
+        out.append({"role": "system" if role == "developer" else role, "content": text})
     elif kind == "function_call":
         if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
             raise ApiError(400, f"{where}: a function_call item needs call_id, name and arguments (strings).",
@@ -99,8 +103,12 @@ def _item_message(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -
             out[-1]["tool_calls"] = [call]
         else:
             out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    elif kind == "reasoning":  # thoughts of an earlier turn: the templates of thinking models drop them anyway
-        return
+    elif kind == "reasoning":  # its turn's reasoning_content; the template decides what to show (gpt-oss keeps a
+        # tool loop's, chat.py's templates drop answered turns'); a turn of reasoning alone is dropped (_messages)
+        parts = item.get("content") or item.get("summary") or []
+        text = "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if text:
+            out.append({"role": "assistant", "content": None, "reasoning_content": text})
     elif kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise ApiError(400, f"{where}: a function_call_output item needs its call_id.", param=where)
@@ -118,12 +126,18 @@ def _messages(body: ResponsesRequest, before: list[dict[str, Any]]) -> list[dict
     out += [dict(m) for m in before]
     start = len(out)
     if isinstance(body.input, str):
-        return out + [{"role": "user", "content": body.input}]
+        return [m for m in out if not _reasoning_only(m)] + [{"role": "user", "content": body.input}]
     for i, item in enumerate(body.input):
         _item_message(item, f"input[{i}]", out)
     if len(out) == start:
         raise ApiError(400, "input is empty; give a string or at least one item.", param="input")
-    return out
+    return [m for m in out if not _reasoning_only(m)]
+
+
+def _reasoning_only(message: dict[str, Any]) -> bool:
+    """An assistant turn that has reasoning and nothing else (yet): a reasoning item not followed by its output."""
+    return message["role"] == "assistant" and "reasoning_content" in message and message.get("content") is None \
+        and not message.get("tool_calls")
 
 
 def _conversation(messages: list[dict[str, Any]], instructions: str | None,
@@ -191,7 +205,7 @@ async def responses(request: Request):
     messages = _messages(body, before)
     effort = body.reasoning.effort if body.reasoning else None
     prompt = await svc.encode_chat(*prepare_chat(svc.tool_format, messages, plan.offered), param="input",
-                                   thinking=False if effort == "none" else None)
+                                   thinking=False if effort == "none" else None, effort=effort)
     plan.reasoning = svc.reasoning_mode(prompt)
     summary = bool(body.reasoning and (body.reasoning.summary or body.reasoning.generate_summary))
     limit = svc.check_budget(len(prompt), body.max_output_tokens, "max_output_tokens")

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from luce_runtime.grammar import Constraint, GrammarBackend, GrammarError, json_object_grammar, json_schema_grammar
+from luce_runtime.harmony import HarmonyParser, harmony_grammar
 from luce_runtime.serve.protocol import ApiError
 from luce_runtime.serve.reasoning import Mode, ReasoningSplitter
-from luce_runtime.tools import Tool, ToolCall, ToolCallParser, ToolFormat, tool_grammar
+from luce_runtime.tools import HARMONY, Tool, ToolCall, ToolCallParser, ToolFormat, tool_grammar
 
 if TYPE_CHECKING:
     from luce_runtime.serve.app import Service
@@ -29,7 +30,7 @@ ANY_JSON = object()  # response_format json_object: any JSON object
 @dataclass
 class OutputPlan:
     """How one request's output is held and read: the grammar (None: free text), the tools offered in the prompt,
-    and the tool-call format to parse (None: the text is all content)."""
+    and the format to parse (None: the text is all content; harmony: reasoning, answer and calls, tools or not)."""
 
     grammar: str | None
     offered: list[Tool] = field(default_factory=list)
@@ -49,9 +50,11 @@ class OutputPlan:
             raise ApiError(400, f"{e}. Simplify the schema (see the JSON Schema keywords llguidance supports).",
                            param=self.param) from None
 
-    def parser(self) -> ToolCallParser | None:
+    def parser(self) -> ToolCallParser | HarmonyParser | None:
         if self.fmt is None:
             return None
+        if self.fmt is HARMONY:
+            return HarmonyParser([t.name for t in self.offered])
         return ToolCallParser(self.fmt, [t.name for t in self.offered], bare=self.bare)
 
 
@@ -76,13 +79,19 @@ def output_plan(svc: Service, tools: list[Tool], choice: Choice | None, parallel
         tools_held, required = tools, True
     else:
         tools_held, required = (tools if choice == "auto" else []), False
+    answer = None if schema is None else {"type": "object"} if schema is ANY_JSON else schema
+    if svc.tool_format is HARMONY:  # the answer and the calls come after reasoning, in harmony messages
+        grammar = None if not tools_held and schema is None else harmony_grammar(
+            tools_held, required=required, is_special=GrammarBackend.of(svc.tokenizer).is_special,
+            answer_schema=answer)
+        return OutputPlan(grammar, tools if tools_held else [], HARMONY,
+                          param=tools_param if tools_held else format_param)
     text_grammar = None if schema is None else _schema_grammar(schema, format_param)
     if not tools_held:
         return OutputPlan(text_grammar, param=format_param)
     backend = GrammarBackend.of(svc.tokenizer)
     grammar = tool_grammar(svc.tool_format, tools_held, required=required, parallel=parallel,
-                           is_special=backend.is_special, answer_schema=None if schema is None else
-                           ({"type": "object"} if schema is ANY_JSON else schema))
+                           is_special=backend.is_special, answer_schema=answer)
     return OutputPlan(grammar, tools, svc.tool_format, bare=not required and schema is None, param=tools_param)
 
 
@@ -116,9 +125,12 @@ def split_output(plan: OutputPlan, text: str) -> SplitOutput:
     if parser is None:
         return SplitOutput(text, [], [], reasoning)
     content, calls, invalid = [], [], []
+    thoughts = [reasoning] if reasoning else []
     for ev in parser.feed(text) + parser.finish():
         if ev.kind == "text":
             content.append(ev.text)
+        elif ev.kind == "reasoning":  # harmony's analysis channel
+            thoughts.append(ev.text)
         elif ev.kind == "end":
             calls.append(ev.call)
         elif ev.kind == "invalid":
@@ -126,7 +138,8 @@ def split_output(plan: OutputPlan, text: str) -> SplitOutput:
             invalid.append(ev.call.arguments)
     for c in calls:
         c.id = new_call_id()
-    return SplitOutput("".join(content).strip() if calls else "".join(content), calls, invalid, reasoning)
+    return SplitOutput("".join(content).strip() if calls else "".join(content), calls, invalid,
+                       "".join(thoughts).strip())
 
 
 @dataclass
@@ -177,8 +190,8 @@ class StreamSplitter:
     def _ops(self, events: list[Any]) -> list[Op]:
         ops: list[Op] = []
         for ev in events:
-            if ev.kind == "text":
-                ops.append(Op("content", ev.text))
+            if ev.kind in ("text", "reasoning"):
+                ops.append(Op("content" if ev.kind == "text" else "reasoning", ev.text))
             elif ev.kind == "start":
                 ops.append(self._start(ev.index, ev.call.name)[1])
             elif ev.kind == "args":

@@ -38,6 +38,16 @@ QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p
             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN35_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
              r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (GPT-4o, gpt-oss), as llama.cpp rewrites tokenizer.json's regex for std::regex (llama-vocab.cpp,
+# LLAMA_VOCAB_PRE_TYPE_GPT4O): `(?=[\p{L}])([^a-z])` stands for [\p{Lu}\p{Lt}\p{Lm}\p{Lo}] and `(?=[\p{L}])([^A-Z])`
+# for [\p{Ll}\p{Lm}\p{Lo}], the contractions are spelled out instead of (?i:...), and \p{M} is dropped from the
+# letter classes. llama.cpp has no hand-written splitter for it: it runs through the collapsed std::regex path
+# (_split_regex), where every non-ASCII letter is one byte that is neither a-z nor A-Z, so counts as both cases.
+GPT4O_RE = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+            r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+            r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+            r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", GPT2_RE, r"\p{N}+", "[0-9][0-9][0-9]")
 
 
@@ -66,6 +76,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_pre("qwen2 deepseek-r1-qwen kormo f2llmv2 hunyuan solar-open grok-2", (QWEN2_RE,), clean_spaces=False),
     **_pre("stablelm2 megrez", (QWEN2_RE,)),
     **_pre("qwen35", (QWEN35_RE,), clean_spaces=False),
+    **_pre("gpt-4o llama4 kanana2 talkie minimax-m2", (GPT4O_RE,), clean_spaces=False),
     **_pre("smollm command-r", (r"\p{N}", GPT2_RE), clean_spaces=False),
     **_pre("starcoder refact codeshell exaone minerva-7b mellum2", (r"\p{N}", GPT2_RE)),
     **_pre("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert mpt olmo jais "
