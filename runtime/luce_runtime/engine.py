@@ -714,15 +714,17 @@ class Engine:
     @property
     def verifies_trees(self) -> bool:
         """Whether a token tree verifies where a chain of as many rows would (so drafting one costs only its rows):
-        on the per-op kernels when there is no megakernel, or on the megakernel's verify rows when its kernels take
-        a tree (built since issue 39: the manifest's kernel parameters list `off_path`). An older megakernel
-        verifies chains only; a tree would go to the per-op path, at several decode steps' cost."""
-        if self.megakernel is None:
+        on the per-op kernels where chains verify there too (no megakernel, or one measured slower for verify), or
+        on the megakernel's verify rows when its kernels take a tree (built since issue 39: the manifest's kernel
+        parameters list `off_path`). An older megakernel verifies chains only; a tree would go to the per-op path,
+        at several decode steps' cost."""
+        if self.megakernel is None or not self._mk_verify_rows:
             return True
-        return bool(self._mk_verify_rows) and self.megakernel.can_tree
+        return self.megakernel.can_tree
 
     def _tree_on_megakernel(self, n: int) -> bool:
-        return self.verifies_trees and self.megakernel is not None and n <= min(self._mk_verify_rows, MAX_TREE_ROWS)
+        return (self.megakernel is not None and bool(self._mk_verify_rows) and self.megakernel.can_tree
+                and n <= min(self._mk_verify_rows, MAX_TREE_ROWS))
 
     def _check_tree(self, seq_id: int, tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int]]:
         tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]

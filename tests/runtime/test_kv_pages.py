@@ -209,7 +209,9 @@ def test_a_tree_verified_on_the_megakernel_lands_where_tvms_commit_reads_it(tiny
     assert engine.verifies_trees and engine._tree_on_megakernel(8) and not engine._tree_on_megakernel(9)
     engine.megakernel.can_tree = False  # a megakernel built before issue 39: the generation loop drafts chains
     assert not engine.verifies_trees
-    engine.megakernel.can_tree = True
+    engine._mk_verify_rows = 0  # ... unless chains verify on the per-op kernels too (measured faster there)
+    assert engine.verifies_trees and not engine._tree_on_megakernel(2)
+    engine.megakernel.can_tree, engine._mk_verify_rows = True, 8
     seq = engine.add_sequence()
     try:
         engine.prefill([seq], [prompt])
