@@ -20,6 +20,9 @@ that travels is capped at 64 MiB (a SmolLM2-135M-shape artifact's weights are ~1
       near-tie, batched decode of 2, 5 and 8 sequences equal to each alone; then times decode (batch 1, median step
       after a 512-token prompt) and prefill of 512 and 2048 tokens (median, the 512 one up to the first token)
       with luce_runtime.bench, as `luce-compile bench` does. Prints and writes one JSON result.
+      Where the artifact has megakernels, also tree verify (issue 39): a token tree of the oracle's greedy chain
+      and runner-up siblings (tree_reference.npz, written by prepare) verified on the megakernel's rows against
+      the per-op kernels' verify_tree of the same artifact and against the oracle; --tree-only runs that alone.
 """
 
 from __future__ import annotations
@@ -85,12 +88,18 @@ def prepare(args: argparse.Namespace) -> None:
     tf32 = MMA_FLOAT_TYPES if megakernel_tf32 else ()  # and its F16/BF16 inputs to tf32
     logits = []
     (out / "reference.npz").unlink(missing_ok=True)  # a re-run without one must not keep an older model's
+    (out / "tree_reference.npz").unlink(missing_ok=True)
     if args.reference:
-        half_kv = manifest["kernels"].get("kv_cache") == "f16"  # compile's auto on a GPU: keys and values rounded
-        ids, logits = _cached_oracle_trace(gguf, prompt, args.steps, q8_types=q8, q8_decode_only=True,
-                                           tf32_types=tf32, half_above=LOW_BATCH[-1][0] if precision == "f16" else None,
-                                           **({"half_kv": True} if half_kv else {}))
+        rounding = {"q8_types": q8, "q8_decode_only": True, "tf32_types": tf32,
+                    "half_above": LOW_BATCH[-1][0] if precision == "f16" else None}
+        if manifest["kernels"].get("kv_cache") == "f16":  # compile's auto on a GPU: keys and values rounded
+            rounding["half_kv"] = True
+        ids, logits = _cached_oracle_trace(gguf, prompt, args.steps, **rounding)
         np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
+        tokens = reference_tree(ids, logits)
+        np.savez(out / "tree_reference.npz", tokens=np.array(tokens, np.int32),
+                 parents=np.array(TREE_PARENTS, np.int32),
+                 logits=_cached_oracle_tree(gguf, prompt, tokens, TREE_PARENTS, **rounding))
     (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name, "target": args.target,
                                                "megakernel_q8": megakernel_q8,
                                                "megakernel_tf32": megakernel_tf32, "reference": args.reference,
@@ -100,32 +109,83 @@ def prepare(args: argparse.Namespace) -> None:
     print(json.dumps({"dir": str(out), "build_seconds": round(build_s, 1), "reference_rows": len(logits)}))
 
 
-def _cached_oracle_trace(gguf: Path, prompt: list[int], steps: int, **rounding) -> tuple[list[int], np.ndarray]:
-    """_oracle_trace, kept in the build cache by model, prompt, steps, rounding and the oracle's own source: a
-    workload prepared again after a kernel change reuses its reference (the 1.5B's took 650 s on 2 cores)."""
+# The tree the tree verify check feeds (issue 39): nodes 0, 1, 3, 5 are the oracle's greedy chain (the path accepted
+# and committed), 2 and 4 the runner-ups of positions 1 and 2 (siblings of 1 and 3), 6 a node under the rejected
+# branch 2. Seven rows: within the megakernel's largest batch (8), a tree of three leaves and depth 3.
+TREE_PARENTS = [-1, 0, 0, 1, 1, 3, 2]
+TREE_LEAF = 5
+
+
+def reference_tree(ids: list[int], logits: np.ndarray) -> list[int]:
+    """TREE_PARENTS' tokens from a greedy trace (logits[k]: after the prompt and ids[:k]; ids[k] its argmax)."""
+    runner_up = [int(np.argsort(row)[-2]) for row in logits[:4]]
+    return [ids[0], ids[1], runner_up[1], ids[2], runner_up[2], ids[3], runner_up[3]]
+
+
+def _reference_cache(key: tuple, rounding: dict) -> Path:
+    """Where the build cache keeps an oracle reference: by its key (model, prompt, ...), its rounding and the
+    oracle's own source, so a workload prepared again after a kernel change reuses it."""
     import hashlib
 
     from luce_compile.models import cache_dir
 
-    digest = hashlib.sha256(repr((gguf.name, prompt, steps, sorted(rounding.items()))).encode())
+    digest = hashlib.sha256(repr((*key, sorted(rounding.items()))).encode())
     for folder in ("graph", "gguf"):  # the graph builders, the oracle and its roundings, the block formats
         for source in sorted((ROOT / "luce_compile" / folder).rglob("*.py")):
             digest.update(source.read_bytes())
-    path = cache_dir() / "references" / f"{digest.hexdigest()[:24]}.npz"
+    return cache_dir() / "references" / f"{digest.hexdigest()[:24]}.npz"
+
+
+def _save(path: Path, **arrays) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path.with_suffix(".tmp.npz"), **arrays)
+    path.with_suffix(".tmp.npz").replace(path)
+
+
+def _cached_oracle_trace(gguf: Path, prompt: list[int], steps: int, **rounding) -> tuple[list[int], np.ndarray]:
+    """_oracle_trace, kept in the build cache (_reference_cache; the 1.5B's took 650 s on 2 cores)."""
+    path = _reference_cache((gguf.name, prompt, steps), rounding)
     if path.is_file():
         with np.load(path) as npz:
             return [int(t) for t in npz["ids"]], npz["logits"]
     ids, logits = _oracle_trace(gguf, prompt, steps, **rounding)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path.with_suffix(".tmp.npz"), ids=np.array(ids, np.int32), logits=logits)
-    path.with_suffix(".tmp.npz").replace(path)
+    _save(path, ids=np.array(ids, np.int32), logits=logits)
     return ids, logits
 
 
-def _oracle_trace(gguf: Path, prompt: list[int], steps: int, half_above: int | None = None,
-                  q8_types: tuple[str, ...] = (), half_kv: bool = False,
-                  q8_decode_only: bool = False, tf32_types: tuple[str, ...] = ()) -> tuple[list[int], np.ndarray]:
-    """The oracle's greedy trace; half_above=N rounds both operands of the matmuls of more than N rows to float16
+def _cached_oracle_tree(gguf: Path, prompt: list[int], tokens: list[int], parents: list[int],
+                        **rounding) -> np.ndarray:
+    """The oracle's logits of a token tree verified after the prompt (Oracle.tree_forward, each node's row rounded
+    as a decode step's: the megakernel's verify rows are its decode rows), kept in the build cache."""
+    path = _reference_cache((gguf.name, prompt, "tree", tokens, parents), rounding)
+    if path.is_file():
+        with np.load(path) as npz:
+            return npz["logits"]
+    oracle = _rounding_oracle(gguf, **rounding)
+    oracle.prefill(prompt)
+    oracle.decoding = True
+    logits = oracle.tree_forward(tokens, parents).astype(np.float32)
+    _save(path, logits=logits)
+    return logits
+
+
+def _oracle_trace(gguf: Path, prompt: list[int], steps: int, **rounding) -> tuple[list[int], np.ndarray]:
+    """The oracle's greedy trace (_rounding_oracle says what `rounding` takes)."""
+    oracle = _rounding_oracle(gguf, **rounding)
+    rows = [oracle.prefill(prompt)[-1]]
+    oracle.decoding = True
+    ids = []
+    for _ in range(steps):
+        ids.append(int(np.argmax(rows[-1])))
+        rows.append(oracle.decode(ids[-1]))
+    ids.append(int(np.argmax(rows[-1])))
+    return ids, np.stack(rows).astype(np.float32)
+
+
+def _rounding_oracle(gguf: Path, half_above: int | None = None, q8_types: tuple[str, ...] = (), half_kv: bool = False,
+                     q8_decode_only: bool = False, tf32_types: tuple[str, ...] = ()):
+    """The float64 oracle with the build's roundings emulated (its `decoding` set by the caller after a prefill);
+    half_above=N rounds both operands of the matmuls of more than N rows to float16
     (precision f16's tensor-core GEMMs; the logits rows asked of the LM head stay float32, as in the build);
     q8_types: the weight types whose matmul inputs are rounded to llama.cpp's 8-bit blocks (the megakernel's
     q8_activations); half_kv: keys and values rounded to float16 as a float16 KV cache stores them (with 8-bit
@@ -174,15 +234,7 @@ def _oracle_trace(gguf: Path, prompt: list[int], steps: int, half_above: int | N
             y = self._plain_or_rounded(op, x.reshape(-1, x.shape[-1]))
             return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    oracle = FastOracle(gguf)
-    rows = [oracle.prefill(prompt)[-1]]
-    oracle.decoding = True
-    ids = []
-    for _ in range(steps):
-        ids.append(int(np.argmax(rows[-1])))
-        rows.append(oracle.decode(ids[-1]))
-    ids.append(int(np.argmax(rows[-1])))
-    return ids, np.stack(rows).astype(np.float32)
+    return FastOracle(gguf)
 
 
 def _half(a: np.ndarray) -> np.ndarray:
@@ -403,6 +455,86 @@ def check_paths(engine, per_op, steps: int = 64, seed: int = 2, tol: float = BAT
             "tolerance": tol, "ok": worst <= tol and mismatched == 0 and device_mismatched == 0}
 
 
+def check_tree(engine, per_op, prompt: list[int], tokens: list[int], parents: list[int], leaf: int,
+               next_token: int, want: np.ndarray | None = None, want_after: np.ndarray | None = None,
+               tol: float = REL_TOL, path_tol: float = BATCH_TOL) -> dict:
+    """Tree verify (issue 39) on the megakernel's verify rows against the per-op kernels' (TVM's tree attention
+    mask) on the same artifact, and against the oracle's tree forward (`want`, each node's row after its path):
+    each engine prefills the prompt, verifies the tree in one forward (Engine.verify_tree), commits the path to
+    `leaf` (TVM's commit moves its keys and values to consecutive slots) and decodes next_token (`want_after`: the
+    oracle's logits after prompt + path + next_token). The megakernel's device argmax (verify_tree_greedy, only ids
+    back) must be the argmax of its own logits; the rest within `tol` of the oracle (the run's bar: the build's
+    roundings are emulated) and `path_tol` of the per-op path (check_paths' bar), ids equal but at near ties."""
+    if not engine._tree_on_megakernel(len(tokens)):
+        return {"ok": False, "error": f"the megakernel does not verify this tree ({len(tokens)} nodes; verifies_trees "
+                f"{engine.verifies_trees}, decode path: {engine.decode_path}): an artifact built before issue 39?"}
+    got = {}
+    for which, eng in (("mk", engine), ("op", per_op)):
+        seq = eng.add_sequence()
+        try:
+            eng.prefill([seq], [prompt])
+            rows = eng.verify_tree(seq, tokens, parents)
+            eng.commit_tree(seq, leaf)
+            got[which] = np.concatenate([rows, eng.decode([seq], [next_token])])  # the tree's rows, then the step's
+        finally:
+            eng.remove_sequence(seq)
+    seq = engine.add_sequence()
+    try:
+        engine.prefill([seq], [prompt])
+        device_ids = engine.verify_tree_greedy(seq, tokens, parents)
+        engine.commit_tree(seq, leaf)
+    finally:
+        engine.remove_sequence(seq)
+
+    def compare(rows: np.ndarray, ref: np.ndarray, bar: float) -> dict:
+        errs = [_rel(g, w) for g, w in zip(rows, ref, strict=True)]
+        fair = [i for i, w in enumerate(ref) if not near_tie(w, bar)]
+        wrong = [i for i in fair if int(np.argmax(rows[i])) != int(np.argmax(ref[i]))]
+        return {"max_rel_err": max(errs), "rows": len(errs), "ids_checked": len(fair), "ids_mismatched": wrong,
+                "tolerance": bar, "ok": max(errs) <= bar and not wrong}
+
+    out = {"tokens": tokens, "parents": parents, "leaf": leaf, "on_megakernel": True,
+           "vs_per_op": compare(got["mk"], got["op"].astype(np.float64), path_tol),
+           "device_ids_mismatched": [i for i, t in enumerate(device_ids) if t != int(np.argmax(got["mk"][i]))]}
+    if want is not None:
+        out["vs_oracle"] = compare(got["mk"], np.concatenate([want, want_after[None]]).astype(np.float64), tol)
+    out["ok"] = out["vs_per_op"]["ok"] and not out["device_ids_mismatched"] and out.get("vs_oracle", {}).get("ok", True)
+    return out
+
+
+def tree_check(engine, per_op, folder: Path, tol: float, path_tol: float) -> dict:
+    """check_tree on the prepared tree (tree_reference.npz, TREE_PARENTS after reference.npz's prompt), or where
+    the folder has no oracle reference (prepare --no-reference) on the same shape of tree built from the per-op
+    engine's own greedy chain, against the per-op path only. An error is the check's result (the per-op tree
+    attention had not run on a GPU before this check): the other checks' results are still written."""
+    try:
+        return _tree_check(engine, per_op, folder, tol, path_tol)
+    except Exception as e:  # noqa: BLE001  (recorded in the result, as megakernel_check records a model's)
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def _tree_check(engine, per_op, folder: Path, tol: float, path_tol: float) -> dict:
+    if (folder / "tree_reference.npz").is_file():
+        ref, tree = np.load(folder / "reference.npz"), np.load(folder / "tree_reference.npz")
+        prompt, ids = [int(t) for t in ref["prompt"]], [int(t) for t in ref["ids"]]
+        path = [0, 1, 3, 5]  # TREE_LEAF's nodes: the chain ids[0..3]; the step after it feeds ids[4]
+        assert [int(tree["tokens"][i]) for i in path] == ids[:4], "the tree's greedy chain is the trace's"
+        return check_tree(engine, per_op, prompt, [int(t) for t in tree["tokens"]], TREE_PARENTS, TREE_LEAF, ids[4],
+                          tree["logits"], ref["logits"][5], tol=tol, path_tol=path_tol)
+    rng = np.random.default_rng(4)
+    prompt = [int(t) for t in rng.integers(1, min(per_op.vocab_size, 32000), 32)]
+    seq = per_op.add_sequence()
+    try:
+        rows = [per_op.prefill([seq], [prompt])[0]]
+        for _ in range(4):
+            rows.append(per_op.decode([seq], [int(np.argmax(rows[-1]))])[0])
+    finally:
+        per_op.remove_sequence(seq)
+    ids = [int(np.argmax(r)) for r in rows]
+    return check_tree(engine, per_op, prompt, reference_tree(ids, np.stack(rows)), TREE_PARENTS, TREE_LEAF, ids[4],
+                      path_tol=path_tol)
+
+
 def _served(scheduler, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy completions of `prompts`, submitted together to a running scheduler."""
     import asyncio
@@ -515,6 +647,9 @@ def run(args: argparse.Namespace) -> int:
     mk_options = engine.artifact.manifest.get("megakernel", {}).get("options", {})
     q8, tf32 = bool(mk_options.get("q8_activations")), bool(mk_options.get("float_mma"))
     tol = REL_TOL_Q8 if q8 else REL_TOL_F16 if half else REL_TOL
+    path_tol = REL_TOL_Q8 if q8 else REL_TOL_TF32 if tf32 else BATCH_TOL  # the megakernel against the per-op path
+    if args.tree_only:
+        return _tree_only(engine, artifact, folder, result, args, tol, path_tol)
     checks = {"batched": check_batched(engine, joint_prefill=not half)}
     if result["spec"].get("reference", True):
         checks["oracle"] = check_oracle(engine, np.load(folder / "reference.npz"), tol)
@@ -526,8 +661,8 @@ def run(args: argparse.Namespace) -> int:
     result["decode_path"] = engine.decode_path
     if engine.megakernel is not None:
         per_op = Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=False))
-        checks["megakernel_vs_per_op"] = check_paths(engine, per_op, tol=REL_TOL_Q8 if q8 else REL_TOL_TF32 if tf32
-                                                     else BATCH_TOL)
+        checks["megakernel_vs_per_op"] = check_paths(engine, per_op, tol=path_tol)
+        checks["tree_verify"] = tree_check(engine, per_op, folder, tol, path_tol)
         del per_op
     result["checks"] = checks
     if not args.no_timing:
@@ -545,6 +680,24 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(text)
     return 0 if all(c["ok"] for c in checks.values()) else 1
+
+
+def _tree_only(engine, artifact: Path, folder: Path, result: dict, args, tol: float, path_tol: float) -> int:
+    """run --tree-only: the tree verify check alone (tree_check), one JSON result."""
+    from luce_runtime.engine import Engine, EngineOptions
+
+    result["decode_path"] = engine.decode_path
+    if engine.megakernel is None:
+        checks = {"tree_verify": {"ok": False, "error": f"no megakernel: {engine.decode_path}"}}
+    else:
+        per_op = Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=False))
+        checks = {"tree_verify": tree_check(engine, per_op, folder, tol, path_tol)}
+    result["checks"] = checks
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if checks["tree_verify"]["ok"] else 1
 
 
 def check_gemms(args: argparse.Namespace) -> int:
@@ -767,6 +920,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--no-timing", action="store_true")
     r.add_argument("--served", action="store_true", help="also check `serve --deterministic`: 8 concurrent greedy "
                    "requests against each alone (batch invariance on this device)")
+    r.add_argument("--tree-only", action="store_true", help="only the tree verify check (issue 39): a token tree on "
+                   "the megakernel's rows against the per-op verify_tree and the oracle")
     r.set_defaults(func=run)
     k = sub.add_parser("gemm", help="GPU machine: a tuning bundle's default GEMMs against numpy, per batch branch")
     k.add_argument("bundle")

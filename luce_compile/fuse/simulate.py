@@ -13,6 +13,11 @@ Rows may share a sequence (`sequence_of_row`): a speculative verify runs the las
 sequence as rows of one step, at consecutive positions of the same pages (the runtime's Engine.verify). Then a
 row's attention reads keys that other rows append in the same step, and every such key must have been written
 before the read (checked per position and feature): the verify's causal attention holds in any interleaving.
+
+A verify's rows may be a token tree (`off_path`, the kernel's argument of that name: Engine.verify_tree): each row
+at its own slot as TVM lays a tree out (consecutive), bit k of its word marking the key k slots before its own as
+another branch's. The row's attention skips those keys and its RoPE position counts them out (its depth past the
+sequence); they must still be written before the read (the kernel reads them, weighted 0).
 """
 
 from __future__ import annotations
@@ -76,11 +81,19 @@ class TaskSimulator:
             self.cache[kv_cache_value(layer, which)][seq, :len(kv)] = kv
             self.length[seq] = len(kv)
 
-    def step(self, tokens: list[int], *, positions: list[int] | None = None, seed: int | None = 0,
-             adversarial: bool = False) -> tuple[np.ndarray, list]:
-        """One step: row b's token at positions[b] of its sequence (default: the sequence's length plus the rows of
-        that sequence before b) → (logits (B, V), greedy token ids). A row may repeat another's token and
-        position (the runtime pads a step to the kernel's batch so)."""
+    def commit_path(self, seq: int, slots: list[int]) -> None:
+        """After a token tree's verify: keep the keys and values at `slots` (a root-to-node path, in order), moved to
+        consecutive slots from the first, and drop what follows (TVM's commit of the accepted path)."""
+        for c in self.cache.values():
+            c[seq, slots[0]:slots[0] + len(slots)] = c[seq, slots].copy()
+        self.length[seq] = slots[0] + len(slots)
+
+    def step(self, tokens: list[int], *, positions: list[int] | None = None, off_path: list[int] | None = None,
+             seed: int | None = 0, adversarial: bool = False) -> tuple[np.ndarray, list]:
+        """One step: row b's token at slot positions[b] of its sequence (default: the sequence's length plus the
+        rows of that sequence before b) → (logits (B, V), greedy token ids). A row may repeat another's token and
+        position (the runtime pads a step to the kernel's batch so). off_path: each row's word of other branches'
+        keys (a token tree's verify; None: every row's 0)."""
         if positions is None:
             seen: dict[int, int] = {}
             positions = []
@@ -90,7 +103,9 @@ class TaskSimulator:
         if max(positions) >= self.tg.max_context:
             raise ScheduleError("simulate: a sequence is at the maximum context")
         self.tokens = np.asarray(tokens, dtype=np.int64)
-        self.pos = np.asarray(positions, dtype=np.int64)
+        self.pos = np.asarray(positions, dtype=np.int64)  # slots: where a row's keys go and how far it reads
+        self.off_path = np.zeros(self.tg.batch, np.int64) if off_path is None else np.asarray(off_path, np.int64)
+        self.rope_pos = self.pos - np.array([bin(w & 0xFFFFFFFF).count("1") for w in self.off_path.tolist()])
         self.step_start = list(self.length)  # positions from here on are this step's appends
         self.kv_written = {name: np.zeros(c.shape, dtype=bool) for name, c in self.cache.items()}
         self.buf: dict[str, np.ndarray] = {}
@@ -162,7 +177,7 @@ class TaskSimulator:
 
     def read(self, name: str, lo: int, hi: int, row: int | None = None) -> np.ndarray:
         if name == POSITIONS:
-            return self.pos if row is None else self.pos[row:row + 1]
+            return self.rope_pos if row is None else self.rope_pos[row:row + 1]
         region = Region(name, lo, hi, row)
         w = self.written.get(name)
         if w is None or not w[self._rows(region), lo:hi].all():
@@ -290,9 +305,17 @@ class TaskSimulator:
             if not self.kv_written[name][s_b, new, g * width:(g + 1) * width].all():
                 raise ScheduleError(f"simulate: task {task.id} (attention, row {b}) reads {name} at positions "
                                     f"{new.start}..{new.stop - 1} before this step wrote them")
-        keys = self.cache[kv_cache_value(a["layer"], "k")][s_b, lo:hi, g * d:(g + 1) * d]
-        vals = self.cache[kv_cache_value(a["layer"], "v")][s_b, lo:hi, g * dv:(g + 1) * dv]
         assert hi > lo, "a chunk the kernel runs holds keys"
+        back = pos - np.arange(lo, hi)  # slots before the row's own
+        on_path = (back >= 32) | (((int(self.off_path[b]) >> np.minimum(back, 31)) & 1) == 0)
+        if not on_path.any():  # a chunk of other branches' keys only: weighs nothing in the merge
+            self.partials[(op.outputs[0], b, g, task.split)] = _Partial(np.full(group, -np.inf), np.zeros(group),
+                                                                       np.zeros((group, dv)))
+            self.write(split_value(op.outputs[0], task.split), o_lo, o_hi, np.zeros((1, o_hi - o_lo)), b)
+            self._arrive(task, b, g, o_lo, o_hi)
+            return
+        keys = self.cache[kv_cache_value(a["layer"], "k")][s_b, lo:hi, g * d:(g + 1) * d][on_path]
+        vals = self.cache[kv_cache_value(a["layer"], "v")][s_b, lo:hi, g * dv:(g + 1) * dv][on_path]
         s = q @ keys.T  # (group, keys)
         if a["softcap"]:
             s = a["softcap"] * np.tanh(s / a["softcap"])
@@ -305,13 +328,21 @@ class TaskSimulator:
             return
         self.partials[(op.outputs[0], b, g, task.split)] = part
         self.write(split_value(op.outputs[0], task.split), o_lo, o_hi, np.zeros((1, o_hi - o_lo)), b)
-        if st.merged_by_last:  # the kernel's arrival counter: the (sequence, KV head)'s last chunk merges; chunk 0
-            # adds for the empty chunks too, which skip it, so the count still reaches n_splits a step
-            active = self._active(task.stage, b)
-            add = 1 + (st.n_splits - active if task.split == 0 else 0)
-            arrived = self.arrivals[(op.outputs[0], b, g)] = self.arrivals.get((op.outputs[0], b, g), 0) + add
-            if arrived == st.n_splits:
-                self.write(op.outputs[0], o_lo, o_hi, self._merged(op.outputs[0], b, g, active).reshape(1, -1), b)
+        self._arrive(task, b, g, o_lo, o_hi)
+
+    def _arrive(self, task: Task, b: int, g: int, o_lo: int, o_hi: int) -> None:
+        """A split chunk's partial is written: with merged_by_last, the kernel's arrival counter (the (sequence, KV
+        head)'s last chunk merges; chunk 0 adds for the empty chunks too, which skip it, so the count still
+        reaches n_splits a step)."""
+        st = self.tg.stages[task.stage]
+        if not st.merged_by_last:
+            return
+        out = st.attention.outputs[0]
+        active = self._active(task.stage, b)
+        add = 1 + (st.n_splits - active if task.split == 0 else 0)
+        arrived = self.arrivals[(out, b, g)] = self.arrivals.get((out, b, g), 0) + add
+        if arrived == st.n_splits:
+            self.write(out, o_lo, o_hi, self._merged(out, b, g, active).reshape(1, -1), b)
 
     def _merged(self, out: str, b: int, g: int, active: int) -> np.ndarray:
         """KV head g's attention output for sequence b from the partials of its first `active` chunks (those that

@@ -146,6 +146,25 @@ class Oracle:
         self.n_past += ids.shape[1]
         return logits
 
+    def tree_forward(self, tokens: list[int], parents: list[int]) -> np.ndarray:
+        """The logits (n, vocab) a token tree appended to the current sequence gets in one tree verify (the runtime's
+        Engine.verify_tree): row i after node i's path from the root (parents[i] an earlier node, -1 for a root),
+        each root-to-leaf path run as a chain of its own from the current cache, which is left as it was."""
+        n = len(tokens)
+        if len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
+            raise LuceError(f"oracle: a token tree needs one earlier node (or -1) as each node's parent; got {parents}")
+        saved, out = (dict(self._kv), self.n_past), [None] * n
+        for leaf in sorted(set(range(n)) - set(parents)):
+            path = [leaf]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            path.reverse()
+            self._kv, self.n_past = dict(saved[0]), saved[1]
+            for node, row in zip(path, self.forward([tokens[i] for i in path]), strict=True):
+                out[node] = row
+        self._kv, self.n_past = saved
+        return np.stack(out)
+
     def generate(self, prompt_ids: list[int], n: int, greedy: bool = True, temperature: float = 1.0,
                  seed: int = 0) -> list[int]:
         """n new tokens after the prompt: argmax, or sampled from softmax(logits / temperature)."""

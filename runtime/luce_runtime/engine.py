@@ -36,7 +36,7 @@ from luce_runtime.contract import OPTIONAL_FUNCTIONS, REQUIRED_FUNCTIONS, Fn, KV
 from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
 from luce_runtime.kv_memory import check_context  # noqa: E402
 from luce_runtime.kv_pages import KVPages  # noqa: E402
-from luce_runtime.megakernel import Megakernel  # noqa: E402
+from luce_runtime.megakernel import MAX_TREE_ROWS, Megakernel, off_path_words  # noqa: E402
 from luce_runtime.sampler import SamplingParams, masked_argmax  # noqa: E402
 from luce_runtime.timing import median_time  # noqa: E402
 from luce_runtime.tokenizer import Tokenizer  # noqa: E402
@@ -559,7 +559,7 @@ class Engine:
         return self._megakernel_rows(seq_ids, [[t] for t in tokens], logits=logits, allowed=allowed)
 
     def _megakernel_rows(self, seq_ids: list[int], feeds: list[list[int]], logits: bool = True,
-                         allowed: np.ndarray | None = None) -> np.ndarray:
+                         allowed: np.ndarray | None = None, parents: list[int] | None = None) -> np.ndarray:
         """One megakernel step over every fed token: token j of sequence s is a row at position length(s) + j of
         s's pages (a decode step feeds one token a sequence; a verify several). The kernel writes each row's keys
         and values into its slot, and a row attends over its sequence's keys up to its own position: every
@@ -570,24 +570,33 @@ class Engine:
         only counted (_KV.defer: skipping TVM's begin + end forward took ~100 µs off SmolLM2's step on the H200);
         otherwise TVM's cache reserves the slots first (begin forward, which allocates pages at page boundaries
         and copies a shared last page after a fork), as a per-op step does. The logits (rows, V) or the greedy
-        ids (rows,), rows in feed order."""
+        ids (rows,), rows in feed order.
+
+        parents: the one sequence's feed is a token tree (verify_tree): TVM always reserves it, with the parents,
+        so that it lays the nodes out in consecutive slots and can commit a path (commit_tree); each row gets its
+        word of other branches' keys (megakernel.off_path_words)."""
         lengths = [self._live[s] for s in seq_ids]
         counts = [len(f) for f in feeds]
         reserve = [(s, c) for s, n, c in zip(seq_ids, lengths, counts, strict=True)
-                   if n + c > len(self._mk_pages.get(s, ())) * self.page_size]
+                   if parents is not None or n + c > len(self._mk_pages.get(s, ())) * self.page_size]
         if reserve:
-            self._kv.begin([s for s, _ in reserve], [c for _, c in reserve])
+            self._kv.begin([s for s, _ in reserve], [c for _, c in reserve], parents)
         try:
             pages = [self._page_ids(s, n + c) for s, n, c in zip(seq_ids, lengths, counts, strict=True)]
             out = self.megakernel.step([t for f in feeds for t in f],
                                        [n + j for n, c in zip(lengths, counts, strict=True) for j in range(c)],
                                        [p for p, c in zip(pages, counts, strict=True) for _ in range(c)],
-                                       *self._pages.kernel_args(self.device), logits=logits, allowed=allowed)
+                                       *self._pages.kernel_args(self.device), logits=logits, allowed=allowed,
+                                       off_path=None if parents is None else off_path_words(parents))
         except BaseException:
             if reserve:
                 self._kv.end()
-            for sid, c in reserve:
-                self._undo_append(sid, c)  # forgets the page ids read for the step too (_pages_moved)
+            if parents is not None:  # TVM pops a tree's nodes only through its commit (none accepted)
+                self._pages_moved(*seq_ids)
+                self._kv.commit_tree(seq_ids, [-1])
+            else:
+                for sid, c in reserve:
+                    self._undo_append(sid, c)  # forgets the page ids read for the step too (_pages_moved)
             raise
         if reserve:
             self._kv.end()
@@ -675,13 +684,16 @@ class Engine:
         to the sequence and its own ancestors only (TVM's tree attention mask). Row i of the (n, V) logits scores the
         token after node i's path. The sequence then must keep one path: commit_tree(seq_id, leaf).
 
-        Per-op kernels only (the megakernel's rows are a chain; luce_runtime/generation.py keeps trees off it)."""
-        tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]
-        if len(parents) != len(tokens) or not tokens or parents[0] != -1 or \
-                any(not 0 <= p < i for i, p in enumerate(parents) if i):
-            raise EngineError(f"engine: a token tree needs one parent per token, -1 for the first and an earlier "
-                              f"node for every other; got parents {parents} for {len(tokens)} tokens.")
-        self._check_verify([seq_id], [tokens])
+        TVM's cache holds the tree either way (its nodes in consecutive slots, its parents for the commit). Where
+        the megakernel verifies trees (`verifies_trees`) and the nodes fit its rows, it runs them as verify() runs
+        a chain: each node a row at its own slot, its word of other branches' keys (megakernel.off_path_words)
+        keeping its attention on its path and its RoPE position at its depth; else the per-op kernels with TVM's
+        tree attention mask."""
+        tokens, parents = self._check_tree(seq_id, tokens, parents)
+        if self._tree_on_megakernel(len(tokens)):
+            logits = self._megakernel_rows([seq_id], [tokens], parents=parents)
+            self._trees[seq_id] = parents
+            return logits
         fn = Fn.VERIFY if self.has_int8_verify else Fn.PREFILL
         try:
             logits = self._forward([seq_id], [tokens], fn, every_row=True, parents=parents)
@@ -692,6 +704,40 @@ class Engine:
                               "chains (no branch).") from e
         self._trees[seq_id] = parents
         return logits
+
+    def verify_tree_greedy(self, seq_id: int, tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
+        """verify_tree() followed by every row's argmax: only the ids cross to the host where the megakernel runs
+        the tree (greedy tree acceptance needs nothing else)."""
+        if not self._tree_on_megakernel(len(tokens)):
+            return np.argmax(self.verify_tree(seq_id, tokens, parents), axis=-1).tolist()
+        tokens, parents = self._check_tree(seq_id, tokens, parents)
+        ids = self._megakernel_rows([seq_id], [tokens], logits=False, parents=parents).tolist()
+        self._trees[seq_id] = parents
+        return ids
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether a token tree verifies where a chain of as many rows would (so drafting one costs only its rows):
+        on the per-op kernels where chains verify there too (no megakernel, or one measured slower for verify), or
+        on the megakernel's verify rows when its kernels take a tree (built since issue 39: the manifest's kernel
+        parameters list `off_path`). An older megakernel verifies chains only; a tree would go to the per-op path,
+        at several decode steps' cost."""
+        if self.megakernel is None or not self._mk_verify_rows:
+            return True
+        return self.megakernel.can_tree
+
+    def _tree_on_megakernel(self, n: int) -> bool:
+        return (self.megakernel is not None and bool(self._mk_verify_rows) and self.megakernel.can_tree
+                and n <= min(self._mk_verify_rows, MAX_TREE_ROWS))
+
+    def _check_tree(self, seq_id: int, tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int]]:
+        tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]
+        if len(parents) != len(tokens) or not tokens or parents[0] != -1 or \
+                any(not 0 <= p < i for i, p in enumerate(parents) if i):
+            raise EngineError(f"engine: a token tree needs one parent per token, -1 for the first and an earlier "
+                              f"node for every other; got parents {parents} for {len(tokens)} tokens.")
+        self._check_verify([seq_id], [tokens])
+        return tokens, parents
 
     def commit_tree(self, seq_id: int, leaf: int) -> None:
         """After verify_tree: keep the path from the tree's root (node 0) to node `leaf` and drop every other node's

@@ -18,10 +18,11 @@ vLLM's engine step serves both its offline LLM and its server:
      agreeing prefix at temperature 0, rejection sampling above it) under the request's grammar mask; every
      committed token goes through the generation's GenerationEnd, which is where a generation stops; the rejected
      drafts' KV entries are rolled back.
-A greedy drafter may propose a token tree (Draft.parents): it is verified alone in one forward with TVM's tree
-attention mask (Engine.verify_tree, per-op kernels), the target's argmax path through it is committed, and the
-other branches' keys and values are dropped (Engine.commit_tree). Where a tree cannot be verified (sampling, a
-grammar, logprobs, the megakernel's chain rows) its chain is.
+A greedy drafter may propose a token tree (Draft.parents): it is verified alone in one forward (Engine.verify_tree:
+the megakernel's rows where its kernels take trees, else the per-op kernels with TVM's tree attention mask), the
+target's argmax path through it is committed, and the other branches' keys and values are dropped
+(Engine.commit_tree). Where a tree cannot be verified at a chain's cost (sampling, a grammar, logprobs, a
+megakernel built before tree rows: Engine.verifies_trees) its chain is.
 A caller that isolates failures (the server) passes `isolate` and `fail`; otherwise an error propagates.
 """
 
@@ -253,11 +254,12 @@ class GenerationLoop:
 
     def _shape(self, g: Generation, draft: Draft, budget: int, cheap: int) -> Draft:
         """A token tree where this generation can verify one, else its chain: a tree needs greedy ids (the
-        longest accepted path is the target's argmax path) and the per-op kernels (Engine.verify_tree; the
-        megakernel's verify rows are a chain). Its branches go within the verify budget and decode-cost rows."""
+        longest accepted path is the target's argmax path) and an engine that verifies it where a chain would go
+        (Engine.verifies_trees: not a megakernel built before tree rows). Its branches go within the verify budget
+        and decode-cost rows."""
         if draft.parents is None:
             return draft
-        if not (g.ids_only and g.constraint is None and self.engine.megakernel is None):
+        if not (g.ids_only and g.constraint is None and self.engine.verifies_trees):
             return Draft(draft.tokens[:draft.chain], None if draft.probs is None else draft.probs[:draft.chain],
                          fed=draft.fed)
         rows = min(budget, cheap if cheap > 1 else budget) - 1  # the pending token is a row too
@@ -304,9 +306,9 @@ class GenerationLoop:
             done = self._isolate(chains, lambda b: engine.verify([g.seq for g, _ in b], feeds(b)))
         accept = {g: lambda g=g, d=d, r=r: self._accept(g, d, r, ids) for (g, d), r in done}
         for item in [(g, d) for g, d in drafts.items() if d.parents is not None]:  # a tree: one sequence a call
-            for (g, d), rows in self._isolate([item], lambda b: [engine.verify_tree(
+            for (g, d), ids in self._isolate([item], lambda b: [engine.verify_tree_greedy(
                     b[0][0].seq, [b[0][0].pending, *b[0][1].tokens], [-1, *(p + 1 for p in b[0][1].parents)])]):
-                accept[g] = lambda g=g, d=d, r=rows: self._accept_tree(g, d, r)
+                accept[g] = lambda g=g, d=d, i=ids: self._accept_tree(g, d, i)
         if alone is not None and alone in accept:
             alone.spec.length.observe("verify", time.perf_counter() - start, len(drafts[alone].tokens))
         out = []
@@ -316,12 +318,11 @@ class GenerationLoop:
                 out += [(g, c) for c in self._guard(g, work)]
         return out
 
-    def _accept_tree(self, g: Generation, draft: Draft, rows: np.ndarray) -> list[Commit]:
-        """Greedy acceptance on a token tree (node 0 the pending token, node i + 1 draft i): from the root, the
-        target's argmax at a node is committed, and accepted where it is one of the node's children, whose row then
-        decides the next; the longest such path is the target's own greedy continuation. The engine keeps the
-        accepted path's keys and values and drops the other branches' (Engine.commit_tree)."""
-        ids = np.argmax(rows, axis=-1)
+    def _accept_tree(self, g: Generation, draft: Draft, ids: list[int]) -> list[Commit]:
+        """Greedy acceptance on a token tree (node 0 the pending token, node i + 1 draft i) from the target's argmax
+        at each node (`ids`): from the root, the node's id is committed, and accepted where it is one of the node's
+        children, whose id then decides the next; the longest such path is the target's own greedy continuation.
+        The engine keeps the accepted path's keys and values and drops the other branches' (Engine.commit_tree)."""
         children: dict[tuple[int, int], int] = {}
         for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
             children.setdefault((parent + 1, token), i + 1)

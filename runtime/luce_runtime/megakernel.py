@@ -7,6 +7,11 @@ them; the engine decides when (Engine.decode) and hands over the KV pages of TVM
 
 A step of n sequences runs the smallest kernel of batch >= n; the rows past n repeat the last real row (same
 token, length and pages), so they compute and write the same bytes as that row: no scratch pages are needed.
+
+A verify's rows may be a token tree (kernels that take `off_path`, built since 2026-12-06 for issue 39): each node
+a row at its own slot, as TVM lays a tree out (consecutive slots after the sequence), with a word whose bit k marks
+the key k slots before the row's own as another branch's: the row's attention skips it and its RoPE position (its
+depth past the sequence) counts it out (off_path_words).
 Every block of a persistent kernel must be resident at once (they wait on each other's counters), so a kernel is
 only used on a GPU with at least as many SMs as it has queues; the bounded waits report a stall in `status`
 instead of hanging, and the step raises.
@@ -28,7 +33,29 @@ NO_TOKEN = 2**31 - 1  # a masked row's id when its mask allowed no token
 # list against it: an argument added to the emitter without it here made every GPU run fail, unseen until one ran)
 KERNEL_ARGS = frozenset({"tokens", "lengths", "page_table", "pages", "kv_layer_offset", "arena", "amax_val", "amax_idx",
                          "token_out", "lengths_out", "tasks", "queue_len", "deps", "counters", "status", "profile",
-                         "profiling", "epoch", "allowed", "masked"})
+                         "profiling", "epoch", "allowed", "masked", "off_path"})
+
+
+MAX_TREE_ROWS = 32  # a row's off_path word has a bit for each of the 31 slots before its own
+
+
+def off_path_words(parents: Sequence[int]) -> np.ndarray:
+    """The off_path word of each node of a token tree fed as consecutive rows (node i at the i-th slot; parents[i]
+    an earlier node, -1 for a root): bit k set where node i - k is not on node i's path from its root. A chain
+    (parents i - 1) gives zeros. (n,) int32, the kernel's type."""
+    n = len(parents)
+    if n > MAX_TREE_ROWS:
+        raise LuceError(f"megakernel: a token tree of {n} nodes; a verify's off_path words hold {MAX_TREE_ROWS}")
+    words = np.zeros(n, dtype=np.uint32)
+    paths: list[set[int]] = []
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise LuceError(f"megakernel: node {i}'s parent {p} is not an earlier node of the tree")
+        paths.append({i} | (paths[p] if p >= 0 else set()))
+        for k in range(1, i + 1):
+            if i - k not in paths[i]:
+                words[i] |= np.uint32(1 << k)
+    return words.view(np.int32)
 
 
 class MegakernelError(LuceError, RuntimeError):
@@ -83,6 +110,11 @@ class Kernel:
         self.mask_words = -(-int(spec["vocab"]) // 32)
         self.allowed = zeros((b, self.mask_words), np.int32) if self.can_mask else None
         self.masked = 0
+        # a token tree's verify rows (kernels built since 2026-12-06, issue 39): each row's word of other branches'
+        # keys, uploaded when it changes (zeros for decode steps and chains, so those upload nothing for it)
+        self.can_tree = "off_path" in spec["params"]
+        self.off_path = zeros(b, np.int32) if self.can_tree else None
+        self.off_path_sent = np.zeros(b, dtype=np.int32)
         self._args: list[tuple | None] = [None, None]  # launch's argument lists, by which side is the input
 
     def launch(self, pages, kv_layer_offset, profiling: bool = False) -> None:
@@ -96,7 +128,7 @@ class Kernel:
                      "amax_idx": self.amax_idx, "token_out": self.tok[o], "lengths_out": self.len[o],
                      "tasks": self.tasks, "queue_len": self.queue_len, "deps": self.deps, "counters": self.counters,
                      "status": self.status, "profile": self.profile, "profiling": 0, "epoch": 0,
-                     "allowed": self.allowed, "masked": 0}
+                     "allowed": self.allowed, "masked": 0, "off_path": self.off_path}
             assert set(named) == KERNEL_ARGS
             params = self.spec["params"]
             cached = self._args[c] = (pages, kv_layer_offset,
@@ -122,11 +154,20 @@ class Kernel:
         self.launch(pages, kv_layer_offset, profiling)
 
     def stage(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]],
-              allowed: np.ndarray | None = None) -> None:
+              allowed: np.ndarray | None = None, off_path: Sequence[int] | None = None) -> None:
         """Put one step's inputs on the device; rows past len(tokens) repeat the last real row. allowed: (n, words)
-        int32 token masks for the argmax (a set bit allows the token), or None."""
+        int32 token masks for the argmax (a set bit allows the token), or None. off_path: each row's word of a
+        token tree's other branches (off_path_words), or None: none (lengths are then positions too)."""
         n, b = len(tokens), self.batch
         rows = [*range(n), *([n - 1] * (b - n))]
+        words = np.zeros(b, dtype=np.int32) if off_path is None else np.asarray(off_path, dtype=np.int32)[rows]
+        if words.any() and not self.can_tree:
+            raise LuceError(f"megakernel_b{b}: this kernel verifies no token trees (built before issue 39); "
+                            "recompile the artifact to verify trees on the megakernel")
+        if self.can_tree and not np.array_equal(words, self.off_path_sent):
+            self.off_path.copyfrom(words)
+            self.off_path_sent[:] = words
+            self.uploads += 1
         self.masked = int(allowed is not None)
         if allowed is not None:
             if self.allowed is None:
@@ -227,20 +268,27 @@ class Megakernel:
         """Whether every kernel takes token masks (step's `allowed`)."""
         return all(k.can_mask for k in self.kernels.values())
 
+    @property
+    def can_tree(self) -> bool:
+        """Whether every kernel verifies token trees (step's `off_path`)."""
+        return all(k.can_tree for k in self.kernels.values())
+
     def kernel_for(self, n: int) -> int | None:
         """The batch size of the kernel that steps n sequences (None: more than the largest)."""
         return next((b for b in self.batches if b >= n), None)
 
     def step(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]],
-             kv_pages, kv_layer_offset, *, logits: bool = True, allowed: np.ndarray | None = None) -> np.ndarray:
+             kv_pages, kv_layer_offset, *, logits: bool = True, allowed: np.ndarray | None = None,
+             off_path: Sequence[int] | None = None) -> np.ndarray:
         """One decode step: token i at position lengths[i] of the sequence whose page ids are pages[i] (covering
         that position); keys and values go into the cache's pages. The logits (n, vocab) float32, or with
         logits=False only each row's greedy token (n,) int32: the one copy back is then 4 bytes a row. allowed:
         (n, ceil(vocab / 32)) int32 token masks (token t is bit t % 32 of word t // 32) for the greedy ids (the
-        logits stay the model's); a row that allows no token gets -1."""
+        logits stay the model's); a row that allows no token gets -1. off_path: a token tree's rows (lengths[i]
+        is then row i's slot; off_path_words), None for a decode step or a chain."""
         n = len(tokens)
         k = self.kernels[self.kernel_for(n)]
-        k.stage(tokens, lengths, pages, allowed)
+        k.stage(tokens, lengths, pages, allowed, off_path)
         k.launch(kv_pages, kv_layer_offset, self.profiling)
         self._last = k
         ids = k.finish()[:n]

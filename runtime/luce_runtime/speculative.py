@@ -17,10 +17,10 @@ with the accepted drafts in the history, so speculation changes speed, never wha
 Drafters: NgramDrafter (prompt lookup over prompt + output, as llama.cpp's lookup decoding: no model) and DraftModel
 (a second Engine on a smaller artifact with the same vocabulary; with branch > 0 at temperature 0, a token tree: its
 runner-up token as a sibling wherever its distribution is flat, verified in the same forward by Engine.verify_tree
-on the per-op kernels). The draft length adapts to the acceptance history, and drafting stops where the measured
-costs of verify rows and drafts say it does not pay (DraftLength). The steps themselves are the one generation
-loop's (luce_runtime/generation.py). Above temperature 0 drafts are chains (multi-draft rejection sampling for trees,
-SpecInfer's, is not built).
+on the megakernel's verify rows or the per-op kernels). The draft length adapts to the acceptance history, and
+drafting stops where the measured costs of verify rows and drafts say it does not pay (DraftLength). The steps
+themselves are the one generation loop's (luce_runtime/generation.py). Above temperature 0 drafts are chains
+(multi-draft rejection sampling for trees, SpecInfer's, is not built).
 """
 
 from __future__ import annotations

@@ -414,3 +414,22 @@ def test_a_long_maximum_context_changes_only_the_tables_and_the_chunk_arithmetic
     assert "int max_pages" in long and re.findall(r"page_table_ptr\[[^;]*max_pages", long)
     assert re.search(r"atomic_add\(\(&\(counters_ptr\[_ptr_\d+\[\d+\]\]\)\), _ptr_\d+\[0\]\)", long)
     assert divergent_collectives(long) == []
+
+
+def test_a_token_trees_rows_take_one_word_each_whatever_the_batch():
+    """Issue 39: a verify row of a token tree costs the kernel one int32 argument entry (off_path): its RoPE
+    position is its slot less the word's set bits (__popc), and the attention's key loop weighs 0 a key whose bit
+    is set, as a key past the chunk. Nothing grows with the tree's size or the batch: the kernels at batch 1 and 8
+    read the word in the same places and differ from each other as they did before (the tree's arithmetic is in the
+    simulator's test, tests/fuse/test_taskgraph.py)."""
+    graph, _ = open_graph(cached_synthetic(preset("tiny-qwen2")))
+    reads = {}
+    for batch in (1, 8):
+        source = cuda_source(emit_megakernel(build_program(graph, batch=batch, n_sms=8, max_context=64, kv_chunk=16,
+                                                           merge_in_last=True)))
+        assert "int* __restrict__ off_path_ptr" in source
+        assert re.search(r"lengths_ptr\[[^]]*\] - __popc\(off_path_ptr\[", source)  # RoPE's position
+        assert re.search(r"_ptr_\d+\[0\] = off_path_ptr\[_ptr_\d+\[\d+\]\];", source)  # the attention row's word
+        reads[batch] = len(re.findall(r"off_path_ptr\[", source))
+        assert divergent_collectives(source) == []
+    assert reads[1] == reads[8] <= 12, reads

@@ -23,10 +23,11 @@ PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
 MAX_CONTEXT, CHUNK = 40, 8  # several key chunks per sequence, and gemma3's window of 8 slides within the steps
 
 
-def setup(name: str, batch: int, n_sms: int = 6, kv_splits: int = 0, fold: bool = False, last: bool = False):
+def setup(name: str, batch: int, n_sms: int = 6, kv_splits: int = 0, fold: bool = False, last: bool = False,
+          chunk: int = CHUNK):
     path = cached_synthetic(preset(name))
     graph, _ = open_graph(path)
-    tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=MAX_CONTEXT, kv_chunk=CHUNK,
+    tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=MAX_CONTEXT, kv_chunk=chunk,
                           kv_splits=kv_splits, kv_min_keys=4, fold_merge_floats=10**6 if fold else 0,
                           merge_in_last=last)
     assert not fold or any(st.merged >= 0 for st in tg.stages)
@@ -164,6 +165,57 @@ def test_rows_of_one_sequence_verify_like_decoding_them_in_turn(name, kv_splits,
             assert np.max(np.abs(got[j] - got[real - 1])) <= 1e-12 * np.max(np.abs(got[real - 1]))
             assert ids[j] == ids[real - 1]
         assert sim.length[0] == start + real
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    """The nodes from the tree's root to `node`."""
+    out = [node]
+    while parents[out[-1]] >= 0:
+        out.append(parents[out[-1]])
+    return out[::-1]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])  # the megakernel's (no sliding window)
+@pytest.mark.parametrize(("kv_splits", "fold", "last", "chunk"),
+                         [(0, False, False, 4), (3, True, False, CHUNK), (3, False, True, CHUNK)],
+                         ids=["chunks-of-4", "3-splits-merged-by-o-proj", "3-splits-merged-by-last"])
+def test_rows_of_a_token_tree_verify_like_each_path_decoded_alone(name, kv_splits, fold, last, chunk, rng):
+    """Tree verify on the megakernel (Engine.verify_tree): a tree's nodes as the rows of one step, node i at the
+    i-th slot after the sequence (as TVM lays a tree out), with its off_path word (the runtime's encoding). Row i's
+    logits must be the oracle's after node i's root-to-node path run as a chain (Oracle.tree_forward), in any block
+    interleaving. Then the accepted path is moved to consecutive slots (TVM's commit) and the next tree verifies
+    from there. Chunks of 4 keys: the first tree's last node sees a whole chunk of its siblings' keys only (a partial
+    that must weigh nothing); the last tree has 5 nodes and a padding row repeating the 5th."""
+    from luce_runtime.megakernel import off_path_words
+
+    batch = 6
+    path, graph, tg, plan = setup(name, batch, kv_splits=kv_splits, fold=fold, last=last, chunk=chunk)
+    sim = TaskSimulator(tg, plan, Oracle(path), sequence_of_row=[0] * batch)
+    oracle = Oracle(path)
+    kv, _ = prefill_kv(oracle, graph, [int(t) for t in rng.integers(0, 49152, 7)])
+    sim.load_prefix(0, kv)
+    # (parents, the node whose path is accepted): node 5's slots 8..11 hold its siblings' branch (a chunk of 4);
+    # two branches from the root, the second one accepted (its slots are not the first ones); a padded tree
+    trees = [([-1, 0, 1, 2, 3, 0], 4), ([-1, 0, 0, 1, 2, 3], 4), ([-1, 0, 1, 0, 3], 4)]
+    for step, (parents, leaf) in enumerate(trees):
+        n = len(parents)
+        fed = [int(t) for t in rng.integers(0, 49152, n)]
+        start = sim.length[0]
+        rows = [*range(n), *[n - 1] * (batch - n)]
+        words = off_path_words(parents)
+        got, ids = sim.step([fed[i] for i in rows], positions=[start + i for i in rows],
+                            off_path=[int(words[i]) for i in rows], seed=step, adversarial=step % 2 == 1)
+        want = oracle.tree_forward(fed, parents)
+        for i in range(n):
+            err = np.max(np.abs(got[i] - want[i])) / np.max(np.abs(want[i]))
+            assert err < 1e-10, (step, i, err)
+            assert ids[i] == int(np.argmax(want[i]))
+        for j in range(n, batch):  # equal up to numpy's float64 rounding, as the chain verify's padding
+            assert np.max(np.abs(got[j] - got[n - 1])) <= 1e-12 * np.max(np.abs(got[n - 1]))
+        accepted = _path(parents, leaf)
+        sim.commit_path(0, [start + i for i in accepted])
+        oracle.forward([fed[i] for i in accepted])
+        assert sim.length[0] == oracle.n_past
 
 
 def test_a_verify_row_reading_keys_not_yet_appended_is_caught(rng):

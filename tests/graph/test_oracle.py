@@ -46,6 +46,28 @@ def test_chunked_forward_equals_prefill(synthetic):
 
 
 @pytest.mark.unit
+def test_tree_forward_gives_each_node_its_paths_logits_and_leaves_the_cache(synthetic):
+    """The tree verify reference: a chain is forward(); a branch's node gets the logits of its own path decoded
+    after the prefix (not of the sibling before it), and the sequence is as it was afterwards."""
+    oracle = Oracle(synthetic("tiny-qwen2"))
+    prompt, t = _tokens(6), [int(x) for x in _tokens(5, seed=2)]
+    oracle.prefill(prompt)
+    chain = oracle.tree_forward(t[:3], [-1, 0, 1])
+    assert oracle.n_past == 6
+    tree = oracle.tree_forward(t, [-1, 0, 0, 2, 1])
+    assert oracle.n_past == 6
+    plain = oracle.forward(t[:3])
+    np.testing.assert_allclose(chain, plain, rtol=0, atol=INCREMENTAL_ATOL)
+    np.testing.assert_allclose(tree[:2], plain[:2], rtol=0, atol=INCREMENTAL_ATOL)
+    oracle.prefill(prompt)
+    branch = oracle.forward([t[0], t[2], t[3]])  # nodes 0, 2, 3: the second branch's path
+    np.testing.assert_allclose(tree[[0, 2, 3]], branch, rtol=0, atol=INCREMENTAL_ATOL)
+    assert np.abs(tree[2] - plain[2]).max() > 1e-3  # node 2 is not the chain's third token
+    oracle.prefill(prompt)
+    np.testing.assert_allclose(tree[4], oracle.forward([t[0], t[1], t[4]])[-1], rtol=0, atol=INCREMENTAL_ATOL)
+
+
+@pytest.mark.unit
 def test_oracle_accepts_graph_path_or_file(synthetic):
     path = synthetic("tiny-qwen3")
     tokens = _tokens(4)

@@ -81,7 +81,7 @@ class _WritesKeysAndValues:
         self.engine, self.env, self.attention = engine, env, attention
         self.positions: list[int] = []
 
-    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True, allowed=None):
+    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True, allowed=None, off_path=None):
         ps = self.engine.page_size
         layers = self.engine._pages.layers
         for row, n in enumerate(lengths):
@@ -137,5 +137,100 @@ def test_megakernel_steps_inside_a_held_page_defer_tvms_reservation(tiny, engine
     finally:
         engine.remove_sequence(seq)
         engine._kv._begin = real_begin
+        for name, value in saved.items():
+            setattr(engine, name, value)
+
+
+class _WritesTreeNodes:
+    """A stand-in for a CUDA megakernel that verifies token trees, on a CPU engine: row i is node i of the step's
+    tree; it writes the oracle's keys and values of that node (its path decoded after the prompt) into the slot the
+    engine gave the row, as the kernel's KV append does, records its inputs, and returns the oracle's logits of the
+    node's path (or their argmax)."""
+
+    can_tree = True
+
+    def __init__(self, engine, kv: list[dict], logits: np.ndarray, attention: list):
+        self.engine, self.kv, self.rows, self.attention = engine, kv, logits, attention
+        self.seen: list[tuple[list[int], list[int]]] = []
+
+    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True, allowed=None, off_path=None):
+        ps = self.engine.page_size
+        layers = self.engine._pages.layers
+        self.seen.append((list(lengths), np.asarray(off_path).tolist()))
+        for row, n in enumerate(lengths):
+            page, slot = pages[row][n // ps], n % ps
+            for op in self.attention:
+                held = layers[op.attrs["layer"]].numpy()
+                for which, name in enumerate(op.inputs[1:3]):
+                    held[page, which, :, slot] = self.kv[row][name].reshape(held.shape[2], -1).astype(held.dtype)
+                layers[op.attrs["layer"]].copyfrom(held)
+        out = self.rows[:len(tokens)].astype(np.float32)
+        return out if logits else np.argmax(out, axis=-1).astype(np.int32)
+
+
+def tree_stand_in(engine, oracle, prompt: list[int], tokens: list[int], parents: list[int]) -> _WritesTreeNodes:
+    """_WritesTreeNodes for this tree after this prompt: each node's keys, values and logits from the oracle run
+    over the prompt and the node's path."""
+    from luce_compile.graph.ir import LOGITS, OpKind
+
+    attention = [op for op in oracle.graph.ops if op.kind == OpKind.ATTENTION]
+    kv, rows = [], []
+    for node in range(len(tokens)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        seq_tokens = prompt + [tokens[i] for i in reversed(path)]
+        oracle.reset()
+        env = oracle.run(np.array([seq_tokens]), np.arange(len(seq_tokens)).reshape(1, -1))
+        kv.append({name: env[name][0, -1] for op in attention for name in op.inputs[1:3]})
+        rows.append(env[LOGITS][0, -1])
+    return _WritesTreeNodes(engine, kv, np.stack(rows), attention)
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["logits", "ids"])
+def test_a_tree_verified_on_the_megakernel_lands_where_tvms_commit_reads_it(tiny, engine_of, oracle_of, rng, greedy):
+    """Engine.verify_tree through a megakernel that takes trees: TVM's cache reserves the tree (with its parents)
+    and the kernel gets node i at the i-th slot after the sequence with its off_path word; the keys and values
+    written there are what TVM's commit moves: after committing the second branch's path, a per-op decode step
+    gives the oracle's logits of prompt + that path + one token. A tree laid out otherwise by TVM, or handed to the
+    kernel in other slots, would not."""
+    from luce_runtime.megakernel import off_path_words
+
+    model = tiny("tiny-llama")
+    engine, oracle = engine_of(model), oracle_of(model)
+    saved = {name: getattr(engine, name, None) for name in ("_pages", "_mk_pages", "megakernel", "_mk_verify_rows")}
+    engine._pages, engine._mk_pages, engine._mk_verify_rows = _pages(engine), {}, 8
+    n_prompt = engine.page_size - 3  # the tree crosses a page boundary: TVM allocates the next page for it
+    prompt = rng.integers(0, engine.vocab_size, n_prompt).tolist()
+    tokens = rng.integers(0, engine.vocab_size, 6).tolist()
+    parents, leaf = [-1, 0, 1, 0, 3, 4], 5  # two branches from the root; the second (slots past the first) kept
+    engine.megakernel = tree_stand_in(engine, oracle, prompt, tokens, parents)
+    rows = list(engine.megakernel.rows)
+    assert engine.verifies_trees and engine._tree_on_megakernel(8) and not engine._tree_on_megakernel(9)
+    engine.megakernel.can_tree = False  # a megakernel built before issue 39: the generation loop drafts chains
+    assert not engine.verifies_trees
+    engine._mk_verify_rows = 0  # ... unless chains verify on the per-op kernels too (measured faster there)
+    assert engine.verifies_trees and not engine._tree_on_megakernel(2)
+    engine.megakernel.can_tree, engine._mk_verify_rows = True, 8
+    seq = engine.add_sequence()
+    try:
+        engine.prefill([seq], [prompt])
+        out = (engine.verify_tree_greedy if greedy else engine.verify_tree)(seq, tokens, parents)
+        want = np.argmax(rows, axis=-1) if greedy else np.stack(rows).astype(np.float32)
+        assert np.array_equal(np.asarray(out), want)
+        assert engine.megakernel.seen == [([n_prompt + i for i in range(6)], off_path_words(parents).tolist())]
+        assert engine.length(seq) == n_prompt + 6
+        engine.commit_tree(seq, leaf)
+        assert engine.length(seq) == n_prompt + 4  # nodes 0, 3, 4, 5
+        engine.megakernel = None  # the next step on the per-op kernels, reading what TVM committed
+        nxt = int(rng.integers(0, engine.vocab_size))
+        got = engine.decode([seq], [nxt])[0]
+        path = prompt + [tokens[i] for i in (0, 3, 4, 5)] + [nxt]
+        oracle.reset()
+        want = oracle.prefill(path)[-1]
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        assert err <= 1e-4, err
+    finally:
+        engine.remove_sequence(seq)
         for name, value in saved.items():
             setattr(engine, name, value)

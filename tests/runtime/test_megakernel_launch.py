@@ -15,11 +15,11 @@ pytestmark = pytest.mark.unit
 VOCAB, MAX_PAGES, QUEUES = 7, 3, 2
 
 
-def spec(batch: int, marker: bool = False, masks: bool = False) -> dict:
+def spec(batch: int, marker: bool = False, masks: bool = False, trees: bool = False) -> dict:
     return {"batch": batch, "n_queues": QUEUES, "arena_size": 16 + 17 * VOCAB, "lm_tiles": 1, "n_counters": 4,
             "profile_clocks": 6, "vocab": VOCAB, "logits_at": 16, "gave_up_marker": marker,
             "params": ["tokens", "lengths", "page_table", "pages", "arena", "token_out", "lengths_out", "status",
-                       "epoch", *(["allowed", "masked"] if masks else [])]}
+                       "epoch", *(["allowed", "masked"] if masks else []), *(["off_path"] if trees else [])]}
 
 
 class NumpyKernel:
@@ -29,15 +29,22 @@ class NumpyKernel:
     day) it takes token masks: logits fall from the hot token on (hot, hot + 1, ... mod VOCAB), and a masked step's
     id is the best allowed token, INT32_MAX where none is."""
 
-    def __init__(self, batch: int, marker: bool = False, masks: bool = False):
+    def __init__(self, batch: int, marker: bool = False, masks: bool = False, trees: bool = False):
         self.batch, self.seen, self.stall, self.marker, self.masks = batch, [], False, marker, masks
+        self.params = spec(batch, marker, masks, trees)["params"]  # the order the launcher passes them in
         self.seen_masks: list[np.ndarray | None] = []
+        self.seen_off_path: list[np.ndarray] = []
 
-    def __call__(self, tokens, lengths, page_table, pages, arena, token_out, lengths_out, status, epoch,
-                 allowed=None, masked=0):
+    def __call__(self, *args):
+        a = {"allowed": None, "masked": 0, "off_path": None, **dict(zip(self.params, args, strict=True))}
+        tokens, lengths, page_table, arena, token_out, lengths_out, status, epoch, allowed, masked, off_path = (
+            a[n] for n in ("tokens", "lengths", "page_table", "arena", "token_out", "lengths_out", "status", "epoch",
+                           "allowed", "masked", "off_path"))
         t, n, pt = tokens.numpy()[:self.batch], lengths.numpy(), page_table.numpy()
         self.seen.append((t.copy(), n.copy(), pt.copy()))
         self.seen_masks.append(allowed.numpy().copy() if masked else None)
+        if off_path is not None:
+            self.seen_off_path.append(off_path.numpy().copy())
         hot = (t + pt.sum(axis=1)) % VOCAB
         logits = np.zeros((self.batch, VOCAB), np.float32)
         logits[np.arange(self.batch), hot] = 1.0
@@ -58,13 +65,15 @@ class NumpyKernel:
         status.copyfrom(st)
 
 
-def megakernel(batches=(1, 4), marker: bool = False, masks: bool = False) -> tuple[Megakernel, dict[int, NumpyKernel]]:
+def megakernel(batches=(1, 4), marker: bool = False, masks: bool = False,
+               trees: bool = False) -> tuple[Megakernel, dict[int, NumpyKernel]]:
     mk = Megakernel.__new__(Megakernel)
     mk.batches, mk.profiling, mk._last = sorted(batches), False, None
-    fns = {b: NumpyKernel(b, marker, masks) for b in batches}
+    fns = {b: NumpyKernel(b, marker, masks, trees) for b in batches}
     tables = {f"b{b}_{f}": np.zeros((QUEUES, 2, 14) if f == "tasks" else (QUEUES,), np.int32)
               for b in batches for f in ("tasks", "queue_len", "deps")}
-    mk.kernels = {b: Kernel(fns[b], spec(b, marker, masks), tables, {}, tvm.cpu(0), MAX_PAGES) for b in batches}
+    mk.kernels = {b: Kernel(fns[b], spec(b, marker, masks, trees), tables, {}, tvm.cpu(0), MAX_PAGES)
+                  for b in batches}
     return mk, fns
 
 
@@ -189,3 +198,63 @@ def test_page_tables_are_as_wide_as_the_engines_context_and_long_contexts_are_se
     ask = {"kv_dtype": "float16", "page_size": 16, "sm_count": QUEUES}
     assert Megakernel.refusal(section, max_context=131072, **ask) is None
     assert "up to 4096 tokens" in Megakernel.refusal({**section, "max_context": 4096}, max_context=32768, **ask)
+
+
+def test_off_path_words_mark_each_nodes_keys_off_its_path_and_count_its_depth(rng):
+    """A token tree's rows (Engine.verify_tree on the megakernel): bit k of node i's word is set exactly where node
+    i - k is not an ancestor of node i, so the kernel's RoPE position (slot - popcount) is the node's depth; a
+    chain's words are all zero (the chain verify the kernel ran before trees)."""
+    from luce_runtime.megakernel import MAX_TREE_ROWS, off_path_words
+
+    assert off_path_words([-1, 0, 1, 2]).tolist() == [0, 0, 0, 0]
+    assert off_path_words([-1, 0, 0, 1, 2]).tolist() == [0, 0, 0b10, 0b10, 0b1010]
+    for n in (2, 7, MAX_TREE_ROWS):
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+        words = off_path_words(parents)
+        assert words.dtype == np.int32
+        for i, word in enumerate(words.view(np.uint32).tolist()):
+            path, node = set(), i
+            while node >= 0:
+                path.add(node)
+                node = parents[node]
+            assert {i - k for k in range(32) if word >> k & 1} == set(range(i + 1)) - path
+            assert i - bin(word).count("1") == len(path) - 1  # the node's depth
+    with pytest.raises(Exception, match="32"):
+        off_path_words([-1, *range(MAX_TREE_ROWS)])
+    with pytest.raises(Exception, match="not an earlier node"):
+        off_path_words([-1, 1])
+
+
+def test_a_tree_step_hands_each_row_its_off_path_word_and_uploads_it_only_when_it_changes():
+    """The rows of a token tree get their words (padding rows repeat the last real row's); a decode step or a chain
+    after it gets zeros, sent once; steady decode steps send nothing for it."""
+    from luce_runtime.megakernel import off_path_words
+
+    mk, fns = megakernel(marker=True, trees=True)
+    assert mk.can_tree
+    pages = tvm.runtime.tensor(np.zeros(4, np.float32), tvm.cpu(0))
+    k = mk.kernels[4]
+    words = off_path_words([-1, 0, 0])
+    mk.step([3, 5, 6], [10, 11, 12], [[1]] * 3, pages, None, logits=False, off_path=words)
+    assert fns[4].seen_off_path[-1].tolist() == [0, 0, 2, 2]
+    before = k.uploads
+    mk.step([3, 5, 6], [10, 11, 12], [[1]] * 3, pages, None, logits=False, off_path=words)
+    assert k.uploads - before == 2  # the same tree again: its tokens and lengths, not its words
+    before = k.uploads
+    mk.step([3, 5], [20, 21], [[1]] * 2, pages, None, logits=False)
+    assert fns[4].seen_off_path[-1].tolist() == [0, 0, 0, 0] and k.uploads - before == 3  # and the words
+    ids = mk.step([3, 5], [30, 31], [[1]] * 2, pages, None, logits=False).tolist()
+    before = k.uploads
+    mk.step(ids, [31, 32], [[1]] * 2, pages, None, logits=False)
+    assert k.uploads == before
+
+
+def test_trees_refused_by_a_kernel_built_without_them():
+    from luce_runtime.megakernel import off_path_words
+
+    mk, fns = megakernel(marker=True, masks=True)
+    assert not mk.can_tree
+    pages = tvm.runtime.tensor(np.zeros(4, np.float32), tvm.cpu(0))
+    mk.step([3, 5], [10, 11], [[1]] * 2, pages, None, logits=False, off_path=off_path_words([-1, 0]))  # a chain
+    with pytest.raises(Exception, match="verifies no token trees"):
+        mk.step([3, 5, 6], [10, 11, 12], [[1]] * 3, pages, None, logits=False, off_path=off_path_words([-1, 0, 0]))

@@ -2,7 +2,11 @@
 the warps' partials combined in shared memory; split chunks merged by the last to finish (merge_in_last), by a
 merge task, or by the O projection (Stage.merged, merged_value). Nothing here grows with the maximum context: the
 loop over a chunk's keys runs as many times as the chunk has keys this step, shared memory holds a warp's 32 scores
-a head, and a chunk that holds no keys this step is skipped before its wait (empty_chunk)."""
+a head, and a chunk that holds no keys this step is skipped before its wait (empty_chunk).
+
+A row sees its sequence's keys up to its own slot, less those its `off_path` word marks (a token tree's other
+branches, appended in the same step): a marked key weighs 0, as a key past the chunk does. A chunk may then hold
+no visible key (a short last chunk of siblings): its partial is (lowest float, 0, 0), which every merge weighs 0."""
 
 from __future__ import annotations
 
@@ -128,12 +132,18 @@ class AttentionMixin:
             part = (w >> tirx.const(bits * (c % per_word), "uint32")) & tirx.const((1 << bits) - 1, "uint32")
             return tirx.reinterpret(self.kv_dtype, part.astype(f"uint{bits}")).astype(F32)
 
+        off_path = self.local("int32")  # a tree's verify row: the keys before its own that are other branches'
+        self.store(off_path, 0, self.off_path[b])
+        valid_at = self.local("int32")
         with B.serial(0, waves) as wv:
             base = kv_lo + (wv * self.warps + self.warp) * 32
             with self.when(base < kv_hi):  # warp-uniform: every lane reaches the shuffles
                 j = base + self.lane
-                valid = j < kv_hi
                 jc = tirx.min(j, kv_hi - 1)  # past the chunk: a visible key's address, its weight 0
+                back = self.seq_len[b] - jc  # slots before the row's own (>= 0); bits past 31 are never set
+                on_path = (back >= 32) | (((off_path[0] >> tirx.min(back, 31)) & 1) == 0)
+                self.store(valid_at, 0, tirx.if_then_else((j < kv_hi) & on_path, i32(1), i32(0)))
+                valid = valid_at[0] != 0
                 self.store(page, 0, self.page_table[b, jc // ps])
                 slot = jc % ps
                 # the row's first word as a multiple of the vector (exact: rows start on multiples of d), which is

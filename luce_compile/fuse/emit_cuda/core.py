@@ -161,6 +161,12 @@ class EmitterCore:
         # INT32_MAX when it allows none at all (the runtime reports that row)
         self.allowed = B.arg("allowed", B.buffer((nb, -(-p.width(LOGITS) // 32)), "int32"))
         self.masked = B.arg("masked", tirx.Var("masked", "int32"))
+        # a token tree's verify rows (Engine.verify_tree): a row's `lengths` is its slot (TVM lays a tree's nodes out
+        # in consecutive slots), and bit k of its word here marks the key k slots before its own as another branch's:
+        # its attention skips that key, and its RoPE position counts it out (position = slot - popcount, the
+        # node's depth past the sequence). 0 for a decode step's rows and a chain's: the word is all a tree costs,
+        # whatever its depth (up to 32 nodes)
+        self.off_path = B.arg("off_path", B.buffer((nb,), "int32"))
         self.weights: dict[tuple[int, int], dict[str, tirx.Buffer] | tirx.Buffer] = {}
         for name, o, s in p.weight_args():
             op = p.opcodes[o]
@@ -378,6 +384,10 @@ class EmitterCore:
             idx = it * self.threads + self.tx
             with self.when(idx < total):
                 body(idx)
+
+    def rope_position(self, b) -> tirx.Expr:
+        """Row b's RoPE position: its slot less the other branches' keys before it (off_path), as an int32."""
+        return self.lengths[b] - ix.popcount(self.off_path[b])
 
     def kv_index(self, layer, page, which, head, slot, c) -> tirx.Expr:
         """Element (page, K|V, head, slot, feature) of a layer's pages in TVM's layout, from layer 0's start."""

@@ -92,7 +92,7 @@ class EpilogueMixin:
 
         def body(idx):
             i, r = idx // rows_max, idx % rows_max
-            pos = self.lengths[batch_row(i)].astype(F32)
+            pos = self.rope_position(batch_row(i)).astype(F32)
             with self.when(r < n):
                 c = (lo + r) % d  # the feature within its head (tiles start on a head)
                 x = load(e.inputs[0], i, r)

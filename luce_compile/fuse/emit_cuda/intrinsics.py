@@ -24,6 +24,7 @@ What each maps to (CUDA | AMDGPU, gfx11 / gfx12 instructions as llvm-objdump sho
   global_timer   %globaltimer (ns)         | llvm.readsteadycounter (s_sendmsg_rtn_b64 REALTIME, a 100 MHz
                                              constant clock on RDNA: ticks x 10 = ns)
   dot4           __dp4a                    | llvm.amdgcn.sudot4 signed x signed (v_dot4_i32_iu8: gfx11, gfx12)
+  popcount       __popc                    | llvm.ctpop.i32 (TVM 0.27 lowers tirx.popcount for neither)
   shfl_xor       __shfl_xor_sync           | TVM's tvm_warp_shuffle, which its ROCm rules lower to ds_bpermute
   warp_reduce    TVM's xor butterfly       | the same butterfly (16, 8, 4, 2, 1) over shfl_xor: the same sums
   warp_sync      __syncwarp                | a wavefront-scope fence (the wave runs in lockstep: only the
@@ -147,6 +148,13 @@ def dot4(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
         yes, no = tirx.const(True, "bool"), tirx.const(False, "bool")
         return tirx.call_llvm_pure_intrin("int32", "llvm.amdgcn.sudot4", yes, a, yes, b, c, no)
     return tirx.call_pure_extern("int32", "__dp4a", a, b, c)
+
+
+def popcount(x: tirx.Expr) -> tirx.Expr:
+    """The set bits of an int32."""
+    if is_rocm():
+        return tirx.call_llvm_pure_intrin("int32", "llvm.ctpop.i32", x)
+    return tirx.call_pure_extern("int32", "__popc", x)
 
 
 def shfl_xor(value: tirx.Expr, lane_mask: int, lane: tirx.Expr) -> tirx.Expr:
