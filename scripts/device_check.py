@@ -103,7 +103,8 @@ def prepare(args: argparse.Namespace) -> None:
     (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name, "target": args.target,
                                                "megakernel_q8": megakernel_q8,
                                                "megakernel_tf32": megakernel_tf32, "reference": args.reference,
-                                               "precision": precision, "build_seconds": round(build_s, 1)}))
+                                               "precision": precision, "build_seconds": round(build_s, 1),
+                                               "kv_cache": manifest["kernels"].get("kv_cache", "f32")}))
     if args.bundle:
         make_bundle(Path(args.bundle))
     print(json.dumps({"dir": str(out), "build_seconds": round(build_s, 1), "reference_rows": len(logits)}))

@@ -20,6 +20,7 @@ import json
 import re
 import statistics
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -393,7 +394,8 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
 def build_description(*runs: Path) -> str:
     """How the measured artifacts were built, from the checks' specs (device_check prepare records the precision;
     its tuning summary, where the run has one)."""
-    specs = [_load(f / "check.json") for run in runs for f in sorted(run.iterdir()) if (f / "check.json").is_file()]
+    specs = [_load(f / "check.json") or {"spec": _load(f / "spec.json") or {}} for run in runs
+             for f in sorted(run.iterdir()) if (f / "check.json").is_file() or (f / "spec.json").is_file()]
     precisions = sorted({(s or {}).get("spec", {}).get("precision", "f32") for s in specs})
     tuned = [s["tuning"] for s in specs if s and s.get("tuning")]
     words = {"f16": "float16 tensor-core GEMMs above 8 rows, float32 elsewhere", "f32": "float32 activations"}
@@ -405,15 +407,23 @@ def build_description(*runs: Path) -> str:
         text += "; the megakernels' quantized matvecs with llama.cpp's 8-bit activations (--megakernel-q8)"
     if any((s or {}).get("spec", {}).get("megakernel_tf32") for s in specs):
         text += "; the megakernels' F16/BF16 matvecs on tf32 tensor cores (--megakernel-tf32)"
+    kv = sorted({(s or {}).get("spec", {}).get("kv_cache") for s in specs} - {None})
+    if kv:
+        text += f"; KV cache {', '.join(kv)}"
     return text
 
 
 def _run_label(run: Path) -> str:
-    """The run's date (its first check's clock) and luce-compile commit, if it recorded one."""
+    """The run's date and luce-compile commit: run.sh's date.txt; before it wrote one, its first check's clock,
+    else the time its commit.txt was written there (the tarball keeps it)."""
     date = next((json.loads((d / "check.json").read_text())["environment"]["date"]
-                 for d in sorted(run.iterdir()) if (d / "check.json").is_file()), "?")
+                 for d in sorted(run.iterdir()) if (d / "check.json").is_file()), None)
+    if (run / "date.txt").is_file():
+        date = (run / "date.txt").read_text().strip()
+    elif date is None and (run / "commit.txt").is_file():
+        date = datetime.fromtimestamp((run / "commit.txt").stat().st_mtime, UTC).isoformat(timespec="seconds")
     commit = (run / "commit.txt").read_text().strip() if (run / "commit.txt").is_file() else ""
-    return f"{date} {commit}".strip()
+    return f"{date or '?'} {commit}".strip()
 
 
 def tuned_vs_untuned(runs: tuple[Path, ...], stem: Path, command: str) -> str:
@@ -453,7 +463,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", type=Path, nargs="+", help="the fetched $OUT of each device call of this run")
     p.add_argument("--out", type=Path, default=ROOT / "results")
-    p.add_argument("--name", help="file name stem under --out (default h200-<date of the first run>)")
+    p.add_argument("--name", help="file name stem under --out (default <gpu>-<date of the first run>, e.g. "
+                                  "h100-2026-12-06)")
     p.add_argument("--command", default="bash benchmarks/h200/run.sh  # device call, carry [\".gpucheck/h200\"]")
     p.add_argument("--tuned-vs-untuned", type=Path, metavar="STEM",
                    help="only write the tuned vs untuned record (runs of run.sh with UNTUNED=...) at STEM.md/.json")
@@ -478,7 +489,7 @@ def main() -> int:
             "luce_compile": luce_compile.__version__, "tvm": tvm.__version__, "command": args.command,
             "runs": runs, "build": build_description(*args.run)}
     doc = {"meta": meta, "results": results}
-    stem = args.out / (args.name or f"h200-{date[:10]}")
+    stem = args.out / (args.name or f"{gpu_label(meta).lower()}-{date[:10]}")
     table = markdown(doc)
     write_results(stem, doc, table)
     plot(doc, stem.with_suffix(".png"))

@@ -38,8 +38,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 H=${H:-.gpucheck/h200}; WORK=$PWD/.gpucheck/h200/work; RAW=$WORK/raw-$(date +%H%M%S); OUT=${OUT:-/tmp/h200-out}
 WORKLOADS=${WORKLOADS:-"smollm2-135m llama-1b-body llama-1b-body-bf16 qwen3-0.6b"}; REPEAT=${REPEAT:-3}
 mkdir -p "$WORK" "$RAW" "$OUT"
-# the luce-compile commit measured (the device's copy of the tree may carry no usable git metadata)
+# the luce-compile commit measured: pass LUCE_COMMIT=<the commit here> (the device's copy of the tree may carry stale
+# git metadata: a call at 50dad24 recorded the session's first commit)
 echo "${LUCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" > "$RAW/commit.txt"
+date -u +%FT%T+00:00 > "$RAW/date.txt"  # the record's date (report.py)
 # written aside, then renamed: the checks' background jobs stamp (and pack) while the foreground does
 pack() { tar czf "$OUT/.pack-$BASHPID" -C "$RAW" . && mv -f "$OUT/.pack-$BASHPID" "$OUT/h200-run.tgz"; }
 # every step's files are packed as it ends (a call that runs out of time keeps what finished: a Qwen3 run lost its
@@ -72,7 +74,7 @@ python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, 
 # correctness first, while llama.cpp still builds (nothing here is timed); CHECKS="a b" (default: the timed set)
 # checks other workloads, e.g. all four in the first of two calls while only two are timed, CHECKS="" none
 for w in ${CHECKS-$WORKLOADS}; do
-  mkdir -p "$RAW/$w"
+  mkdir -p "$RAW/$w" && cp $H/$w/spec.json "$RAW/$w/"  # how it was built, for the record
   python3 scripts/device_check.py run $H/$w --gguf "$WORK/$w.gguf" --no-timing ${SERVED:+--served} --out "$RAW/$w/check.json" \
     > "$RAW/$w/check.log" 2>&1
   stamp "$w check rc=$?"
@@ -82,7 +84,7 @@ pack
 stamp "llama.cpp built"
 # timings: one engine at a time, nothing else running
 for w in $WORKLOADS; do
-  G=$WORK/$w.gguf; O=$RAW/$w; mkdir -p "$O"  # (a workload not in CHECKS has no folder yet)
+  G=$WORK/$w.gguf; O=$RAW/$w; mkdir -p "$O" && cp $H/$w/spec.json "$O/"  # (a workload not in CHECKS has no folder yet)
   python3 -m luce_runtime.bench $H/$w/artifact --prompt-len 512 --gen-len 128 --batch 8 --repeat $REPEAT \
     --prefill-lens 2048 > "$O/ours.json" 2> "$O/ours.err"
   stamp "$w luce-compile rc=$?"

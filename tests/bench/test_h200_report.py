@@ -189,3 +189,19 @@ def test_build_description_names_the_8_bit_megakernel(report, tmp_path):
                                                         "megakernel_tf32": True}}))
     assert "--megakernel-q8" in report.build_description(tmp_path / "tf32")
     assert "--megakernel-tf32" in report.build_description(tmp_path / "tf32")
+
+
+@pytest.mark.unit
+def test_a_run_is_dated_by_date_txt_else_its_commit_file(report, tmp_path):
+    """A record's date: run.sh's date.txt; a run from before it (and without a check.json, which dates the run too)
+    takes the time its commit.txt was written on the GPU machine (kept by the tarball), never "?"."""
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "commit.txt").write_text("abc1234\n")
+    os.utime(run / "commit.txt", (1_796_598_000, 1_796_598_000))
+    assert report._run_label(run) == "2026-12-06T23:00:00+00:00 abc1234"
+    (run / "date.txt").write_text("2026-12-06T22:43:10+00:00\n")
+    assert report._run_label(run) == "2026-12-06T22:43:10+00:00 abc1234"
+    assert report.gpu_label({"gpu": "NVIDIA H100 80GB HBM3, 580.159.04"}) == "H100"
