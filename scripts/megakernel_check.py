@@ -92,6 +92,9 @@ def prepare(args: argparse.Namespace) -> int:
             gguf = cached_synthetic(name)
             if not (out / "tokenizer.json").is_file():  # no shared one: the workload's own
                 shutil.copyfile(ROOT / args.data_from / name / "artifact" / "tokenizer.json", folder / "tokenizer.json")
+            # the spec travels with the variant: a call that carries only the variant (and a bundle) regenerates the
+            # GGUF from it (one carried without its source folder found no spec.json, 2026-12-06)
+            shutil.copyfile(ROOT / args.data_from / name / "spec.json", folder / "spec.json")
             rounded = roundings(dataclasses.asdict(options(args.ctx, batches, variant)))
             src = ROOT / args.data_from / name  # a megakernel_check build, or device_check prepare's workload
             source = json.loads((src / "build.json").read_text()).get("options", {}) if (src / "build.json").is_file() \
