@@ -92,7 +92,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     to tf32 (MegakernelOptions.float_mma; CUDA only). Both default (None) to on where the precision resolves to f16
     (CUDA's auto: the fast build, as llama.cpp's CUDA backend rounds by default) and off with f32, the exact build the
     oracle checks; the manifest's megakernel options record the choice. `kv_cache`: the KV cache's type (--kv-cache,
-    lower/kv_cache.py: auto is f16 on GPU targets and f32 on the CPU), recorded as the manifest's kernels.kv_cache
+    lower/kv_cache.py: auto is f16 on a GPU's fast build (precision f16) and f32 otherwise), recorded as the manifest's kernels.kv_cache
     and the runtime contract's kv_dtype.
     """
     say = progress or (lambda _msg: None)
@@ -107,7 +107,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     say("hashing the model")
     gguf_sha = file_sha256(gguf_path)
     precision = resolve_precision(precision, info.tvm_target())  # refuses int8 where it cannot run, before work
-    kv_cache = resolve_kv_cache(kv_cache, info.kind in GPU_KINDS)
+    kv_cache = resolve_kv_cache(kv_cache, info.kind in GPU_KINDS and precision == "f16")
     kv_cache_dtype(kv_cache)  # refuses a KV cache type that is not built, before work
     fast = precision == "f16"  # the GPU's default build: the megakernels round as llama.cpp's CUDA kernels do
     megakernel_q8 = fast if megakernel_q8 is None else megakernel_q8

@@ -1,6 +1,7 @@
 """The KV cache's element type (`compile --kv-cache`), as the lowering gives it to TVM's PagedKVCache.
 
-"auto" (the default) is f16 on GPU targets, as llama.cpp's default -ctk/-ctv, and f32 on the CPU, whose attention
+"auto" (the default) is f16 in a GPU's fast build (precision f16, its default), as llama.cpp's default -ctk/-ctv;
+f32 in the exact build (--precision f32: its checks hold to 1e-3 of the oracle) and on the CPU, whose attention
 kernels widen every float16 load (not measured faster there: benchmarks/README.md, long context on the CPU). "f32"
 is the cache in the activations' float32. "f16" halves a token's bytes: queries, keys and values are rounded to
 float16 on their way into the cache's attention, its output widened back to float32 (relax_model._attention); on the
@@ -21,9 +22,10 @@ KV_CACHE_TYPES = ("auto", *KV_CACHE_DTYPES, *KV_CACHE_BLOCK_TYPES)
 GPU_KV_CACHE = "f16"  # auto's choice on GPU targets: at depth the attention reads the cache, half of f32's bytes
 
 
-def resolve_kv_cache(kv_cache: str, gpu: bool) -> str:
-    """--kv-cache as built: "auto" is f16 on a GPU target and f32 on the CPU; any other type as given."""
-    return (GPU_KV_CACHE if gpu else "f32") if kv_cache == "auto" else kv_cache
+def resolve_kv_cache(kv_cache: str, fast_gpu: bool) -> str:
+    """--kv-cache as built: "auto" is f16 in a GPU's fast build (precision f16) and f32 elsewhere (the CPU, and the
+    exact build, --precision f32, whose checks hold to 1e-3 of the float64 oracle); any other type as given."""
+    return (GPU_KV_CACHE if fast_gpu else "f32") if kv_cache == "auto" else kv_cache
 
 
 def kv_cache_dtype(kv_cache: str) -> str:

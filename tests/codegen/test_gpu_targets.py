@@ -56,8 +56,11 @@ def test_tiny_model_builds_real_binaries(name, built):
     info = get_target(name)
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["target"]["kind"] == info.kind
-    # compile's --kv-cache auto: float16 pages on a GPU, as llama.cpp's default cache
-    assert manifest["kernels"]["kv_cache"] == "f16" and manifest["runtime"]["kv_dtype"] == "float16"
+    # compile's --kv-cache auto: float16 pages in the fast build (CUDA's), as llama.cpp's default cache; float32 in
+    # an exact one (ROCm's precision resolves to f32)
+    fast = manifest["kernels"]["precision"] == "f16"
+    assert manifest["kernels"]["kv_cache"] == ("f16" if fast else "f32") and fast == (info.kind == "cuda")
+    assert manifest["runtime"]["kv_dtype"] == ("float16" if fast else "float32")
     report = check_library(artifact / "model.so", info)  # re-extracted and re-read with the vendor tools
     (binary,) = report.binaries
     want_archs = sorted(info.archs or (info.name,))
@@ -205,7 +208,7 @@ def test_cuda_artifacts_carry_the_decode_megakernels(name, built, tiny_gguf):
     manifest = json.loads((artifact / "manifest.json").read_text())
     mk = manifest["megakernel"]
     assert mk["batches"] == [1, 2, 4, 8] and {mk["module"], mk["tables"]} <= set(manifest["files"])
-    assert mk["kv_dtype"] == "float16"  # the megakernels read the engine's float16 pages
+    assert mk["kv_dtype"] == manifest["runtime"]["kv_dtype"]  # the megakernels read the engine's pages
     if info.kind == "cuda":
         # the default build is the fast one: 8-bit and tf32 matvecs, recorded in the manifest (f32: the exact build)
         assert manifest["kernels"]["precision"] == "f16" and mk["options"]["q8_activations"]
