@@ -61,7 +61,7 @@ def tiny_configs(tmp_path_factory) -> dict[str, ModelConfig]:
 def test_synthetic_config_matches_spec(tiny_configs, name):
     spec, c = PRESETS[name], tiny_configs[name]
     assert (c.arch, c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_ff, c.n_vocab, c.n_ctx_train) == \
-        (spec.arch, spec.n_layer, spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_size, spec.n_ff, 49152,
+        (spec.arch, spec.n_layer, spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_size, spec.n_ff, spec.n_vocab,
          spec.n_ctx)
     assert c.rope_base == spec.rope_base and c.rms_eps == pytest.approx(spec.rms_eps)
     assert c.rope_layout == ("norm" if spec.arch == "llama" else "neox")
