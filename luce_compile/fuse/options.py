@@ -50,6 +50,13 @@ class MegakernelOptions:
     # at b=1, 8,379 -> 7,595 at b=8)
     rope_pairs: bool = True
     kv_dtype: str = "float16"
+    # attention reads each key's row across a warp's lanes (fuse/emit_cuda/attention_rows.py): 8-byte words for
+    # float16 heads of 128, every K and V load of a warp's 8 keys in flight before any is used, the GQA group's
+    # heads from one load, q·k reduce-scattered over the lanes. Off: a lane per key for q·k and a 2-byte load a key
+    # and dimension for p·v, the body that read the 8B's f16 pages at ~5 GB/s an SM at depth 32K on the H100
+    # (10.2 ms a step against 3.9 at depth 512: benchmarks/README.md). Not measured yet: off by default
+    attn_rows: bool = False
+    attn_rows_slots: int = 0  # with attn_rows: key rows a lane loads a step (K and V each); 0: the emitter's rule
     # bytes of each weight plane's tile (and of each attention chunk's keys/values) asked into L2 before a task's
     # wait, so the fetch overlaps the wait instead of following it; 0 turns it off
     prefetch_bytes: int = 64 * 1024

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from luce_compile.fuse.taskgraph import Task, TaskGraph
+from luce_compile.fuse.taskgraph import Task, TaskGraph, TaskKind
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,23 @@ class Plan:
 
 
 def plan_queues(tg: TaskGraph, cost: CostModel) -> Plan:
-    """Place tasks in id order on the SM where each can start first (earliest finish on ties)."""
+    """Place tasks in id order on the SM where each can start first (earliest finish on ties), but for the
+    attention chunks that hold no keys at the cost model's context (KV_PLAN_CONTEXT): those take the SMs in turn.
+    Placed by cost they cost only the task overhead, so the few SMs idle at that point took dozens each (the 8B's
+    b=8 kernel built for 32K: 34 chunks of 2,048 keys on 4 SMs, 6-7 on the others): at a longer context, where they
+    hold keys, the attention stage lasted 34 chunks instead of 8. In turn, and in id order (split-major), any
+    prefix of the splits is spread evenly, whatever the context a step has."""
     free = [0.0] * cost.n_sms  # when each SM is next idle
     finish: list[float] = []
     chain: list[float] = []  # longest dependency chain ending at each task
     queues: list[list[int]] = [[] for _ in range(cost.n_sms)]
+    in_turn = 0  # the chunks placed in turn so far
     for task in tg.tasks:
         ready = max((finish[d] for d in task.deps), default=0.0)
-        sm = min(range(cost.n_sms), key=lambda s: (max(free[s], ready), free[s]))
+        if task.kind == TaskKind.ATTN_PARTIAL and task.weight_bytes == 0:
+            sm, in_turn = in_turn % cost.n_sms, in_turn + 1
+        else:
+            sm = min(range(cost.n_sms), key=lambda s: (max(free[s], ready), free[s]))
         took = cost.seconds(task)
         finish.append(max(free[sm], ready) + took)
         free[sm] = finish[-1]

@@ -385,3 +385,23 @@ def test_an_8b_shaped_model_keeps_its_chunks_within_the_cap_at_32k():
         assert {t.weight_bytes for t in attention} == {t.weight_bytes for t in four_k.tasks
                                                        if t.kind == TaskKind.ATTN_PARTIAL} | {0}
     assert sizes == {1: (16, 4, KV_MAX_KEYS, KV_MAX_KEYS), 8: (2, 8, KV_MAX_KEYS, 4 * KV_MAX_KEYS)}
+
+
+def test_a_long_contexts_chunks_spread_evenly_over_the_sms():
+    """The 8B's attention built for 131,072 tokens, planned at the cost model's short context: at every context a
+    step may have, the chunks that hold keys (the first `active` of each (sequence, KV head)) lie on the SMs as
+    evenly as their count allows. Placed by cost, the chunks empty at the planning context cost only the task
+    overhead and piled onto the few SMs idle there: 34 of 2,048 keys each on 4 SMs at b=8 and 32K (7 at b=1 and
+    128K), so that stage lasted 34 chunks, not 8."""
+    spec = dataclasses.replace(preset("tiny-llama"), n_head=32, n_head_kv=8, n_embd=256, n_layer=1)
+    graph, _ = open_graph(cached_synthetic(spec))
+    for batch in (1, 8):
+        tg = build_task_graph(graph, batch=batch, n_sms=132, max_context=131072, kv_splits=-1, merge_in_last=True)
+        plan = plan_queues(tg, CostModel(n_sms=132))
+        plan.check(tg)
+        sm_of = {t: sm for sm, queue in enumerate(plan.queues) for t in queue}
+        for context in (512, 4096, 32768, 131072):
+            active = tg.active_chunks(context)
+            on = [sm_of[t.id] for t in tg.tasks if t.kind == TaskKind.ATTN_PARTIAL and t.split < active]
+            most = max(on.count(sm) for sm in set(on))
+            assert most == -(-len(on) // 132), (batch, context, most, len(on))

@@ -21,7 +21,9 @@ Task bodies:
   attn_partial  one (sequence, KV head, key chunk): lanes own keys for the scores (online softmax per warp), own
                 dimensions for p·v; the warps' partials merge in shared memory; one chunk writes the output,
                 several write (o, max, sum) partials that the last of them to finish combines (merge_in_last: an
-                arrival counter), or else a merge task (split = -1)
+                arrival counter), or else a merge task (split = -1). With attn_rows: each key's row across a
+                warp's lanes instead (8-byte words, every K and V load of a step in flight first, q·k
+                reduce-scattered over the lanes)
   embed         rows of the embedding table, dequantized, times the scale
   argmax        per sequence, the best of the LM-head tiles (lowest index on ties, as numpy's argmax); with
                 `masked` set, only over the tokens whose bit is set in the step's `allowed` words (a grammar's
@@ -38,6 +40,7 @@ their state on self (the program, the options, the kernel's arguments and shared
   q8_mma        8-bit activations on integer tensor cores
   float_mma     F16/BF16 weights on tf32 tensor cores
   attention     attention partials and their merges
+  attention_rows  the attention partial with key rows across lanes (attn_rows)
   epilogue      element-wise ops, per-head norms, RoPE on a tile in shared memory
 The options are luce_compile/fuse/options.py's MegakernelOptions.
 """

@@ -17,10 +17,11 @@ from tvm.tirx.script.builder import ir as B
 from luce_compile.errors import UnsupportedError
 from luce_compile.fuse import program as P
 from luce_compile.fuse.emit_cuda import intrinsics as ix
+from luce_compile.fuse.emit_cuda.attention_rows import AttentionRowsMixin, rows_layout
 from luce_compile.fuse.emit_cuda.core import F32, f32, i32
 
 
-class AttentionMixin:
+class AttentionMixin(AttentionRowsMixin):
     def attention(self, op: P.Opcode, st) -> None:
         att = st.attention
         a = att.attrs
@@ -38,9 +39,15 @@ class AttentionMixin:
             raise UnsupportedError("fuse: attention's partials for this head group do not fit shared memory")
         b, g, split = self.col(P.ROW), self.col(P.LO), self.col(P.SPLIT)
         partials = self.p.partials.get(op.stage)
+        rows = rows_layout(d, group, DataType(self.kv_dtype).bits, self.attn_rows_slots) if self.attn_rows else None
+        if rows is not None and self._rows_shared(rows, d)[2] > self.shared_floats:
+            raise UnsupportedError("fuse: attention's partials for this head group do not fit shared memory")
         with self.when(split >= 0):
-            self._attn_partial(op, att, q_name, b, g, split, group, d, per_lane, window, n_splits,
-                               q_at, p_at, o_at, ml_at, partials)
+            if rows is not None:
+                self._attn_rows(op, att, q_name, b, g, split, d, window, rows, partials)
+            else:
+                self._attn_partial(op, att, q_name, b, g, split, group, d, per_lane, window,
+                                   q_at, p_at, o_at, ml_at, partials)
             if st.merged_by_last:
                 self._merge_if_last(op, att, b, g, group, d, n_splits, partials)
         if partials is not None and not st.merged_by_last:
@@ -91,8 +98,10 @@ class AttentionMixin:
         split = self.col(P.SPLIT)
         return (split >= 0) & (split >= self._active(st, self.col(P.ROW)))
 
-    def _attn_partial(self, op, att, q_name, b, g, split, group, d, per_lane, window, n_splits,
+    def _attn_partial(self, op, att, q_name, b, g, split, group, d, per_lane, window,
                       q_at, p_at, o_at, ml_at, partials) -> None:
+        """The lane-per-key body (attn_rows off): a lane's key row for q·k (16-byte words), a lane's dimensions for
+        p·v (a 2-byte load a key and dimension), 32 keys a warp a step."""
         a = att.attrs
         ps, layer = self.p.page_size, self.col(P.KV_LAYER)
         kv_lo, kv_hi = self._chunk(self.p.tg.stages[op.stage], window, b, split)
@@ -214,7 +223,13 @@ class AttentionMixin:
                                o[hh * per_lane + c])
         self.sync()
         self.phase(5)  # every warp's partials in shared memory: the rest is the combine and its writes
+        self._combine(op, att, b, g, split, group, d, o_at, ml_at, partials)
+
+    def _combine(self, op, att, b, g, split, group, d, o_at, ml_at, partials) -> None:
+        """The warps' (max, sum, o) partials in shared memory (o_at: (warps, group, d), ml_at: (warps, group, 2))
+        combined into the task's output, or into its split's partials."""
         out = att.outputs[0]
+        n_splits = self.p.tg.stages[op.stage].n_splits
 
         def combine(idx) -> None:
             hh, c = idx // d, idx % d
