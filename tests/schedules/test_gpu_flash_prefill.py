@@ -142,3 +142,29 @@ def test_scores_and_probabilities_stay_in_registers():
     assert {int(n) for _, n in arrays} >= {32, 64}  # Q fragments 32 words, S 32 floats, O 64 floats
     for name, _ in arrays:
         assert not re.search(rf"\b{name}\[[^\]]*[a-z_(][^\]]*\]", body), name  # no variable index
+
+
+@pytest.mark.unit
+def test_the_choice_and_the_swap_of_both_prefill_kernels():
+    from tvm.relax.frontend.nn.llm import kv_cache
+
+    from luce_compile.lower.relax_model import prefill_attention_kernels, tensor_core_prefill_attention
+
+    assert prefill_attention_kernels(CUDA, "f16", "flash", 128, 128, "float16") == \
+        {"ragged": "flash 8x64", "paged": "flash 8x64"}
+    assert prefill_attention_kernels(CUDA, "f16", "wmma", 128, 128, "float16") == \
+        {"ragged": "wmma 4x32", "paged": "tvm"}
+    assert prefill_attention_kernels(CUDA, "f16", "flash", 256, 256, "float16")["ragged"] == "wmma 2x32"
+    assert prefill_attention_kernels(CUDA, "f32", "flash", 128, 128, "float16") == {"ragged": "tvm", "paged": "tvm"}
+    originals = kv_cache._attention_prefill_ragged, kv_cache._attention_prefill
+    with tensor_core_prefill_attention(CUDA, "f16", "flash"):
+        assert "T.ptx.cp(" in kv_cache._attention_prefill_ragged(8, 32, 128, 128, "float16", {}, CUDA).script()
+        assert "T.ptx.cp(" in kv_cache._attention_prefill(8, 32, 128, "float16", False, {}, CUDA).script()
+        # sliding-window layers and float32 caches keep what they had
+        assert "T.ptx.cp(" not in kv_cache._attention_prefill(8, 32, 128, "float16", True, {}, CUDA,
+                                                             sliding_window_size=512).script()
+        assert "wmma" in kv_cache._attention_prefill_ragged(8, 32, 128, 128, "float32", {}, CUDA).script()
+    with tensor_core_prefill_attention(CUDA, "f16", "wmma"):
+        assert "wmma" in kv_cache._attention_prefill_ragged(8, 32, 128, 128, "float16", {}, CUDA).script()
+        assert "T.ptx.cp(" not in kv_cache._attention_prefill(8, 32, 128, "float16", False, {}, CUDA).script()
+    assert (kv_cache._attention_prefill_ragged, kv_cache._attention_prefill) == originals
