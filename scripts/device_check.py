@@ -12,7 +12,7 @@ that travels is capped at 64 MiB (a SmolLM2-135M-shape artifact's weights are ~1
       lacks (apache-tvm-ffi for its Python 3.12, gguf).
   gemm (there):    python scripts/device_check.py gemm BUNDLE: a tuning bundle's GEMMs alone against numpy.
   attention-build (here) / attention (there): the prefill attention kernels alone (flash_prefill.py ragged and
-      paged, attention_prefill.py, optionally TVM.s) against float64 on ragged batches and a 32K prompt, then timed.
+      paged, attention_prefill.py, optionally TVM's) against float64 on ragged batches and a 32K prompt, then timed.
   run (there):     python scripts/device_check.py run .device/smollm2 --gguf /tmp/smollm2.gguf --out $OUT/x.json
       rebuilds weights.bin from the synthetic GGUF (generated there when --gguf does not exist, by the project's
       generator with the tokenizer keys from the artifact: it would otherwise fetch SmolLM2 for them; the sha256
