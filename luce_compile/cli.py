@@ -260,7 +260,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     compile_model(gguf, args.target, out, use_cache=not args.no_cache, overwrite=args.force, progress=progress,
                   precision=args.precision, tune_logs=args.tune_logs, use_tune_logs=not args.no_tune_logs,
                   megakernel=not args.no_megakernel, megakernel_q8=args.megakernel_q8,
-                  megakernel_tf32=args.megakernel_tf32, kv_cache=args.kv_cache)
+                  megakernel_tf32=args.megakernel_tf32, kv_cache=args.kv_cache,
+                  prefill_attention=args.prefill_attention)
     print(out)
     return 0
 
@@ -477,6 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "tensor cores with float16 operands (CUDA sm_70+); f32 = the exact float32 kernels, for "
                         "checks against the oracle; auto = int8 on such CPUs, f16 on CUDA, else f32 (default)")
     add_kv_cache_arg(s)
+    s.add_argument("--prefill-attention", choices=("wmma", "flash"), default="wmma",  # LowerOptions.prefill_attention
+                   help="CUDA with --precision f16: the prompt's attention kernels. wmma (default) = the WMMA kernel "
+                        "for a prompt's first chunk; flash = mma.sync flash attention for the first chunk and every "
+                        "later one (head dims up to 128, f16 KV cache; not yet checked on a GPU)")
     s.add_argument("--force", action="store_true",
                    help="replace an existing artifact at -o (anything else there is always refused)")
     s.add_argument("--no-megakernel", action="store_true",

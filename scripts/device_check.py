@@ -11,6 +11,8 @@ that travels is capped at 64 MiB (a SmolLM2-135M-shape artifact's weights are ~1
       the runtime bundle: the TVM runtime files (no libtvm_compiler.so) as a .tgz and the wheels the GPU machine
       lacks (apache-tvm-ffi for its Python 3.12, gguf).
   gemm (there):    python scripts/device_check.py gemm BUNDLE: a tuning bundle's GEMMs alone against numpy.
+  attention-build (here) / attention (there): the prefill attention kernels alone (flash_prefill.py ragged and
+      paged, attention_prefill.py, optionally TVM's) against float64 on ragged batches and a 32K prompt, then timed.
   run (there):     python scripts/device_check.py run .device/smollm2 --gguf /tmp/smollm2.gguf --out $OUT/x.json
       rebuilds weights.bin from the synthetic GGUF (generated there when --gguf does not exist, by the project's
       generator with the tokenizer keys from the artifact: it would otherwise fetch SmolLM2 for them; the sha256
@@ -744,22 +746,52 @@ def check_gemms(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- prefill attention (schedules/gpu/attention_prefill.py) --------------------------------------------------------
-# (h_kv, h_q, head dim): SmolLM2, Llama-1B, Qwen3-0.6B, Gemma-3-1B, plain multi-head, and head dims whose P·V takes
-# narrower passes (96: Phi-3's; 80)
-ATTENTION_SHAPES = ((3, 9, 64), (8, 32, 64), (8, 16, 128), (1, 4, 256), (4, 4, 64), (8, 32, 96), (2, 8, 80))
+# ---- prefill attention (schedules/gpu/flash_prefill.py, attention_prefill.py) ---------------------------------------
+# (h_kv, h_q, head dim): SmolLM2, Llama-1B, Qwen3-0.6B, Llama-3.1-8B, Gemma-3-1B, plain multi-head, and head dims
+# whose WMMA P·V takes narrower passes (96: Phi-3's; 80)
+ATTENTION_SHAPES = ((3, 9, 64), (8, 32, 64), (8, 16, 128), (8, 32, 128), (1, 4, 256), (4, 4, 64), (8, 32, 96),
+                    (2, 8, 80))
+ATTN_OUT_TOL, ATTN_LSE_TOL = 2e-3, 1e-3  # tests/schedules/test_gpu_flash_prefill.py says why (lse: GPU exp2/log2)
+PAGE = 16
+
+
+def _attention_kernels(h_kv, h_q, d, dtype, info, target, with_tvm: bool) -> dict:
+    """name → (PrimFunc, paged, tile) of every kernel built for one shape: the flash kernels (ragged and paged,
+    float16 caches), the WMMA one, TVM's (float32 as before, or with_tvm)."""
+    from luce_schedules.gpu import attention_prefill, flash_prefill
+    from tvm.relax.frontend.nn.llm import _prefill_kernels
+
+    from luce_compile.lower.relax_model import prefill_attention_tiles
+
+    kernels = {}
+    if flash_prefill.supports(d, d, dtype):
+        tile = flash_prefill.default_tile(d, d)
+        kernels["flash"] = (flash_prefill.ragged_prefill(h_kv, h_q, d, d, dtype), False, [tile.warps, tile.keys])
+        kernels["flash_paged"] = (flash_prefill.paged_prefill(h_kv, h_q, d, dtype, page_size=PAGE), True,
+                                  [tile.warps, tile.keys])
+    if attention_prefill.supports(d, d, dtype):
+        tile = attention_prefill.default_tile(d, d)
+        kernels["tensor_core"] = (attention_prefill.ragged_prefill(h_kv, h_q, d, d, dtype, tile=tile,
+                                                                   sm_count=int(info.facts["sm_count"])), False,
+                                  [tile.warps, tile.keys])
+    if dtype == "float32" or with_tvm:
+        with prefill_attention_tiles(target, d, dtype):
+            kernels["tvm_tiled"] = (_prefill_kernels._attention_prefill_ragged(h_kv, h_q, d, d, dtype, {}, target),
+                                    False, None)
+        kernels["tvm_default"] = (_prefill_kernels._attention_prefill_ragged(h_kv, h_q, d, d, dtype, {}, target),
+                                  False, None)
+        kernels["tvm_paged"] = (_prefill_kernels._attention_prefill(h_kv, h_q, d, dtype, False, {}, target), True,
+                                None)
+    return kernels
 
 
 def build_attention(args: argparse.Namespace) -> int:
-    """Build machine: the tensor-core ragged prefill kernel and TVM's (with the tiles create_kv_cache gives it) for
-    every shape of ATTENTION_SHAPES, each a library of its own, and index.json."""
+    """Build machine: the prefill attention kernels (_attention_kernels) for every shape of ATTENTION_SHAPES in the
+    cache's type (--dtype), each a library of its own, and index.json."""
     import tvm
-    from luce_schedules.gpu.attention_prefill import PrefillTile, default_tile, ragged_prefill
-    from tvm.relax.frontend.nn.llm import _prefill_kernels
 
     from luce_compile.codegen.device_binaries import export_checked
     from luce_compile.codegen.gpu_toolchain import gpu_toolchain
-    from luce_compile.lower.relax_model import prefill_attention_tiles
     from luce_compile.targets import get_target
 
     info = get_target(args.target)
@@ -769,109 +801,145 @@ def build_attention(args: argparse.Namespace) -> int:
     entries = []
     shapes = [tuple(int(x) for x in a.split(",")) for a in args.shapes] if args.shapes else ATTENTION_SHAPES
     for h_kv, h_q, d in shapes:
-        tile = default_tile(d, d)
-        kernels = {"tensor_core": ragged_prefill(h_kv, h_q, d, d, "float32", tile=tile,
-                                                  sm_count=int(info.facts["sm_count"]))}
-        with prefill_attention_tiles(target, d, "float32"):
-            kernels["tvm_tiled"] = _prefill_kernels._attention_prefill_ragged(h_kv, h_q, d, d, "float32", {}, target)
-        kernels["tvm_default"] = _prefill_kernels._attention_prefill_ragged(h_kv, h_q, d, d, "float32", {}, target)
-        for variant in args.variants if d == 64 else ():  # "warps,keys,blocks_per_sm"
-            warps, keys, per_sm = (int(x) for x in variant.split(","))
-            kernels[f"tensor_core_{warps}x{keys}x{per_sm}"] = ragged_prefill(
-                h_kv, h_q, d, d, "float32", tile=PrefillTile(warps, keys, per_sm), sm_count=int(info.facts["sm_count"]))
-        for name, func in kernels.items():
+        for name, (func, paged, tile) in _attention_kernels(h_kv, h_q, d, args.dtype, info, target,
+                                                            args.tvm).items():
             lib = f"lib/{name}_{h_kv}_{h_q}_{d}.so"
+            symbol = "batch_prefill_paged_kv" if paged else "batch_prefill_ragged_kv"
             with gpu_toolchain(info.kind, info.archs, info.name), target:
-                export_checked(tvm.compile(tvm.IRModule({"batch_prefill_ragged_kv": func}), target=target), info,
-                               out / lib)
-            entries.append({"kernel": name, "h_kv": h_kv, "h_q": h_q, "d": d, "library": lib,
-                            "tile": [tile.warps, tile.keys] if name == "tensor_core" else None})
-            del func
+                export_checked(tvm.compile(tvm.IRModule({symbol: func}), target=target), info, out / lib)
+            entries.append({"kernel": name, "h_kv": h_kv, "h_q": h_q, "d": d, "dtype": args.dtype, "paged": paged,
+                            "function": symbol, "library": lib, "tile": tile})
             print(entries[-1], flush=True)
     (out / "index.json").write_text(json.dumps({"target": info.name, "entries": entries}, indent=1))
     return 0
 
 
-def _attention_reference(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float):
-    """float64 ragged attention: per sequence, each query head against its KV head, keys at most kv - qo + row."""
+def _attention_reference(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float, rows=None):
+    """float64 ragged attention: per sequence, each query head against its KV head, keys at most kv - qo + row.
+    `rows`: only these query rows (of a single sequence; the others stay zero), for 32K-token checks."""
     h_q, h_kv = q.shape[1], k.shape[1]
     out = np.zeros(q.shape[:2] + (v.shape[2],))
     lse = np.zeros(q.shape[:2])
     qs, ks = 0, 0
     for qn, kn in zip(q_lens, kv_lens, strict=True):
+        pick = np.arange(qn) if rows is None else np.asarray(rows)
         for h in range(h_q):
-            s = q[qs:qs + qn, h] @ k[ks:ks + kn, h // (h_q // h_kv)].T * sm_scale
+            s = q[qs + pick, h].astype(np.float64) @ k[ks:ks + kn, h // (h_q // h_kv)].astype(np.float64).T * sm_scale
             if causal:
-                s = np.where(np.arange(kn)[None, :] <= np.arange(qn)[:, None] + kn - qn, s, -np.inf)
+                s = np.where(np.arange(kn)[None, :] <= pick[:, None] + kn - qn, s, -np.inf)
             m = s.max(axis=1, keepdims=True)
             p = np.exp(s - m)
-            out[qs:qs + qn, h] = p @ v[ks:ks + kn, h // (h_q // h_kv)] / p.sum(axis=1, keepdims=True)
-            lse[qs:qs + qn, h] = (m[:, 0] + np.log(p.sum(axis=1))) / np.log(2)
+            out[qs + pick, h] = p @ v[ks:ks + kn, h // (h_q // h_kv)].astype(np.float64) / p.sum(axis=1,
+                                                                                                  keepdims=True)
+            lse[qs + pick, h] = (m[:, 0] + np.log(p.sum(axis=1))) / np.log(2)
         qs, ks = qs + qn, ks + kn
     return out, lse
 
 
+class _AttentionCall:
+    """One kernel's arguments on the device: ragged (q, k, v by indptr) or paged (k, v scattered into shuffled pages
+    of PAGE tokens, TVM's layout (pages, 2, h_kv, PAGE, d), the last page partly filled)."""
+
+    def __init__(self, entry: dict, device, rng):
+        self.entry, self.device, self.rng = entry, device, rng
+
+    def tensor(self, a):
+        import tvm
+
+        return tvm.runtime.tensor(np.ascontiguousarray(a), self.device)
+
+    def __call__(self, fn, q, k, v, q_lens, kv_lens, causal, sm_scale):
+        dtype = self.entry.get("dtype", "float32")
+        indptr = lambda n: self.tensor(np.concatenate([[0], np.cumsum(n)]).astype(np.int32))  # noqa: E731
+        out = self.tensor(np.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype))
+        lse = self.tensor(np.zeros(q.shape[:2], np.float32))
+        zeros_q, zeros_b = self.tensor(np.zeros(q.shape[0], np.int32)), self.tensor(np.zeros(len(q_lens), np.int32))
+        tail = (out, lse, int(causal), 0, 1.0, 1e4, float(sm_scale))
+        if not self.entry.get("paged"):
+            argv = (self.tensor(q.astype(dtype)), indptr(q_lens), self.tensor(k.astype(dtype)),
+                    self.tensor(v.astype(dtype)), indptr(kv_lens), zeros_q, zeros_b, *tail)
+        else:
+            counts = [-(-n // PAGE) for n in kv_lens]
+            order = self.rng.permutation(sum(counts)).astype(np.int32)  # page indirection exercised
+            pages = np.zeros((sum(counts) + 1, 2, k.shape[1], PAGE, k.shape[2]), dtype)
+            start, ks = 0, 0
+            for n, c in zip(kv_lens, counts, strict=True):
+                for j in range(c):
+                    span = slice(ks + j * PAGE, ks + min((j + 1) * PAGE, n))
+                    width = span.stop - span.start
+                    pages[order[start + j], 0, :, :width] = k[span].transpose(1, 0, 2)
+                    pages[order[start + j], 1, :, :width] = v[span].transpose(1, 0, 2)
+                start, ks = start + c, ks + n
+            last = np.array([n - (c - 1) * PAGE for n, c in zip(kv_lens, counts, strict=True)], np.int32)
+            argv = (self.tensor(q.astype(dtype)), indptr(q_lens), self.tensor(pages), indptr(counts),
+                    self.tensor(order), self.tensor(last), zeros_b, zeros_q, *tail)
+        fn(*argv)
+        return out.numpy().astype(np.float64), lse.numpy(), argv
+
+
 def check_attention(args: argparse.Namespace) -> int:
-    """GPU machine: every kernel of a `attention-build` folder on fresh random ragged batches (several sequences, a
-    cached prefix, causal and not) against float64, plain and with Q, K, V rounded to float16 (the tensor cores'
-    operand rounding; P's rounding stays, ≈ 2⁻¹¹ relative, averaged over the keys); then timed at 512 and 2048
-    tokens, one sequence, causal (TVM's time_evaluator, median of repeats)."""
+    """GPU machine: every kernel of an `attention-build` folder on fresh random ragged batches (several sequences, a
+    cached prefix, causal and not; Q, K, V in the cache's type) against float64, then one --long-token causal
+    sequence (its first, last and random rows against float64); then timed (TVM's time_evaluator, median of
+    repeats) at each of --tokens, one causal sequence: ragged kernels on the whole prompt, paged ones on its last
+    --chunk tokens over the whole prompt's pages (a chunked prefill's last chunk). Non-zero exit when a flash kernel
+    misses ATTN_OUT_TOL / ATTN_LSE_TOL."""
     _load_runtime()
     import tvm
 
     folder = Path(args.dir)
     index = json.loads((folder / "index.json").read_text())
-    device, rng, rows = tvm.cuda(0), np.random.default_rng(args.seed), []
+    device, rng, rows, failed = tvm.cuda(0), np.random.default_rng(args.seed), [], False
 
-    def tensors(q_lens, kv_lens, h_kv, h_q, d):
-        q = rng.standard_normal((sum(q_lens), h_q, d)).astype(np.float32)
-        k = rng.standard_normal((sum(kv_lens), h_kv, d)).astype(np.float32)
-        v = rng.standard_normal((sum(kv_lens), h_kv, d)).astype(np.float32)
+    def tensors(q_lens, kv_lens, h_kv, h_q, d, dtype):
+        q, k, v = (rng.standard_normal((sum(n), h, d)).astype(np.float32).astype(dtype)
+                   for n, h in ((q_lens, h_q), (kv_lens, h_kv), (kv_lens, h_kv)))
         return q, k, v
 
-    def call(fn, q, k, v, q_lens, kv_lens, causal, sm_scale):
-        indptr = lambda n: tvm.runtime.tensor(np.concatenate([[0], np.cumsum(n)]).astype(np.int32), device)  # noqa: E731
-        out = tvm.runtime.tensor(np.zeros((q.shape[0], q.shape[1], v.shape[2]), np.float32), device)
-        lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32), device)
-        zeros_q = tvm.runtime.tensor(np.zeros(q.shape[0], np.int32), device)
-        zeros_b = tvm.runtime.tensor(np.zeros(len(q_lens), np.int32), device)
-        argv = (tvm.runtime.tensor(q, device), indptr(q_lens), tvm.runtime.tensor(k, device),
-                tvm.runtime.tensor(v, device), indptr(kv_lens), zeros_q, zeros_b, out, lse, int(causal), 0, 1.0,
-                1e4, sm_scale)
-        fn(*argv)
-        return out.numpy(), lse.numpy(), argv
-
-    cases = [((1, 17, 100, 300), (1, 17, 100, 300), True), ((37, 64), (77, 64), True), ((45, 130), (45, 200), False),
-             ((513,), (513,), True)]
+    cases = [((1, 17, 100, 300), (1, 17, 100, 300), True), ((37, 64, 5), (77, 64, 200), True),
+             ((45, 130), (45, 200), False), ((513,), (513,), True), ((1, 1, 3), (40, 1, 70), True)]
     for e in index["entries"]:
         module = tvm.runtime.load_module(str((folder / e["library"]).resolve()))
-        fn = module["batch_prefill_ragged_kv"]
-        h_kv, h_q, d = e["h_kv"], e["h_q"], e["d"]
+        fn, call = module[e.get("function", "batch_prefill_ragged_kv")], _AttentionCall(e, device, rng)
+        h_kv, h_q, d, dtype = e["h_kv"], e["h_q"], e["d"], e.get("dtype", "float32")
         sm_scale = 1 / np.sqrt(d)
-        for q_lens, kv_lens, causal in cases:
-            q, k, v = tensors(q_lens, kv_lens, h_kv, h_q, d)
+        long = [((args.long,), (args.long,), True)] if args.long and not e["kernel"].startswith("tvm") else []
+        for q_lens, kv_lens, causal in cases + long:
+            q, k, v = tensors(q_lens, kv_lens, h_kv, h_q, d, dtype)
             got, got_lse, _ = call(fn, q, k, v, q_lens, kv_lens, causal, sm_scale)
-            plain, plain_lse = _attention_reference(*(a.astype(np.float64) for a in (q, k, v)), q_lens, kv_lens,
-                                                    causal, sm_scale)
-            half, half_lse = _attention_reference(*(_half(a) for a in (q, k, v)), q_lens, kv_lens, causal, sm_scale)
-            rows.append({**{x: e[x] for x in ("kernel", "h_kv", "h_q", "d")}, "q_lens": list(q_lens),
-                         "kv_lens": list(kv_lens), "causal": causal,
-                         "vs_plain": _rel(got, plain), "vs_half": _rel(got, half),
-                         "lse_vs_plain": float(np.abs(got_lse - plain_lse).max()),
-                         "lse_vs_half": float(np.abs(got_lse - half_lse).max())})
-            print(json.dumps(rows[-1]), flush=True)
+            pick = None
+            if len(q_lens) == 1 and q_lens[0] > 4096:  # first, last and random rows of a long prompt
+                n = q_lens[0]
+                pick = np.unique(np.concatenate([np.arange(16), np.arange(n - 16, n), rng.integers(0, n, 32)]))
+                got, got_lse = got[pick], got_lse[pick]
+            half, half_lse = _attention_reference(*(_half(a) for a in (q, k, v)), q_lens, kv_lens, causal, sm_scale,
+                                                  rows=pick)
+            if pick is not None:
+                half, half_lse = half[pick], half_lse[pick]
+            row = {**{x: e[x] for x in ("kernel", "h_kv", "h_q", "d")}, "dtype": dtype, "q_lens": list(q_lens),
+                   "kv_lens": list(kv_lens), "causal": causal, "rows_checked": None if pick is None else len(pick),
+                   "vs_half": _rel(got, half), "lse_vs_half": float(np.abs(got_lse - half_lse).max())}
+            row["ok"] = row["vs_half"] < ATTN_OUT_TOL and row["lse_vs_half"] < ATTN_LSE_TOL
+            failed |= e["kernel"].startswith("flash") and not row["ok"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         for n in args.tokens:
-            q, k, v = tensors((n,), (n,), h_kv, h_q, d)
-            _, _, argv = call(fn, q, k, v, (n,), (n,), True, sm_scale)
-            timer = module.time_evaluator("batch_prefill_ragged_kv", device, number=args.number, repeat=args.repeat)
+            if e["kernel"].startswith("tvm") and n > 2048:
+                continue  # float32 SIMT: seconds a call at 8K, minutes at 32K
+            q_n = min(n, args.chunk) if e.get("paged") else n
+            q, k, v = tensors((q_n,), (n,), h_kv, h_q, d, dtype)
+            _, _, argv = call(fn, q, k, v, (q_n,), (n,), True, sm_scale)
+            timer = module.time_evaluator(e.get("function", "batch_prefill_ragged_kv"), device, number=args.number,
+                                          repeat=args.repeat)
             seconds = float(np.median(timer(*argv).results))
-            flops = 4 * h_q * d * n * (n + 1) / 2  # causal: QKᵀ and PV over the visible half
-            rows.append({**{x: e[x] for x in ("kernel", "h_kv", "h_q", "d")}, "tokens": n, "us": seconds * 1e6,
-                         "tflops": flops / seconds / 1e12})
+            visible = q_n * (n - q_n) + q_n * (q_n + 1) / 2  # causal: each query sees the keys before it
+            flops = 4 * h_q * d * visible  # QKᵀ and PV
+            rows.append({**{x: e[x] for x in ("kernel", "h_kv", "h_q", "d")}, "dtype": dtype, "tokens": n,
+                         "queries": q_n, "us": seconds * 1e6, "tflops": flops / seconds / 1e12})
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
-    return 0
+    return 1 if failed else 0
 
 
 def make_gguf(args: argparse.Namespace) -> int:
@@ -935,11 +1003,16 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_argument("--dir", required=True)
     ab.add_argument("--target", default="sm_90")
     ab.add_argument("--shapes", nargs="*", help="h_kv,h_q,d each (default: ATTENTION_SHAPES)")
-    ab.add_argument("--variants", nargs="*", default=[], help="more tensor-core tiles at head dim 64: w,keys,per_sm")
+    ab.add_argument("--dtype", default="float16", choices=("float16", "float32"),
+                    help="the KV cache's type (float16: the GPU default; flash kernels take only it)")
+    ab.add_argument("--tvm", action="store_true", help="also TVM's kernels (always with float32)")
     ab.set_defaults(func=build_attention)
     a = sub.add_parser("attention", help="GPU machine: prefill attention kernels against float64, then timed")
     a.add_argument("dir")
-    a.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    a.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
+    a.add_argument("--chunk", type=int, default=2048, help="queries of a paged kernel's timed call (the last chunk)")
+    a.add_argument("--long", type=int, default=32768, help="one causal sequence this long checked (sampled rows); 0: "
+                                                           "none")
     a.add_argument("--number", type=int, default=10)
     a.add_argument("--repeat", type=int, default=5)
     a.add_argument("--seed", type=int, default=0)

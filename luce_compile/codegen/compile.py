@@ -40,6 +40,7 @@ from luce_compile.lower.relax_model import (
     cpu_prefill_applies_window,
     exported_functions,
     lower_graph,
+    prefill_attention_kernels,
 )
 from luce_compile.models import cache_dir
 from luce_compile.targets import TargetInfo, get_target
@@ -74,7 +75,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
                   overwrite: bool = False, progress: Progress | None = None, precision: str = "auto",
                   tune_logs: Path | None = None, use_tune_logs: bool = True, megakernel: bool = True,
                   megakernel_q8: bool | None = None, megakernel_tf32: bool | None = None,
-                  kv_cache: str = "auto") -> Path:
+                  kv_cache: str = "auto", prefill_attention: str = "wmma") -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
     An existing out_dir is replaced only if it is an artifact and `overwrite` is set (the CLI's --force); anything
@@ -92,8 +93,10 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     to tf32 (MegakernelOptions.float_mma; CUDA only). Both default (None) to on where the precision resolves to f16
     (CUDA's auto: the fast build, as llama.cpp's CUDA backend rounds by default) and off with f32, the exact build the
     oracle checks; the manifest's megakernel options record the choice. `kv_cache`: the KV cache's type (--kv-cache,
-    lower/kv_cache.py: auto is f16 on a GPU's fast build (precision f16) and f32 otherwise), recorded as the manifest's kernels.kv_cache
-    and the runtime contract's kv_dtype.
+    lower/kv_cache.py: auto is f16 on a GPU's fast build (precision f16) and f32 otherwise), recorded as the
+    manifest's kernels.kv_cache and the runtime contract's kv_dtype. `prefill_attention`: the prompt's attention
+    kernels on CUDA with precision f16 (--prefill-attention, LowerOptions.prefill_attention: "wmma", the default
+    until the device has checked and timed "flash"), recorded per kernel as the manifest's kernels.prefill_attention.
     """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -118,7 +121,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
            f"{'' if megakernel or info.kind not in GPU_KINDS else '-nomk'}"
            f"{'-mkq8' if megakernel and megakernel_q8 and info.kind in GPU_KINDS else ''}"
            f"{'-mktf32' if megakernel and megakernel_tf32 and info.kind == 'cuda' else ''}"
-           f"{'' if kv_cache == 'f32' else f'-kv{kv_cache}'}")
+           f"{'' if kv_cache == 'f32' else f'-kv{kv_cache}'}"
+           f"{'' if prefill_attention == 'wmma' else f'-pa{prefill_attention}'}")
     cached = cache_dir() / "artifacts" / key
     if use_cache and (cached / "manifest.json").is_file():
         say(f"reusing the cached build {cached}")
@@ -134,7 +138,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     # the runtime must load the tokenizer the artifact carries (a pre-tokenizer it lacks, as Kimi K2's kimi-k2, would
     # otherwise be refused only when the finished artifact is loaded): refused here, in ~0.1 s
     Tokenizer.from_metadata(_tokenizer_metadata(gguf))
-    built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision, kv_cache=kv_cache), tuning,
+    built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision, kv_cache=kv_cache,
+                                                                        prefill_attention=prefill_attention), tuning,
                    megakernel, megakernel_q8, megakernel_tf32)
     try:
         if use_cache:
@@ -214,6 +219,9 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
         "target": _target_fields(info, target),
         "kernels": {"module": "model.so", "functions": list(contract.functions), "compile_seconds": round(compile_s, 2),
                     "precision": options.precision, "kv_cache": options.kv_cache,
+                    "prefill_attention": {"choice": options.prefill_attention, **prefill_attention_kernels(
+                        target, options.precision, options.prefill_attention, kv_head or c.head_dim,
+                        kv_head or c.head_dim_v, kv_dtype)},
                     **({"tuning": tuning.to_manifest()} if tuning else {}),
                     **({"device_binaries": binaries.to_manifest()} if binaries else {})},
         "runtime": contract.to_manifest(),

@@ -59,6 +59,11 @@ class LowerOptions:
     # default); lowering on its own stays exact: int8 differs from the plain float64 oracle by the activation
     # rounding (~2e-2 of the logits).
     precision: str = "f32"
+    # the prompt's attention on CUDA with precision f16 (prefill_attention_kernels): "wmma" (attention_prefill.py's,
+    # ragged only; the default until flash has run on a GPU) or "flash" (the mma.sync kernels of
+    # schedules/gpu/flash_prefill.py, ragged and paged: built and emulated here, not yet checked or timed on a
+    # device); the manifest's kernels.prefill_attention records the choice
+    prefill_attention: str = "wmma"
 
 
 def weight_specs(info: TensorInfo) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -100,7 +105,8 @@ class GraphModule(nn.Module):
         kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
         head = kv_head_dim(c)  # the head's row in the cache: wider where it carries attention sinks
         with prefill_attention_tiles(self.target, c.head_dim, self.kv_dtype), \
-                tensor_core_prefill_attention(self.target, self.precision), kv_pages_probe(), \
+                tensor_core_prefill_attention(self.target, self.precision, self.options.prefill_attention), \
+                kv_pages_probe(), \
                 cpu_attention(self.target, c.head_dim if c.attn_sinks else None, c.attn_sinks):
             return TIRPagedKVCache(
                 attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
@@ -240,13 +246,38 @@ def prefill_attention_tiles(target: tvm.target.Target, head_dim: int, dtype: str
         yield
 
 
+PREFILL_ATTENTION = ("flash", "wmma")
+
+
+def prefill_attention_kernels(target: tvm.target.Target, precision: str, choice: str, head_dim: int, head_dim_v: int,
+                              dtype: str, page_size: int = 16) -> dict[str, str]:
+    """Which kernel serves a prompt's attention: "ragged" (a prefill from an empty cache) and "paged" (a later chunk
+    against its cached pages; sliding-window layers keep TVM's), each "flash 8x64" (flash_prefill.py, warps x keys),
+    "wmma 4x32" (attention_prefill.py) or "tvm" (TVM's SIMT kernels). CUDA with precision f16 only."""
+    from luce_schedules.gpu import attention_prefill, flash_prefill
+
+    if choice not in PREFILL_ATTENTION:
+        raise ValueError(f"lower: prefill attention {choice!r} is not one of {PREFILL_ATTENTION}")
+    if target.kind.name != "cuda" or precision != "f16":
+        return {"ragged": "tvm", "paged": "tvm"}
+    if choice == "flash" and flash_prefill.supports(head_dim, head_dim_v, dtype):
+        tile = flash_prefill.default_tile(head_dim, head_dim_v)
+        paged = "tvm" if head_dim != head_dim_v else f"flash {tile.warps}x{tile.keys}"
+        return {"ragged": f"flash {tile.warps}x{tile.keys}", "paged": paged}
+    if attention_prefill.supports(head_dim, head_dim_v, dtype):
+        tile = attention_prefill.default_tile(head_dim, head_dim_v)
+        return {"ragged": f"wmma {tile.warps}x{tile.keys}", "paged": "tvm"}
+    return {"ragged": "tvm", "paged": "tvm"}
+
+
 @contextlib.contextmanager
-def tensor_core_prefill_attention(target: tvm.target.Target, precision: str) -> Iterator[None]:
-    """With precision f16 on CUDA, the cache's ragged prefill kernel (a prefill from an empty cache: all of
-    pp512/pp2048's attention) is schedules/gpu/attention_prefill.py's, on tensor cores: 7-49x TVM's at 2048 tokens
-    on the H200 (benchmarks/results/h200/2026-12-01-attention.md): the factory is swapped. Head dims WMMA cannot
-    tile keep TVM's kernel."""
-    from luce_schedules.gpu.attention_prefill import default_tile, ragged_prefill, supports
+def tensor_core_prefill_attention(target: tvm.target.Target, precision: str, choice: str = "wmma") -> Iterator[None]:
+    """With precision f16 on CUDA, the cache's prefill kernels are ours, as prefill_attention_kernels says: the
+    ragged one (a prefill from an empty cache: all of pp512/pp2048's attention) and, with "flash", the paged one (every
+    later chunk of a long prompt; issue 38: on tensor cores at every chunk). The factories are swapped; what ours do
+    not take keeps TVM's. WMMA's was 7-49x TVM's at 2048 tokens on the H200 (benchmarks/results/h200/
+    2026-12-01-attention.md)."""
+    from luce_schedules.gpu import attention_prefill, flash_prefill
     from tvm.relax.frontend.nn.llm import kv_cache
 
     from luce_compile.targets import facts_for
@@ -254,15 +285,25 @@ def tensor_core_prefill_attention(target: tvm.target.Target, precision: str) -> 
     if target.kind.name != "cuda" or precision != "f16":
         yield
         return
-    original = kv_cache._attention_prefill_ragged
+    ragged_tvm, paged_tvm = kv_cache._attention_prefill_ragged, kv_cache._attention_prefill
     sm_count = int(facts_for(target).get("sm_count", 0)) or 132  # the registry's; an unknown arch: an H100/H200's
 
-    def factory(h_kv, h_q, d_qk, d_v, dtype, rope_scaling, tgt):  # noqa: ANN001, ANN202  (TVM's signature)
-        if not supports(d_qk, d_v, dtype):
-            return original(h_kv, h_q, d_qk, d_v, dtype, rope_scaling, tgt)
-        return ragged_prefill(h_kv, h_q, d_qk, d_v, dtype, tile=default_tile(d_qk, d_v), sm_count=sm_count)
+    def ragged(h_kv, h_q, d_qk, d_v, dtype, rope_scaling, tgt):  # noqa: ANN001, ANN202  (TVM's signature)
+        kind = prefill_attention_kernels(target, precision, choice, d_qk, d_v, dtype)["ragged"]
+        if kind.startswith("flash"):
+            return flash_prefill.ragged_prefill(h_kv, h_q, d_qk, d_v, dtype)
+        if kind.startswith("wmma"):
+            return attention_prefill.ragged_prefill(h_kv, h_q, d_qk, d_v, dtype,
+                                                    tile=attention_prefill.default_tile(d_qk, d_v), sm_count=sm_count)
+        return ragged_tvm(h_kv, h_q, d_qk, d_v, dtype, rope_scaling, tgt)
 
-    with swapped(kv_cache, _attention_prefill_ragged=factory):
+    def paged(h_kv, h_q, d, dtype, sliding_window, rope_scaling, tgt, page_size=16, sliding_window_size=1024):  # noqa: ANN001, ANN202
+        kind = prefill_attention_kernels(target, precision, choice, d, d, dtype)["paged"]
+        if kind.startswith("flash") and not sliding_window:
+            return flash_prefill.paged_prefill(h_kv, h_q, d, dtype, page_size=page_size)
+        return paged_tvm(h_kv, h_q, d, dtype, sliding_window, rope_scaling, tgt, page_size, sliding_window_size)
+
+    with swapped(kv_cache, _attention_prefill_ragged=ragged, _attention_prefill=paged):
         yield
 
 

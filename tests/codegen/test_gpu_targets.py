@@ -240,3 +240,36 @@ def test_cuda_artifacts_carry_the_decode_megakernels(name, built, tiny_gguf):
             planes = weight_planes(gguf.raw(tensor), t.ggml_type, 2) if len(t.shape) == 2 else None
             want.append(planes[plane] if planes else gguf.dequantize(tensor).astype(np.float32))
         assert np.array_equal(stacked[arg].numpy(), np.stack(want)), arg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sm_90", "sm_86,sm_90,sm_120"])
+def test_prompt_attention_is_the_flash_kernels(name, built, tiny_gguf, tmp_path):
+    """--prefill-attention flash: the prefill attention, ragged and paged, is flash_prefill.py's on every CUDA arch:
+    the manifest records it and each arch's SASS of both kernels holds its instructions (mma.sync m16n8k16 =
+    HMMA.16816, ldmatrix = LDSM, cp.async = LDGSTS). The default build keeps the WMMA kernel until flash has run on a
+    GPU."""
+    from luce_compile.codegen.compile import compile_model
+    from luce_compile.codegen.device_binaries import _cuobjdump_env
+    from luce_compile.codegen.gpu_toolchain import find_tool
+
+    default = json.loads((built(name) / "manifest.json").read_text())["kernels"]["prefill_attention"]
+    assert default["choice"] == "wmma"
+    artifact = compile_model(tiny_gguf, name, tmp_path / "flash", prefill_attention="flash")
+    record = json.loads((artifact / "manifest.json").read_text())["kernels"]["prefill_attention"]
+    assert record["choice"] == "flash" and record["ragged"].startswith("flash") and record["paged"].startswith("flash")
+    (binary,) = extract_binaries((artifact / "model.so").read_bytes())
+    path = tmp_path / "model.fatbin"
+    path.write_bytes(binary.data)
+    sass = subprocess.run([find_tool("cuobjdump"), "-sass", str(path)], capture_output=True, text=True,
+                          env=_cuobjdump_env(), check=True).stdout
+    functions: dict[tuple[str, str], str] = {}
+    arch = None
+    for part in sass.split("Function : ")[1:]:
+        header = sass[:sass.index(part)].rsplit("arch = ", 1)
+        arch = header[1].split()[0] if len(header) > 1 else arch
+        functions[(arch, part.split()[0])] = part
+    for arch in sorted(get_target(name).archs or (name,)):
+        for kernel in ("batch_prefill_ragged_kv_kernel", "batch_prefill_paged_kv_kernel"):
+            body = functions[(arch, kernel)]
+            assert "HMMA.16816.F32" in body and "LDSM" in body and "LDGSTS" in body, (arch, kernel)

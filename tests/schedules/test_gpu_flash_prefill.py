@@ -1,0 +1,170 @@
+"""schedules/gpu/flash_prefill.py: the mma.sync flash-attention prefill kernels (ragged and paged).
+
+No GPU here. What can fail here: the tile schedule (tests/schedules/flash_emulation.py runs the kernel's own
+schedule functions in numpy with its float16 roundings and float32 online softmax) against float64 attention on
+fresh random ragged batches, causal edges included; the CUDA the kernels compile to (the instructions, the barriers,
+the shared memory); the signatures the cache calls positionally. The GPU numbers: `scripts/device_check.py
+attention` (the kernels against float64 on the device, then timed against attention_prefill.py's).
+
+Tolerance: output within 2e-3 of max|ref| against float64 attention of the same float16 Q, K, V: P is rounded to
+float16 (2⁻¹¹ relative a probability) and so is the output (2⁻¹¹ relative an element); the base-2 log-sum-exp
+within 1e-4 (its sum is of float32 probabilities)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+from luce_schedules.gpu import flash_prefill as fp
+from luce_schedules.gpu.flash_prefill import FlashTile, default_tile, kv_steps, row_limit, shared_bytes, supports
+from tvm.relax.frontend.nn.llm import _prefill_kernels
+from tvm.target import Target
+
+from luce_compile.checks import rel_err
+from luce_compile.codegen.gpu_toolchain import cuda_source
+from tests.schedules import flash_emulation
+from tests.schedules._signature import assert_same_signature
+from tests.schedules.flash_emulation import emulate, reference
+
+CUDA = Target({"kind": "cuda", "arch": "sm_90", "max_num_threads": 1024, "thread_warp_size": 32})
+OUT_TOL, LSE_TOL = 2e-3, 1e-4
+
+# (q_lens, kv_lens, causal): several sequences of odd lengths, a cached prefix (kv > q), one query token,
+# sequences shorter than a tile, longer than several, and non-causal cross attention
+CASES = [((1, 17, 100, 300), (1, 17, 100, 300), True),
+         ((37, 64, 5), (77, 64, 200), True),
+         ((45, 130), (45, 200), False),
+         ((129,), (129,), True),
+         ((1, 1, 3), (40, 1, 70), True)]
+
+
+def _inputs(rng, q_lens, kv_lens, h_kv, h_q, d, d_v):
+    q = rng.standard_normal((sum(q_lens), h_q, d)).astype(np.float16)
+    k = rng.standard_normal((sum(kv_lens), h_kv, d)).astype(np.float16)
+    v = rng.standard_normal((sum(kv_lens), h_kv, d_v)).astype(np.float16)
+    return q, k, v
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("h_kv,h_q,d,tile", [(2, 8, 128, FlashTile(8, 64)), (3, 9, 64, FlashTile(8, 64)),
+                                             (2, 2, 64, FlashTile(4, 32)), (1, 4, 128, FlashTile(4, 64))])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_the_tile_schedule_matches_float64_attention(h_kv, h_q, d, tile, case):
+    q_lens, kv_lens, causal = CASES[case]
+    rng = np.random.default_rng(case)
+    q, k, v = _inputs(rng, q_lens, kv_lens, h_kv, h_q, d, d)
+    sm_scale = 1 / np.sqrt(d)
+    out, lse, visited = emulate(q, k, v, q_lens, kv_lens, causal, sm_scale, h_kv, tile)
+    want, want_lse = reference(q, k, v, q_lens, kv_lens, causal, sm_scale)
+    assert rel_err(out, want) < OUT_TOL
+    assert np.abs(lse - want_lse).max() < LSE_TOL
+    # every tile of every sequence exactly once, within the grid's bound
+    tiles = [(b, t) for b, n in enumerate(q_lens) for t in range(fp.tiles_of(n, h_q // h_kv, tile.rows))]
+    assert sorted(visited) == tiles
+
+
+@pytest.mark.unit
+def test_the_emulation_fails_when_a_tile_stops_one_step_short(monkeypatch):
+    """The check above can fail: one key step fewer at the causal edge is visible."""
+    monkeypatch.setattr(flash_emulation, "kv_steps", lambda *a: max(kv_steps(*a) - 1, 0))
+    q_lens, kv_lens, causal = CASES[0]
+    q, k, v = _inputs(np.random.default_rng(7), q_lens, kv_lens, 2, 8, 64, 64)
+    out, _, _ = emulate(q, k, v, q_lens, kv_lens, causal, 0.125, 2, FlashTile(8, 64))
+    want, _ = reference(q, k, v, q_lens, kv_lens, causal, 0.125)
+    assert not rel_err(np.nan_to_num(out), want) < OUT_TOL
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("qo_n,kv_n,group", [(32768, 32768, 4), (513, 513, 3), (37, 77, 1), (1, 300, 4)])
+def test_causal_tiles_walk_exactly_to_their_last_visible_key(qo_n, kv_n, group):
+    tile = FlashTile(8, 64)
+    for t in range(fp.tiles_of(qo_n, group, tile.rows)):
+        last_tok = min(qo_n - 1, ((t + 1) * tile.rows - 1) // group)
+        visible = row_limit(last_tok, qo_n, kv_n, True)
+        steps = kv_steps(t, qo_n, kv_n, True, group, tile)
+        assert (steps - 1) * tile.keys < visible <= steps * tile.keys
+        assert kv_steps(t, qo_n, kv_n, False, group, tile) == -(-kv_n // tile.keys)
+
+
+@pytest.mark.unit
+def test_tiles_per_head_dim_fit_every_cuda_target():
+    assert default_tile(128, 128) == FlashTile(8, 64) and default_tile(64, 64) == FlashTile(8, 64)
+    assert shared_bytes(FlashTile(8, 64), 128, 128) == 2 * 2 * 64 * 136 * 2  # 68 KiB: Q fits in one stage
+    assert all(shared_bytes(default_tile(d, d), d, d) <= fp.MAX_DYNAMIC_SHARED for d in (16, 32, 64, 96, 128))
+    assert supports(128, 128, "float16") and supports(64, 64, "float16") and supports(96, 96, "float16")
+    # float32 caches, head dims past the registers' budget or not multiples of 16: attention_prefill.py or TVM's
+    assert not supports(128, 128, "float32") and not supports(256, 256, "float16") and not supports(72, 72, "float16")
+    with pytest.raises(ValueError, match="not taken"):
+        fp.ragged_prefill(1, 4, 256, 256, "float16")
+
+
+@pytest.mark.unit
+def test_signatures_are_tvms():
+    assert_same_signature(fp.ragged_prefill(8, 32, 128, 128, "float16"),
+                          _prefill_kernels._attention_prefill_ragged(8, 32, 128, 128, "float16", {}, CUDA))
+    assert_same_signature(fp.paged_prefill(8, 32, 128, "float16"),
+                          _prefill_kernels._attention_prefill(8, 32, 128, "float16", False, {}, CUDA))
+
+
+def _body(func) -> str:
+    src = cuda_source(tvm.IRModule({"main": func}), CUDA)
+    return src[src.rindex("__global__"):]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_is_mma_sync_ldmatrix_and_cp_async_with_four_barriers(paged, d):
+    tile = default_tile(d, d)
+    func = fp.paged_prefill(8, 32, d, "float16") if paged else fp.ragged_prefill(8, 32, d, d, "float16")
+    body = _body(func)
+    assert f"__launch_bounds__({32 * tile.warps})" in body
+    mmas = d // 16 * tile.keys // 8 + tile.keys // 16 * d // 8  # S = Q·Kᵀ, then O += P·V, a warp a step
+    assert body.count("tvm_builtin_ptx_mma_sync_aligned_m16n8k16_row_col_f32_f16_f16_f32") == mmas
+    ld_q, ld_k, ld_v = d // 16, d // 16 * tile.keys // 16, tile.keys // 16 * d // 16
+    assert body.count("ldmatrix_sync_aligned_m8n8_x4_shared_b16") == ld_q + ld_k
+    assert body.count("ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16") == ld_v
+    copies = tile.rows * d // 8 // (32 * tile.warps) + 2 * 2 * tile.keys * d // 8 // (32 * tile.warps)
+    assert body.count("cp_async_cg_src_size") == copies  # Q once, K and V before the loop and in it
+    assert "extern __shared__" in body and "wmma" not in body
+    # Q landed, Q in registers; per step: the step's copies landed, the stage read by every warp
+    assert body.count("__syncthreads()") == 4
+    assert "int64_t" not in body.split("{", 1)[1] or paged  # int32 indexing; pages index in int64
+
+
+@pytest.mark.unit
+def test_scores_and_probabilities_stay_in_registers():
+    """S, P and O are local arrays indexed by constants only (registers, not local memory)."""
+    body = _body(fp.ragged_prefill(8, 32, 128, 128, "float16"))
+    arrays = re.findall(r"alignas\(\d+\) (?:float|uint|int) (\w+)\[(\d+)\];", body)
+    assert {int(n) for _, n in arrays} >= {32, 64}  # Q fragments 32 words, S 32 floats, O 64 floats
+    for name, _ in arrays:
+        assert not re.search(rf"\b{name}\[[^\]]*[a-z_(][^\]]*\]", body), name  # no variable index
+
+
+@pytest.mark.unit
+def test_the_choice_and_the_swap_of_both_prefill_kernels():
+    from tvm.relax.frontend.nn.llm import kv_cache
+
+    from luce_compile.lower.relax_model import prefill_attention_kernels, tensor_core_prefill_attention
+
+    assert prefill_attention_kernels(CUDA, "f16", "flash", 128, 128, "float16") == \
+        {"ragged": "flash 8x64", "paged": "flash 8x64"}
+    assert prefill_attention_kernels(CUDA, "f16", "wmma", 128, 128, "float16") == \
+        {"ragged": "wmma 4x32", "paged": "tvm"}
+    assert prefill_attention_kernels(CUDA, "f16", "flash", 256, 256, "float16")["ragged"] == "wmma 2x32"
+    assert prefill_attention_kernels(CUDA, "f32", "flash", 128, 128, "float16") == {"ragged": "tvm", "paged": "tvm"}
+    originals = kv_cache._attention_prefill_ragged, kv_cache._attention_prefill
+    with tensor_core_prefill_attention(CUDA, "f16", "flash"):
+        assert "T.ptx.cp(" in kv_cache._attention_prefill_ragged(8, 32, 128, 128, "float16", {}, CUDA).script()
+        assert "T.ptx.cp(" in kv_cache._attention_prefill(8, 32, 128, "float16", False, {}, CUDA).script()
+        # sliding-window layers and float32 caches keep what they had
+        assert "T.ptx.cp(" not in kv_cache._attention_prefill(8, 32, 128, "float16", True, {}, CUDA,
+                                                             sliding_window_size=512).script()
+        assert "wmma" in kv_cache._attention_prefill_ragged(8, 32, 128, 128, "float32", {}, CUDA).script()
+    with tensor_core_prefill_attention(CUDA, "f16", "wmma"):
+        assert "wmma" in kv_cache._attention_prefill_ragged(8, 32, 128, 128, "float16", {}, CUDA).script()
+        assert "T.ptx.cp(" not in kv_cache._attention_prefill(8, 32, 128, "float16", False, {}, CUDA).script()
+    assert (kv_cache._attention_prefill_ragged, kv_cache._attention_prefill) == originals
