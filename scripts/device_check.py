@@ -245,7 +245,8 @@ def _half(a: np.ndarray) -> np.ndarray:
 
 
 def make_bundle(bundle: Path) -> None:
-    """The TVM runtime package as .tgz, plus wheels for the GPU machine's Python 3.12 (apache-tvm-ffi, gguf)."""
+    """The TVM runtime package as .tgz, plus wheels for the GPU machine's Python 3.12 (apache-tvm-ffi, gguf,
+    llguidance)."""
     import tvm
 
     from luce_compile.runtime_wheel import compiler_only  # the luce-runtime wheel's selection, less its Python part
@@ -254,8 +255,10 @@ def make_bundle(bundle: Path) -> None:
     pkg = Path(tvm.__file__).parent
     with tarfile.open(bundle / "tvm-runtime.tgz", "w:gz") as tar:
         tar.add(pkg, arcname="tvm", filter=lambda t: None if compiler_only(t.name) else t)
-    platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28)] + ["--platform=manylinux2014_x86_64"]
-    for req in ("apache-tvm-ffi==0.1.14.post1", "gguf==0.19.*"):
+    platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31)]
+    platforms.append("--platform=manylinux2014_x86_64")
+    # llguidance: the grammar module, which the served check's scheduler imports (its wheel is manylinux_2_31)
+    for req in ("apache-tvm-ffi==0.1.14.post1", "gguf==0.19.*", "llguidance>=1.9,<2"):
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(bundle), req],
                        check=True)
