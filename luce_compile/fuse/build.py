@@ -54,7 +54,7 @@ def plan_programs(graph: Graph, facts: dict, options: MegakernelOptions) -> dict
                              kv_chunk=options.kv_chunk, kv_splits=options.kv_splits, kv_min_keys=options.kv_min_keys,
                              fold_merge=options.fold_merge, merge_in_last=options.merge_in_last,
                              page_size=options.page_size, cost=cost, balance_waves=options.balance_waves,
-                             rope_pairs=options.rope_pairs)
+                             rope_pairs=options.rope_pairs, norm_partials=options.norm_partials)
             for b in options.batches}
 
 

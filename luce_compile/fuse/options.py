@@ -101,6 +101,12 @@ class MegakernelOptions:
     # target's (for_target): 128 where it allows (then the 1B's K = 8,192 down projection takes 8-bit inputs at
     # batch 8 as well: 743 -> 667 µs a step at b=1 on the H200), else what it allows
     shared_kib: int = 0
+    # the tasks that write an RMS norm's input (the embedding, the residual adds) also write each 32 features' sum
+    # of squares per row (fuse/taskgraph.py NORM_CHUNK), so the norm's matvec tiles sum 128 floats a row (4,096
+    # features) for 1/rms instead of every tile squaring the whole input: on the H100's 8B profile at b=8 the
+    # normed stages spent 16-17 µs a task in their input phase against 4 for the O projection (benchmarks/README.md).
+    # Every matvec body (8-bit, float lanes, float_mma) reads them. Not measured yet: off by default
+    norm_partials: bool = False
 
     def for_target(self, facts: dict) -> MegakernelOptions:
         """These options with shared_kib = 0 resolved for a target's facts (targets.py)."""

@@ -35,6 +35,7 @@ from luce_compile.fuse.plan import CostModel, Plan, plan_queues
 from luce_compile.fuse.taskgraph import (
     ARGMAX_PARTIAL,
     KV_MIN_KEYS,
+    NORM_CHUNK,
     Stage,
     TaskGraph,
     TaskKind,
@@ -113,7 +114,7 @@ class Program:
         return bool((self.tasks[..., GROUP_COUNTER] >= 0).any())
 
     def width(self, name: str) -> int:
-        return value_width(self.values, name)
+        return _width(self.tg, self.values, name)
 
     def stacked_tensors(self, opcode: int, slot: int) -> list[str]:
         """The GGUF tensors stacked into weight `slot` of `opcode`, one per stage it runs (the stack's order)."""
@@ -128,18 +129,19 @@ def build_program(graph: Graph, *, batch: int, n_sms: int, max_context: int, kv_
                   kv_splits: int = 0, kv_min_keys: int = KV_MIN_KEYS, fold_merge: bool = False,
                   merge_in_last: bool = False, page_size: int = 16,
                   cost: CostModel | None = None, max_tile_bytes: int = 36 * 1024,
-                  balance_waves: bool = False, rope_pairs: bool = False) -> Program:
+                  balance_waves: bool = False, rope_pairs: bool = False, norm_partials: bool = False) -> Program:
     """Plan the decode step of `graph` for `batch` sequences on `n_sms` persistent blocks; `fold_merge`: the O
     projection's tiles merge split attention partials themselves when the batch's input fits half the kernel's
     shared memory (where a matvec stages its input); `merge_in_last`: the other split attentions are merged by
     their last chunk to finish, not by merge tasks; `balance_waves`: a unit whose tiles are capped (max_tile_bytes)
     to more than a wave over the SMs takes whole waves of even tiles; `rope_pairs`: q and k tiles may split heads
-    where RoPE pairs neighbouring features."""
+    where RoPE pairs neighbouring features; `norm_partials`: a prologue norm's writers leave its rows' sums of
+    squares by chunk (TaskGraph.norm_partials), arena values read by the norm's tiles."""
     tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=max_context, kv_chunk=kv_chunk,
                           kv_splits=kv_splits, kv_min_keys=kv_min_keys, merge_in_last=merge_in_last,
                           fold_merge_floats=SHARED_FLOATS // 2 if fold_merge else 0,
                           max_tile_rows=max_tile_bytes // (4 * batch * 4), balance_waves=balance_waves,
-                          rope_pairs=rope_pairs)
+                          rope_pairs=rope_pairs, norm_partials=norm_partials)
     plan = plan_queues(tg, cost or CostModel(n_sms=n_sms))
     values = graph.values()
     stage_values = [_stage_values(tg, st) for st in tg.stages]
@@ -171,6 +173,8 @@ def _stage_values(tg: TaskGraph, st: Stage) -> tuple[list[str], list[str]]:
     ins: list[str] = []
     if st.kind == TaskKind.MATVEC:
         ins.append(st.input)
+        if st.prologue is not None and st.input in tg.norm_partials:
+            ins.append(tg.norm_partials[st.input])
     for op in ops:
         if st.kind == TaskKind.ATTN_PARTIAL:
             ins += [op.inputs[0]]  # q; keys and values come from the cache
@@ -178,7 +182,7 @@ def _stage_values(tg: TaskGraph, st: Stage) -> tuple[list[str], list[str]]:
         for n in op.inputs:
             if n not in produced and n not in (TOKENS, POSITIONS) and n not in ins:
                 ins.append(n)
-    return ins, produced
+    return ins, produced + [tg.norm_partials[n] for n in produced if n in tg.norm_partials]
 
 
 def _signature(tg: TaskGraph, index: int, values) -> tuple:
@@ -203,7 +207,9 @@ def _signature(tg: TaskGraph, index: int, values) -> tuple:
     # a matvec that merges attention partials: the attention's geometry decides the merge (stages whose attentions
     # differ, gemma's sliding and global layers, need their own opcodes)
     merged = _signature(tg, st.merged, values) if st.merged >= 0 else None
-    return st.kind, sig_ops, units, kv, st.n_splits, tiles, st.prologue is not None, merged, st.merged_by_last
+    partials = tuple(c for n, c in names.items() if n in tg.norm_partials)  # the values it writes or reads sums of
+    return (st.kind, sig_ops, units, kv, st.n_splits, tiles, st.prologue is not None, merged, st.merged_by_last,
+            partials)
 
 
 def _weights(st: Stage) -> tuple[str, ...]:
@@ -250,7 +256,7 @@ def _arena(tg: TaskGraph, values, opcodes: list[Opcode],
         for s in op.stages:
             for n in stage_values[s][0] + _outputs_of(op, stage_values, s):
                 if n not in arena:
-                    arena[n] = take(tg.batch * value_width(values, n))
+                    arena[n] = take(tg.batch * _width(tg, values, n))
     partials = {}
     for i, st in enumerate(tg.stages):
         if st.kind == TaskKind.ATTN_PARTIAL and st.n_splits > 1:
@@ -259,6 +265,14 @@ def _arena(tg: TaskGraph, values, opcodes: list[Opcode],
             h = a["n_head"]
             partials[i] = AttentionPartials(take(tg.batch * st.n_splits * h * dv), take(tg.batch * st.n_splits * h * 2))
     return arena, size, partials
+
+
+def _width(tg: TaskGraph, values, name: str) -> int:
+    """Floats a row of an arena value: a norm partial's (norm_partials) one a chunk of its value."""
+    if name.endswith("#sumsq"):
+        base = next(x for x, p in tg.norm_partials.items() if p == name)
+        return value_width(values, base) // NORM_CHUNK
+    return value_width(values, name)
 
 
 def _outputs_of(op: Opcode, stage_values, stage: int) -> list[str]:

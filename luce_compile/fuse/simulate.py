@@ -29,6 +29,7 @@ import numpy as np
 from luce_compile.fuse.plan import Plan
 from luce_compile.fuse.taskgraph import (
     ARGMAX_PARTIAL,
+    NORM_CHUNK,
     TOKEN_IDS,
     Region,
     Task,
@@ -185,8 +186,16 @@ class TaskSimulator:
         return self.buf[name][self._rows(region), lo:hi]
 
     def write(self, name: str, lo: int, hi: int, data: np.ndarray, row: int | None = None) -> None:
+        """Features [lo, hi) of `name` for every row (or one); a norm's input (norm_partials) also gets the sums of
+        squares of the chunks written (the task graph declares them as the task's writes too)."""
+        if name in self.tg.norm_partials:
+            chunks = data.reshape(len(data), -1, NORM_CHUNK)  # (rows, chunks, NORM_CHUNK)
+            self.write(self.tg.norm_partials[name], lo // NORM_CHUNK, hi // NORM_CHUNK, (chunks ** 2).sum(axis=2),
+                       row)
         if name not in self.buf:
             width = {TOKEN_IDS: 1, ARGMAX_PARTIAL: self.width(LOGITS)}.get(name) or self.width(name.split("#")[0])
+            if name.endswith("#sumsq"):
+                width //= NORM_CHUNK
             self.buf[name] = np.full((self.tg.batch, width), np.nan)
             self.written[name] = np.zeros((self.tg.batch, width), dtype=bool)
         rows = slice(None) if row is None else slice(row, row + 1)
@@ -212,7 +221,11 @@ class TaskSimulator:
                                           for g in range(a["n_head_kv"])]) for b in range(self.tg.batch)])
         else:
             x = self.read(st.input, 0, self.width(st.input))  # (B, K): the whole input row
-        if st.prologue is not None:
+        if st.prologue is not None and st.input in self.tg.norm_partials:  # 1/rms from the writers' chunk sums
+            sums = self.read(self.tg.norm_partials[st.input], 0, x.shape[1] // NORM_CHUNK)  # (B, K / NORM_CHUNK)
+            rstd = 1 / np.sqrt(sums.sum(axis=1, keepdims=True) / x.shape[1] + st.prologue.attrs["eps"])
+            x = x * rstd * self.oracle.weight(st.prologue.weights["weight"])
+        elif st.prologue is not None:
             x = rms_norm(x, self.oracle.weight(st.prologue.weights["weight"]), st.prologue.attrs["eps"])
         env: dict[str, np.ndarray] = {}
         for m in unit.matmuls:

@@ -14,6 +14,8 @@ The graph's ops are grouped into stages (the fusions Hazy's megakernels, Mirage 
             divides its keys over the chunks it needs and the empty ones exit early (before their wait).
             With merge_in_last, no merge tasks: the chunk that finishes last merges (Stage.merged_by_last)
   argmax    one per sequence: the token id from the LM head tiles' partial maxima (only ids leave the device)
+With norm_partials, the tasks writing a prologue norm's input also write each NORM_CHUNK features' sum of squares per
+row, and the norm's tiles sum those (a fixed order, whatever the tiling or batch) instead of the input's squares.
 
 Every task lists the regions (value, feature range, batch row) it reads and writes; a task depends on exactly the
 earlier tasks whose writes overlap its reads. Task ids are a topological order, which the planner keeps on every
@@ -138,6 +140,9 @@ class TaskGraph:
     kv_min_keys: int = KV_MIN_KEYS  # an even split's shortest chunk
     kv_fill: int = 0  # the splits of one wave (0: kv_splits, one wave); kv_splits is a multiple of it
     kv_max_keys: int = KV_MAX_KEYS  # with more than one wave: a chunk's most keys, up to the last wave
+    # norm_partials: a prologue norm's input → the value of its rows' per-chunk sums of squares (NORM_CHUNK
+    # features each), written by the tasks that write the input, read by the norm's tiles
+    norm_partials: dict[str, str] = field(default_factory=dict)
 
     @property
     def kv_waves(self) -> int:
@@ -191,7 +196,15 @@ def split_value(out: str, split: int) -> str:
     return f"{out}#split{split}"
 
 
+def norm_partial_value(value: str) -> str:
+    """The per-chunk sums of squares of `value` (norm_partials): (batch, features / NORM_CHUNK)."""
+    return f"{value}#sumsq"
+
+
 ARGMAX_PARTIAL = "argmax#partial"
+# norm_partials: features a sum-of-squares partial covers. Fixed (not a tile's rows), so a row's sum has one order
+# whatever the tiling and the batch size: a warp's butterfly over each chunk of 32, then the chunks' sums in order
+NORM_CHUNK = 32
 MIN_TILE_ROWS = 16  # a tile below a warp's half of rows costs more in its dependency wait than it streams
 TOKEN_IDS = "token_ids"
 
@@ -201,14 +214,16 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
                      merge_in_last: bool = False, tiles_per_sm: int = 1,
                      max_tile_rows: int | None = None, balance_waves: bool = False,
                      rope_pairs: bool = False, kv_max_keys: int = KV_MAX_KEYS,
-                     kv_max_waves: int = KV_MAX_WAVES) -> TaskGraph:
+                     kv_max_waves: int = KV_MAX_WAVES, norm_partials: bool = False) -> TaskGraph:
     """The decode step of `graph` for `batch` sequences as tasks for `n_sms` persistent blocks; `max_tile_rows`
     caps a matvec tile (the kernel keeps a tile's outputs in shared memory). `fold_merge_floats` > 0: a matvec
     whose input is a split attention's output (the O projection) merges the partials itself, when the batch's
     inputs take at most that many floats (the kernel stages them in shared memory). `merge_in_last`: split
     attentions that no matvec merges are merged by their last chunk to finish (Stage.merged_by_last). `rope_pairs`:
     q and k tiles may split heads where RoPE pairs neighbouring features (_align). `kv_max_keys`, `kv_max_waves`:
-    with kv_splits=-1, a chunk's most keys and the most waves of chunks that keep them so (TaskGraph.chunk_keys)."""
+    with kv_splits=-1, a chunk's most keys and the most waves of chunks that keep them so (TaskGraph.chunk_keys).
+    `norm_partials`: the tasks writing a prologue norm's input also write each NORM_CHUNK features' sum of squares
+    per row (TaskGraph.norm_partials), which the norm's tiles read instead of the whole input's squares."""
     if graph.outputs != (LOGITS,):
         raise UnsupportedError(f"fuse: the megakernel needs a graph whose one output is {LOGITS!r}.")
     values = graph.values()
@@ -236,6 +251,8 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
                   for i, st in enumerate(stages)]
     tg = TaskGraph(graph, batch, max_context, kv_chunk, kv_splits=kv_splits, kv_min_keys=kv_min_keys,
                    kv_fill=kv_fill, kv_max_keys=kv_max_keys, stages=stages)
+    if norm_partials:
+        tg.norm_partials = _norm_partial_values(stages, values)
     for op in graph.attention_ops():
         tg.kv_slots[op.inputs[1]] = (op.attrs["layer"], "k")
         tg.kv_slots[op.inputs[2]] = (op.attrs["layer"], "v")
@@ -276,6 +293,20 @@ def _stages(graph: Graph, values: dict[str, Value], max_context: int, kv_chunk: 
         done.update(id(o) for o in stage.ops)
         stages.append(stage)
     return stages
+
+
+def _norm_partial_values(stages: list[Stage], values: dict[str, Value]) -> dict[str, str]:
+    """The prologue norms' inputs whose writers can leave sums of squares (norm_partials): written by embed, matvec
+    or row tasks (whole NORM_CHUNK chunks of a row each: the tiler aligns them), of whole chunks."""
+    writer = {op.outputs[0]: st.kind for st in stages for op in st.ops}
+    out = {}
+    for st in stages:
+        if st.kind != TaskKind.MATVEC or st.prologue is None or st.merged >= 0:
+            continue
+        if writer.get(st.input) in (TaskKind.EMBED, TaskKind.MATVEC, TaskKind.ROW) \
+                and value_width(values, st.input) % NORM_CHUNK == 0:
+            out[st.input] = norm_partial_value(st.input)
+    return out
 
 
 def _fold_merges(stages: list[Stage], values: dict[str, Value], batch: int, max_floats: int) -> list[Stage]:
@@ -394,6 +425,10 @@ class _Tiler:
         return value_width(self.values, name)
 
     def add(self, kind: TaskKind, stage: int, reads: list[Region], writes: list[Region], **kw) -> Task:
+        for w in list(writes):  # a norm's input: its chunks' sums of squares too (tiles are aligned to chunks)
+            if w.value in self.tg.norm_partials:
+                assert w.lo % NORM_CHUNK == 0 and w.hi % NORM_CHUNK == 0, (w, "a tile not on whole chunks")
+                writes.append(Region(self.tg.norm_partials[w.value], w.lo // NORM_CHUNK, w.hi // NORM_CHUNK, w.row))
         deps = sorted({t for r in reads for t, w in self.writers.get(r.value, ()) if w.overlaps(r)})
         task = Task(len(self.tg.tasks), kind, stage, tuple(reads), tuple(writes), tuple(deps), **kw)
         self.tg.tasks.append(task)
@@ -422,7 +457,7 @@ class _Tiler:
 
     def embed(self, i: int, st: Stage) -> None:
         out = st.ops[0].outputs[0]
-        for lo, hi in self.tiles(self.width(out), 1, 0.25):
+        for lo, hi in self.tiles(self.width(out), self.partial_align(1, [out]), 0.25):
             self.add(TaskKind.EMBED, i, [], [Region(out, lo, hi)], lo=lo, hi=hi)
 
     def matvec(self, i: int, st: Stage) -> None:
@@ -431,9 +466,12 @@ class _Tiler:
         k = self.width(st.input)
         for u_index, unit in enumerate(st.units):
             row_bytes = sum(info[m.weights["weight"]].row_bytes for m in unit.matmuls)
-            for lo, hi in self.tiles(unit.rows, unit.align, unit.rows * len(unit.matmuls) / total):
+            align = self.partial_align(unit.align, self.local(unit))
+            for lo, hi in self.tiles(unit.rows, align, unit.rows * len(unit.matmuls) / total):
                 reads = ([Region(split_value(st.input, j), 0, k) for j in range(self.tg.stages[st.merged].n_splits)]
                          if st.merged >= 0 else [Region(st.input, 0, k)])
+                if st.prologue is not None and st.input in self.tg.norm_partials:
+                    reads.append(Region(self.tg.norm_partials[st.input], 0, k // NORM_CHUNK))
                 reads += [Region(n, lo, hi) for op in unit.epilogue for n in op.inputs
                           if n not in self.local(unit) and n != POSITIONS]
                 writes = [Region(n, lo, hi) for n in self.local(unit)]
@@ -443,6 +481,10 @@ class _Tiler:
                     writes.append(Region(ARGMAX_PARTIAL, lo, hi))
                 self.add(TaskKind.MATVEC, i, reads, writes, weight_bytes=(hi - lo) * row_bytes, unit=u_index,
                          lo=lo, hi=hi)
+
+    def partial_align(self, align: int, writes: list[str]) -> int:
+        """A tile's alignment: whole NORM_CHUNK chunks where it writes a value with norm partials."""
+        return math.lcm(align, NORM_CHUNK) if any(n in self.tg.norm_partials for n in writes) else align
 
     @staticmethod
     def local(unit: Unit) -> list[str]:

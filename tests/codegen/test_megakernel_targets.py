@@ -205,3 +205,22 @@ def test_8b_shape_megakernels_at_32k_fit_sm_90(tmp_path):
         assert {b: (p.tg.kv_waves, p.tg.chunk_keys(32768)) for b, p in programs.items()} == {1: (1, KV_MAX_KEYS),
                                                                                           8: (8, KV_MAX_KEYS)}
     assert all(spills[True][k] <= spills[False][k] + 16 for k in spills[False]), spills
+
+
+@pytest.mark.unit
+def test_norm_partials_cost_no_spills_on_sm_90(tmp_path):
+    """norm_partials on Llama-3.1-8B's shapes (2 of its layers, 8-bit activations, float_mma) for sm_90 at b1 and
+    b8: the check passes, and the chunk sums (a warp shuffle in the writers' tiles, a warp's loads of 128 floats in
+    the norm's) add no more than a few words of spills to the kernels without the option, nor registers past the
+    512 threads' bound."""
+    found = {}
+    for on in (False, True):
+        programs = build("sm_90", "llama-3.1-8b", tmp_path / f"np{int(on)}.so", layers=2, float_mma=True,
+                         norm_partials=on)
+        found[on] = {r.kernel: r for r in resources(programs)}
+        assert set(found[on]) == {kernel_name(b) for b in (1, 8)}
+        assert all(r.registers * r.threads <= 65536 and r.spill_bytes <= CUDA_SPILL_BOUND_BYTES
+                   for r in found[on].values())
+        assert bool(programs[8].tg.norm_partials) == on
+    for k, off in found[False].items():
+        assert found[True][k].spill_bytes <= off.spill_bytes + 16, (k, off, found[True][k])

@@ -433,3 +433,42 @@ def test_a_token_trees_rows_take_one_word_each_whatever_the_batch():
         reads[batch] = len(re.findall(r"off_path_ptr\[", source))
         assert divergent_collectives(source) == []
     assert reads[1] == reads[8] <= 12, reads
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])  # gemma3: post-norm rows write norm inputs too
+@pytest.mark.parametrize("q8", [True, False])
+def test_norm_partials_are_written_by_the_writers_and_read_by_the_norms(name, q8):
+    """norm_partials: every opcode that writes a norm's input stores its chunk sums to the arena at the partial's
+    slot, every normed matvec loads them from its slot (8-bit and float bodies), every collective stays
+    warp-uniform; at batch 1 and 8 the partials are the same chunk grid, K / 32 floats a row, so a row's sum has
+    one order whatever the batch."""
+    import dataclasses
+
+    from luce_compile.fuse.options import MegakernelOptions
+    from luce_compile.fuse.taskgraph import NORM_CHUNK
+
+    graph, _ = open_graph(cached_synthetic(dataclasses.replace(preset(name), quant="Q4_1")))
+    options = MegakernelOptions(q8_activations=q8, batches=(1, 8), norm_partials=True)
+    grids = []
+    for batch in (1, 8):
+        prog = build_program(graph, batch=batch, n_sms=8, max_context=64, kv_chunk=16, norm_partials=True)
+        source = cuda_source(emit_megakernel(prog, options=options))
+        assert ("__dp4a" in source) == q8 and divergent_collectives(source) == []
+        lines = [line.strip().split(" = ", 1) for line in source.split("\n") if " = " in line]
+        readers = writers = 0
+        for op in prog.opcodes:
+            for part in (n for n in op.inputs + op.outputs if n.endswith("#sumsq")):
+                at = re.compile(rf"arena_ptr\[[^;]*_ptr_\d+\[{op.slot(part)}\]")  # the slot's arena offset
+                if part in op.inputs:  # the norm's 1/rms from the partials
+                    readers += 1
+                    assert any(at.search(rhs) for _, rhs in lines), (op.index, part)
+                else:  # the writer's chunk sums
+                    writers += 1
+                    assert any(lhs.startswith("arena_ptr[") and at.search(lhs) for lhs, _ in lines), (op.index, part)
+        assert readers and writers
+        base = {p: x for x, p in prog.tg.norm_partials.items()}
+        grids.append(sorted((p, prog.width(p), w.lo, w.hi, w.row) for t in prog.tg.tasks for w in t.writes
+                            if (p := w.value) in base))
+        assert all(width * NORM_CHUNK == prog.width(base[p]) for p, width, *_ in grids[-1])
+    key = lambda g: sorted({(p, w, lo, hi) for p, w, lo, hi, row in g})  # noqa: E731 (gemma's rows: per batch row)
+    assert key(grids[0]) == key(grids[1])

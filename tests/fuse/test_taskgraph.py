@@ -11,7 +11,7 @@ import pytest
 
 from luce_compile.fuse.plan import CostModel, plan_queues
 from luce_compile.fuse.simulate import ScheduleError, TaskSimulator
-from luce_compile.fuse.taskgraph import TaskKind, build_task_graph
+from luce_compile.fuse.taskgraph import NORM_CHUNK, Region, TaskKind, build_task_graph, value_width
 from luce_compile.graph.ir import LOGITS
 from luce_compile.graph.oracle import Oracle
 from luce_compile.graph.registry import open_graph
@@ -24,12 +24,12 @@ MAX_CONTEXT, CHUNK = 40, 8  # several key chunks per sequence, and gemma3's wind
 
 
 def setup(name: str, batch: int, n_sms: int = 6, kv_splits: int = 0, fold: bool = False, last: bool = False,
-          chunk: int = CHUNK):
+          chunk: int = CHUNK, norm_partials: bool = False):
     path = cached_synthetic(preset(name))
     graph, _ = open_graph(path)
     tg = build_task_graph(graph, batch=batch, n_sms=n_sms, max_context=MAX_CONTEXT, kv_chunk=chunk,
                           kv_splits=kv_splits, kv_min_keys=4, fold_merge_floats=10**6 if fold else 0,
-                          merge_in_last=last)
+                          merge_in_last=last, norm_partials=norm_partials)
     assert not fold or any(st.merged >= 0 for st in tg.stages)
     if last:  # no merge tasks: every split attention is merged by its last chunk
         assert any(st.merged_by_last for st in tg.stages) and not any(t.kind == TaskKind.ATTN_MERGE
@@ -81,6 +81,53 @@ def test_task_graph_decodes_like_the_oracle(name, batch, kv_splits, fold, last, 
     sim = TaskSimulator(tg, plan, Oracle(path))
     # sequences of different lengths: 3, 7, 11 prompt tokens
     assert_decodes_like_oracle(path, graph, sim, rng, batch, steps=10)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize(("kv_splits", "fold", "last"), [(0, False, False), (3, True, False), (3, False, True)],
+                         ids=["chunks-of-8", "3-splits-merged-by-o-proj", "3-splits-merged-by-last"])
+def test_norm_partials_decode_like_the_oracle(name, batch, kv_splits, fold, last, rng):
+    """norm_partials: every prologue norm's input is written with its chunks' sums of squares (by the embedding,
+    the residual adds, gemma's post-norm rows), each tile on whole chunks, and every normed tile reads all of them
+    for its 1/rms (n_sms=7: the unaligned tiles the option rounds up)."""
+    path, graph, tg, plan = setup(name, batch, n_sms=7, kv_splits=kv_splits, fold=fold, last=last,
+                                  norm_partials=True)
+    normed = [st for st in tg.stages if st.kind == TaskKind.MATVEC and st.prologue is not None]
+    assert normed and all(st.input in tg.norm_partials for st in normed)
+    for t in tg.tasks:
+        for w in t.writes:
+            if w.value in tg.norm_partials:
+                assert w.lo % NORM_CHUNK == 0 and w.hi % NORM_CHUNK == 0
+                assert Region(tg.norm_partials[w.value], w.lo // NORM_CHUNK, w.hi // NORM_CHUNK, w.row) in t.writes
+        st = tg.stages[t.stage]
+        if t.kind == TaskKind.MATVEC and st.prologue is not None:
+            k = value_width(graph.values(), st.input)
+            assert Region(tg.norm_partials[st.input], 0, k // NORM_CHUNK) in t.reads
+    sim = TaskSimulator(tg, plan, Oracle(path))
+    assert_decodes_like_oracle(path, graph, sim, rng, batch, steps=6)
+
+
+def test_norm_partials_cover_each_row_once_in_the_same_chunks_at_every_batch():
+    """A row's sum of squares has one order whatever the batch: the chunks its writers leave are the same NORM_CHUNK
+    grid at batch 1 and 8 (only the tiles' rows differ), each written by exactly one task a row."""
+    path = cached_synthetic(preset("tiny-llama"))
+    graph, _ = open_graph(path)
+    grids = []
+    for batch in (1, 8):
+        tg = build_task_graph(graph, batch=batch, n_sms=5, max_context=MAX_CONTEXT, kv_chunk=CHUNK, kv_min_keys=4,
+                              norm_partials=True, max_tile_rows=64 // batch)
+        grid = {}
+        for t in tg.tasks:
+            for w in t.writes:
+                if w.value.endswith("#sumsq"):
+                    for c in range(w.lo, w.hi):
+                        key = (w.value, c)
+                        grid[key] = grid.get(key, 0) + 1
+        width = {p: value_width(graph.values(), x) // NORM_CHUNK for x, p in tg.norm_partials.items()}
+        assert set(grid) == {(p, c) for p, n in width.items() for c in range(n)} and set(grid.values()) == {1}
+        grids.append(grid)
+    assert grids[0] == grids[1]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])

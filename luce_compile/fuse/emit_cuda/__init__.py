@@ -35,6 +35,7 @@ their state on self (the program, the options, the kernel's arguments and shared
   core          small builders, arguments, the persistent loop, waits, clocks, L2 prefetch, opcode dispatch,
                 embed, row stages, argmax
   matvec        the matvec frame: input staging, a unit's matmuls by one of the bodies below, the tile's writes
+  norm_partials a norm input's chunk sums of squares, written by its writers and read for 1/rms (norm_partials)
   float_lanes   float32 lanes (dequantized in registers; float weights as 16-byte words)
   q8            8-bit activations: quantize_q8, the dp4a passes, the block scales
   q8_mma        8-bit activations on integer tensor cores
@@ -56,6 +57,7 @@ from luce_compile.fuse.emit_cuda.epilogue import EpilogueMixin
 from luce_compile.fuse.emit_cuda.float_lanes import FLOAT_WORDS, FloatLanesMixin, _Granule
 from luce_compile.fuse.emit_cuda.float_mma import MMA_CHUNK, MMA_MIN_CHUNKS, MMA_TILES, FloatMmaMixin, tf32
 from luce_compile.fuse.emit_cuda.matvec import MatvecMixin
+from luce_compile.fuse.emit_cuda.norm_partials import NormPartialsMixin
 from luce_compile.fuse.emit_cuda.q8 import Q8_BLOCK, Q8_OFFSET, QUANT_AHEAD, Q8Mixin, _fifth_bits, _sixth_bits, dp4a
 from luce_compile.fuse.emit_cuda.q8_mma import MMA_MIN_BLOCKS, Q8MmaMixin
 from luce_compile.fuse.options import MegakernelOptions
@@ -65,8 +67,8 @@ __all__ = ["F32", "FLOAT_WORDS", "LINE", "MMA_CHUNK", "MMA_MIN_BLOCKS", "MMA_MIN
            "_fifth_bits", "_sixth_bits", "dp4a", "emit_megakernel", "f32", "i32", "tf32"]
 
 
-class MegakernelEmitter(MatvecMixin, FloatLanesMixin, Q8Mixin, Q8MmaMixin, FloatMmaMixin, AttentionMixin,
-                        EpilogueMixin, EmitterCore):
+class MegakernelEmitter(MatvecMixin, NormPartialsMixin, FloatLanesMixin, Q8Mixin, Q8MmaMixin, FloatMmaMixin,
+                        AttentionMixin, EpilogueMixin, EmitterCore):
     """One megakernel's TIRx PrimFunc from a Program and the options (`build`)."""
 
 

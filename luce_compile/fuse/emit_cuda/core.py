@@ -376,6 +376,10 @@ class EmitterCore:
             with self.when(idx < self.nb * n):
                 val = self.dequant(op, table, self.tokens[b], lo + r) * f32(emb.attrs["scale"])
                 self.store(self.arena, self.col(op.slot(out)) + b * self.p.width(out) + lo + r, val)
+        if self.norm_partial(op, out) is not None:  # the block's own writes, read back after a barrier
+            self.sync()
+            self.norm_sums(op, out, lambda i, r: self.arena_at(op, out, i, lo + r), lo, n, self._max_tile(op),
+                           self.nb, lambda i: i)
 
     def _max_tile(self, op: P.Opcode) -> int:
         return max(t.hi - t.lo for t in self.p.tg.tasks if t.stage == op.stage)
@@ -454,6 +458,8 @@ class EmitterCore:
             if name in op.outputs:
                 self._each(w, lambda k, slot=slot, name=name: self.store(
                     self.arena, self.col(op.slot(name)) + b * w + k, self.smem[env(slot, 0, k)]))
+                self.norm_sums(op, name, lambda i, k, slot=slot: self.smem[env(slot, 0, k)], i32(0), i32(w), w, 1,
+                               lambda i: b)
 
     def argmax(self) -> None:
         b = self.col(P.ROW)

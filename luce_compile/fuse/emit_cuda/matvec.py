@@ -65,13 +65,21 @@ class MatvecMixin:
                 v = v * self.smem[rstd_at + b] * self.vector(op, norm_w, k)
             return v
 
+        from_partials = st.prologue is not None and self.norm_partial(op, x_name) is not None
+
         def rstd_all(parts: tirx.Buffer) -> None:  # every sequence's 1/rms from its thread sums (one reduction)
+            if from_partials:  # or from the writers' chunk sums (norm_partials: `parts` holds no squares)
+                self.rstd_from_partials(op, st, k_in, rstd_at)
+                return
             sums = self.cta_many([parts[b] for b in range(nb)], "sum")
             for b in range(nb):
                 rstd_of(b, sums[b])
             self.sync()
 
         def rstd_from_arena() -> None:  # each sequence's 1/rms from its input in the arena (not staged)
+            if from_partials:
+                self.rstd_from_partials(op, st, k_in, rstd_at)
+                return
             rstd_all(self._granule_squares(granules, lambda b, k: self.arena_at(op, x_name, b, k)))
 
         def x_at(b, k) -> tirx.Expr:  # transposed by granule: xs[(b*8 + j) * G + g] = x[b, 8g + j]
@@ -144,7 +152,8 @@ class MatvecMixin:
             self.store(self.smem, at(b, k), self.arena_at(op, st.input, b, k))
             return self.smem[at(b, k)]  # the stored value: the arena is read once
 
-        parts = self._granule_squares(granules, keep, square=st.prologue is not None)
+        square = st.prologue is not None and self.norm_partial(op, st.input) is None  # else rstd_all reads sums
+        parts = self._granule_squares(granules, keep, square=square)
         if st.prologue is not None:
             rstd_all(parts)
         else:
@@ -227,6 +236,8 @@ class MatvecMixin:
                 w = self.p.width(name)
                 self._each(nb * rows_max, lambda idx, slot=slot, name=name, w=w: self._write_out(
                     op, name, slot, env, idx, n, rows_max, lo, w))
+                self.norm_sums(op, name, lambda i, r, slot=slot: self.smem[env(slot, i, tirx.min(r, rows_max - 1))],
+                               lo, n, rows_max, nb, lambda i: i)
             if name in self.p.tg.kv_slots:
                 which = 0 if self.p.tg.kv_slots[name][1] == "k" else 1
                 self._each(nb * rows_max, lambda idx, slot=slot, which=which: self._append_kv(
