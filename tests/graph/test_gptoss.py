@@ -5,7 +5,7 @@ tests/codegen/test_cpu_gptoss.py.
 
 The independent formulations are float64 like the oracle: held to 1e-12. Against llama.cpp the oracle with its
 activation roundings emulated (GgmlRounding) is ~1e-7 of the logits' scale away where no activation sits on an 8-bit
-rounding boundary (measured 6e-8-1e-7 on 88 of 104 positions of tiny-gptoss, 2026-12-07; 15 of the others follow
+rounding boundary (measured 6e-8-1e-7 on 88 of 104 positions of tiny-gptoss, 2026-12-06; 15 of the others follow
 one flip at the 5th token of one prompt through its KV cache, 1e-2 after it), as for the other architectures
 (test_vs_llama_cpp.py says why some positions flip).
 """
