@@ -62,13 +62,18 @@ def torch_row(d: dict[str, Any]) -> dict[str, Any]:
             "weight_bytes_per_token": d["weight_bytes_per_token"], "bandwidth_gb_s": d["bandwidth_gb_s"]}
 
 
+def bench_rate(entry: dict[str, Any]) -> float:
+    """A llama-bench record's tokens/s: the median of its samples (its mean carries a slow first sample)."""
+    return statistics.median(entry["samples_ts"]) if entry.get("samples_ts") else entry["avg_ts"]
+
+
 def llama_cpp_row(bench: list[dict[str, Any]] | None, batched: str | None, bytes_per_token: int | None) -> dict:
-    """llama-bench's pp512/pp2048/tg128 (the median of its repetitions, as ours: its mean carries a slow first
-    sample), and llama-batched-bench's S_TG at 1 and 8 parallel sequences (one run each): llama-bench's tg128 is
-    the batch-1 decode, batched-bench's pl=8 row the batch-8 one."""
+    """llama-bench's pp512/pp2048/tg128 (bench_rate: the median of its repetitions, as ours), and
+    llama-batched-bench's S_TG at 1 and 8 parallel sequences (one run each): llama-bench's tg128 is the batch-1
+    decode, batched-bench's pl=8 row the batch-8 one."""
     row: dict[str, Any] = {m: None for m in METRICS}
     for entry in bench or []:
-        value = statistics.median(entry["samples_ts"]) if entry.get("samples_ts") else entry["avg_ts"]
+        value = bench_rate(entry)
         if entry.get("n_gen") == 0 and entry.get("n_prompt") in (512, 2048):
             row[f"prefill_{entry['n_prompt']}"] = value
             row[f"prefill_{entry['n_prompt']}_mean"] = entry["avg_ts"]
@@ -141,7 +146,7 @@ def collect(*runs: Path) -> dict[str, Any]:
 def long_rows(folder: Path) -> dict[str, dict[str, Any]]:
     """run.sh LONG=N: each engine's prefill of an N-token prompt (`prefill_N`) and decode of one sequence at depth
     N (`decode_b1_ctxN`); ours from bench --prompt-len N (its TTFT prompt and the decode after it), llama.cpp's
-    from llama-bench -p N -n 0 and -p 0 -n 32 -d N (medians of its samples, as the table's)."""
+    from llama-bench -p N -n 0 and -p 0 -n 32 -d N (bench_rate, as the table's)."""
     rows: dict[str, dict[str, Any]] = {}
     ours = _load(folder / "ours-long.json")
     if ours:
@@ -151,7 +156,7 @@ def long_rows(folder: Path) -> dict[str, dict[str, Any]]:
         rows[OURS] = {"long_error": (folder / "ours-long.err").read_text()[-2000:]}
     for name in ("llama_long_prefill.json", "llama_long_decode.json"):
         for entry in _load(folder / name) or []:
-            value = statistics.median(entry["samples_ts"]) if entry.get("samples_ts") else entry["avg_ts"]
+            value = bench_rate(entry)
             if entry.get("n_gen") == 0 and entry.get("n_prompt"):
                 rows.setdefault("llama.cpp", {})[f"prefill_{entry['n_prompt']}"] = value
             elif entry.get("n_gen") and entry.get("n_depth"):
