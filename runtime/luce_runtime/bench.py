@@ -145,18 +145,6 @@ def bench_engine(engine, *, prompt_len: int, gen_len: int, batch: int, repeat: i
     return out
 
 
-def _device_free(artifact) -> int | None:
-    """A GPU's free memory now (None on the CPU, whose free memory other processes move)."""
-    from luce_runtime.artifact import Artifact, load_artifact
-    from luce_runtime.engine import artifact_device
-
-    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact, verify=False)
-    device = artifact_device(art)
-    if art.manifest["target"]["kind"] == "llvm":
-        return None
-    return int(device.available_global_memory or 0) or None
-
-
 def _prefill_seconds(engine, prompts: list[list[int]], warmup: int) -> float:
     """Median seconds from a new sequence's prefill call to its first token (argmax), one prompt per call (drawn
     before the clock runs), the first `warmup` calls untimed."""
@@ -193,22 +181,24 @@ def bench_artifact(artifact, *, prompt_len: int, gen_len: int, batch: int, repea
                    megakernel: bool = True) -> BenchResult:
     """Load an artifact on its device and bench it (luce-compile bench and `python -m luce_runtime.bench`).
     Each prompt is prefilled in one call (the chunk is the longest prompt), as llama.cpp's pp benchmarks do."""
-    from luce_runtime.engine import Engine, EngineOptions
-
-    longest = max([prompt_len, *prefill_lens])  # max(x) of one int raises: the list form works with no --prefill-lens
+    from luce_runtime.artifact import Artifact, load_artifact
+    from luce_runtime.engine import Engine, EngineOptions, artifact_device
     from luce_runtime.kv_memory import weights_bytes
 
-    free_before = _device_free(artifact)
-    engine = Engine(artifact, EngineOptions(max_batch=max(batch, 1), max_context=longest + gen_len + 8,
+    longest = max([prompt_len, *prefill_lens])  # max(x) of one int raises: the list form works with no --prefill-lens
+    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    # a GPU's free memory before the engine loads (the CPU's moves with other processes: not recorded)
+    free_before = None if art.manifest["target"]["kind"] == "llvm" else artifact_device(art).available_global_memory
+    engine = Engine(art, EngineOptions(max_batch=max(batch, 1), max_context=longest + gen_len + 8,
                                             prefill_chunk=max(longest, 16),
                                             megakernel="auto" if megakernel else False))
     load_before = machine_load()
     timings = bench_engine(engine, prompt_len=prompt_len, gen_len=gen_len, batch=batch, repeat=repeat,
                            prefill_lens=prefill_lens, prefill_repeat=prefill_repeat)
     extra: dict[str, Any] = {"load_avg_1m": load_before, "decode_path": engine.decode_path}
-    if free_before is not None:  # what the loaded engine holds on the GPU: weights, KV pool, megakernel buffers
-        extra["device_memory"] = {"engine_bytes": free_before - _device_free(engine.artifact),
-                                  "weights_bytes": weights_bytes(engine.artifact.manifest),
+    if free_before:  # what the loaded engine holds on the GPU: weights, KV pool, megakernel buffers
+        extra["device_memory"] = {"engine_bytes": free_before - engine.device.available_global_memory,
+                                  "weights_bytes": weights_bytes(art.manifest),
                                   "kv_pool_tokens": engine.total_pages * engine.page_size}
     if engine.decode_timings_us:  # the load-time measurement that chose the path per number of sequences
         extra["decode_step_us_megakernel_vs_per_op"] = {str(n): t for n, t in engine.decode_timings_us.items()}
