@@ -666,7 +666,7 @@ def run(args: argparse.Namespace) -> int:
         checks["torch_reference"] = check_oracle(engine, torch_reference(gguf), REL_TOL_Q8 if q8 else REL_TOL_F16)
     result["decode_path"] = engine.decode_path
     if engine.megakernel is not None:
-        per_op = Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=False))
+        per_op = _per_op_engine(artifact)
         checks["megakernel_vs_per_op"] = check_paths(engine, per_op, tol=path_tol)
         checks["tree_verify"] = tree_check(engine, per_op, folder, tol, path_tol)
         del per_op
@@ -681,29 +681,32 @@ def run(args: argparse.Namespace) -> int:
             checks["served_invariance"] = check_served_invariance(artifact)
         except Exception as e:  # noqa: BLE001  (recorded: a check that cannot run fails, the others stand)
             checks["served_invariance"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    return _report(result, args.out)
+
+
+def _per_op_engine(artifact: Path):
+    """The same artifact on the per-op kernels only: what the megakernel's checks compare against."""
+    from luce_runtime.engine import Engine, EngineOptions
+
+    return Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=False))
+
+
+def _report(result: dict, out: str | None) -> int:
+    """Print the run's result (and write it to `out`); 0 when every check passed."""
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0 if all(c["ok"] for c in checks.values()) else 1
+    if out:
+        Path(out).write_text(text)
+    return 0 if all(c["ok"] for c in result["checks"].values()) else 1
 
 
 def _tree_only(engine, artifact: Path, folder: Path, result: dict, args, tol: float, path_tol: float) -> int:
     """run --tree-only: the tree verify check alone (tree_check), one JSON result."""
-    from luce_runtime.engine import Engine, EngineOptions
-
     result["decode_path"] = engine.decode_path
-    if engine.megakernel is None:
-        checks = {"tree_verify": {"ok": False, "error": f"no megakernel: {engine.decode_path}"}}
-    else:
-        per_op = Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=False))
-        checks = {"tree_verify": tree_check(engine, per_op, folder, tol, path_tol)}
-    result["checks"] = checks
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0 if checks["tree_verify"]["ok"] else 1
+    result["checks"] = {"tree_verify": {"ok": False, "error": f"no megakernel: {engine.decode_path}"}
+                        if engine.megakernel is None else
+                        tree_check(engine, _per_op_engine(artifact), folder, tol, path_tol)}
+    return _report(result, args.out)
 
 
 def check_gemms(args: argparse.Namespace) -> int:
