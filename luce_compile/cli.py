@@ -344,9 +344,10 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 def add_kv_cache_arg(s: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-cache", choices=KV_CACHE_TYPES, default="auto",
-                   help="the KV cache's type (llama.cpp's -ctk/-ctv): auto (default) is f16 on GPU targets and f32 "
-                        "on the CPU; f16 = half the bytes per token of context (queries, keys and values rounded to "
-                        "float16 for attention); q8_0 and q4_0 are not built yet (refused with the reason)")
+                   help="the KV cache's type (llama.cpp's -ctk/-ctv): auto (default) is f16 in a GPU's fast build "
+                        "(precision f16) and f32 otherwise (the CPU, --precision f32); f16 = half the bytes per token "
+                        "of context (queries, keys and values rounded to float16 for attention); q8_0 and q4_0 are "
+                        "not built yet (refused with the reason)")
 
 
 def compile_into_cache(model: str, target: str, purpose: str, kv_cache: str = "auto") -> Path:

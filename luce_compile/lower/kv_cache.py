@@ -19,7 +19,7 @@ from luce_compile.errors import UnsupportedError
 KV_CACHE_DTYPES = {"f32": "float32", "f16": "float16"}  # --kv-cache → the pages' dtype
 KV_CACHE_BLOCK_TYPES = ("q8_0", "q4_0")  # llama.cpp's, refused with the reason (module docstring)
 KV_CACHE_TYPES = ("auto", *KV_CACHE_DTYPES, *KV_CACHE_BLOCK_TYPES)
-GPU_KV_CACHE = "f16"  # auto's choice on GPU targets: at depth the attention reads the cache, half of f32's bytes
+GPU_KV_CACHE = "f16"  # auto's choice in a GPU's fast build: at depth the attention reads the cache, half of f32's
 
 
 def resolve_kv_cache(kv_cache: str, fast_gpu: bool) -> str:
