@@ -74,7 +74,8 @@ def prepare(args: argparse.Namespace) -> None:
     # the folder is this script's own output: a re-run replaces the artifact it wrote
     artifact = compile_model(gguf, args.target, out / "artifact", use_cache=not args.no_cache, overwrite=True,
                              precision=args.precision, megakernel=not args.no_megakernel,
-                             megakernel_q8=args.megakernel_q8, megakernel_tf32=args.megakernel_tf32)
+                             megakernel_q8=args.megakernel_q8, megakernel_tf32=args.megakernel_tf32,
+                             prefill_attention=args.prefill_attention)
     build_s = time.perf_counter() - start
     manifest = json.loads((artifact / "manifest.json").read_text())
     precision = manifest["kernels"]["precision"]
@@ -106,7 +107,9 @@ def prepare(args: argparse.Namespace) -> None:
                                                "megakernel_q8": megakernel_q8,
                                                "megakernel_tf32": megakernel_tf32, "reference": args.reference,
                                                "precision": precision, "build_seconds": round(build_s, 1),
-                                               "kv_cache": manifest["kernels"].get("kv_cache", "f32")}))
+                                               "kv_cache": manifest["kernels"].get("kv_cache", "f32"),
+                                               "prefill_attention": manifest["kernels"].get(
+                                                   "prefill_attention", {}).get("choice", "wmma")}))
     if args.bundle:
         make_bundle(Path(args.bundle))
     print(json.dumps({"dir": str(out), "build_seconds": round(build_s, 1), "reference_rows": len(logits)}))
@@ -987,6 +990,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="no oracle trace (7B and up: the float64 oracle needs ~8 bytes a weight, more than this "
                    "machine has); `run` then checks batched vs alone and megakernel vs per-op only")
+    p.add_argument("--prefill-attention", choices=("wmma", "flash"), default="wmma",
+                   help="compile's: the prompt's attention kernels on CUDA (the reference is the same either way)")
     p.set_defaults(func=prepare)
     r = sub.add_parser("run", help="GPU machine: rebuild weights, check against the reference, time")
     r.add_argument("dir")

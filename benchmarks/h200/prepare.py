@@ -76,6 +76,8 @@ def main() -> int:
                    "has it")
     p.add_argument("--megakernel-tf32", action="store_true", help="an alias kept for old commands: the default "
                    "build has it")
+    p.add_argument("--prefill-attention", choices=("wmma", "flash"), default="wmma",
+                   help="compile's (device_check.py prepare --prefill-attention)")
     args = p.parse_args()
     if args.untuned:
         return prepare_untuned(args.workloads, args.target, args.untuned)
@@ -88,7 +90,8 @@ def main() -> int:
                         "--precision", args.precision, *bundle, *(["--no-megakernel"] if args.no_megakernel else []),
                         *(["--no-reference"] if args.no_reference else []),
                         *(["--megakernel-q8"] if args.megakernel_q8 else []),
-                        *(["--megakernel-tf32"] if args.megakernel_tf32 else [])], check=True)
+                        *(["--megakernel-tf32"] if args.megakernel_tf32 else []),
+                        "--prefill-attention", args.prefill_attention], check=True)
     tgz = pack_llama_cpp(extract_llama_cpp(find_sdist(), args.work), args.dir / "peer" / "llama.cpp.tgz")
     size = sum(f.stat().st_size for f in args.dir.rglob("*") if f.is_file())
     print(f"{args.dir}: {size / 2**20:.1f} MiB to carry (llama.cpp {tgz.stat().st_size / 2**20:.1f} MiB)")
