@@ -119,15 +119,18 @@ sys.exit('kernels' not in json.load(open(sys.argv[1])).get('megakernel', {}))" "
     stamp "$w llama-batched-bench rc=$?"
   fi
   if [ -n "${LONG:-}" ]; then  # issue 38: a LONG-token prompt's prefill, then decode at that depth (one sequence)
-    python3 -m luce_runtime.bench $H/$w/artifact --prompt-len $LONG --gen-len 32 --batch 1 --repeat 1 \
+    # within the trained context with the 32 decoded tokens (Qwen2.5-Coder's is 32,768: LONG=32768 there is 32,736)
+    N=$(python3 -c "import json, sys
+print(min($LONG, int(json.load(open(sys.argv[1]))['config']['n_ctx_train']) - 32))" "$H/$w/artifact/manifest.json")
+    python3 -m luce_runtime.bench $H/$w/artifact --prompt-len $N --gen-len 32 --batch 1 --repeat 1 \
       > "$O/ours-long.json" 2> "$O/ours-long.err"
-    stamp "$w luce-compile at $LONG tokens rc=$?"
+    stamp "$w luce-compile at $N tokens rc=$?"
     if [ "$LLAMA_CPP" = 1 ]; then  # its f16 KV cache, flash attention; -d: decode after a depth-token prefill
-      "$L/llama-bench" -m "$G" -p $LONG -n 0 -fa 1 -ngl 99 -r 1 -o json > "$O/llama_long_prefill.json" \
+      "$L/llama-bench" -m "$G" -p $N -n 0 -fa 1 -ngl 99 -r 1 -o json > "$O/llama_long_prefill.json" \
         2> "$O/llama_long_prefill.err"
-      "$L/llama-bench" -m "$G" -p 0 -n 32 -d $LONG -fa 1 -ngl 99 -r 1 -o json > "$O/llama_long_decode.json" \
+      "$L/llama-bench" -m "$G" -p 0 -n 32 -d $N -fa 1 -ngl 99 -r 1 -o json > "$O/llama_long_decode.json" \
         2> "$O/llama_long_decode.err"
-      stamp "$w llama-bench at $LONG tokens rc=$?"
+      stamp "$w llama-bench at $N tokens rc=$?"
     fi
   fi
   pack
