@@ -75,7 +75,8 @@ def prepare(args: argparse.Namespace) -> None:
     artifact = compile_model(gguf, args.target, out / "artifact", use_cache=not args.no_cache, overwrite=True,
                              precision=args.precision, megakernel=not args.no_megakernel,
                              megakernel_q8=args.megakernel_q8, megakernel_tf32=args.megakernel_tf32,
-                             prefill_attention=args.prefill_attention)
+                             prefill_attention=args.prefill_attention,
+                             sliding_megakernel=args.sliding_megakernel)
     build_s = time.perf_counter() - start
     manifest = json.loads((artifact / "manifest.json").read_text())
     precision = manifest["kernels"]["precision"]
@@ -99,10 +100,11 @@ def prepare(args: argparse.Namespace) -> None:
             rounding["half_kv"] = True
         ids, logits = _cached_oracle_trace(gguf, prompt, args.steps, **rounding)
         np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
-        tokens = reference_tree(ids, logits)
-        np.savez(out / "tree_reference.npz", tokens=np.array(tokens, np.int32),
-                 parents=np.array(TREE_PARENTS, np.int32),
-                 logits=_cached_oracle_tree(gguf, prompt, tokens, TREE_PARENTS, **rounding))
+        if not _window(manifest["config"]):  # sliding-window layers verify chains only (check_window_verify)
+            tokens = reference_tree(ids, logits)
+            np.savez(out / "tree_reference.npz", tokens=np.array(tokens, np.int32),
+                     parents=np.array(TREE_PARENTS, np.int32),
+                     logits=_cached_oracle_tree(gguf, prompt, tokens, TREE_PARENTS, **rounding))
     (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name, "target": args.target,
                                                "megakernel_q8": megakernel_q8,
                                                "megakernel_tf32": megakernel_tf32, "reference": args.reference,
@@ -410,6 +412,11 @@ def random_masks(rng: np.random.Generator, logits: np.ndarray) -> list[np.ndarra
     return out
 
 
+def _window(config: dict) -> int:
+    """The model's sliding window where any layer slides, else 0."""
+    return int(config.get("sliding_window") or 0) if any(config.get("sliding") or ()) else 0
+
+
 def check_paths(engine, per_op, steps: int = 64, seed: int = 2, tol: float = BATCH_TOL) -> dict:
     """The megakernel's decode against the per-op kernels' on the same artifact: one prefill each (the same
     kernels), then greedy steps teacher-forced with the per-op ids, at batch 1 and at 3 sequences (the batch-4
@@ -418,13 +425,16 @@ def check_paths(engine, per_op, steps: int = 64, seed: int = 2, tol: float = BAT
     The megakernel's argmax on the device (decode_greedy) must be the argmax of its own logits, every id, and on
     every other step the argmax over a random token mask's allowed tokens (grammar-constrained decoding). A
     megakernel with 8-bit activations (--megakernel-q8) differs by their rounding: `tol` = REL_TOL_Q8; one with tf32
-    inputs (--megakernel-tf32): REL_TOL_TF32."""
+    inputs (--megakernel-tf32): REL_TOL_TF32. A model with a sliding window W takes prompts of W - 8 to W + 24
+    tokens: the steps cross the window."""
     from luce_runtime.sampler import masked_argmax
 
     rng = np.random.default_rng(seed)
     worst, mismatched, checked, device_ids, device_mismatched, masked_ids = 0.0, 0, 0, 0, 0, 0
+    window = engine.sliding_window
+    lengths = (max(8, window - 8), window + 24) if window else (8, 40)
     for n_seq in (1, 3):
-        prompts = [[int(t) for t in rng.integers(1, 49152, int(n))] for n in rng.integers(8, 40, n_seq)]
+        prompts = [[int(t) for t in rng.integers(1, 49152, int(n))] for n in rng.integers(*lengths, n_seq)]
         rows = {}
         for which, eng in (("op", per_op), ("mk", engine)):  # the per-op ids first: the megakernel is fed them
             seqs = [eng.add_sequence() for _ in prompts]
@@ -542,6 +552,62 @@ def _tree_check(engine, per_op, folder: Path, tol: float, path_tol: float) -> di
     ids = [int(np.argmax(r)) for r in rows]
     return check_tree(engine, per_op, prompt, reference_tree(ids, np.stack(rows)), TREE_PARENTS, TREE_LEAF, ids[4],
                       path_tol=path_tol)
+
+
+def check_window_verify(engine, per_op, tol: float = BATCH_TOL, rounds: int = 6, rows: int = 6, keep: int = 2,
+                        seed: int = 5) -> dict:
+    """A model with sliding-window layers (issue 40.3), past its window W: a prompt of W + 24 tokens, then rounds of
+    a verify of `rows` tokens on the megakernel's rows (each row windows the keys by its own position), of which
+    `keep` stay (a rollback inside the window, as rejected drafts), against the per-op engine decoding the same
+    tokens one by one and rolling back alike (its kernels read TVM's suffix of the pages); then both roll back W + 3
+    tokens (past the window: TVM keeps every page) and decode 8 teacher-forced steps. Rows within `tol` of the
+    per-op path, ids equal but at near ties. Then greedy speculation (prompt lookup, chains) on the megakernel
+    gives plain greedy decoding's ids."""
+    from luce_runtime.sampler import SamplingParams
+    from luce_runtime.speculative import NgramDrafter, SpeculativeDecoder
+
+    rng = np.random.default_rng(seed)
+    window = engine.sliding_window
+    prompt = [int(t) for t in rng.integers(1, 49152, window + 24)]
+    seqs = {"mk": engine.add_sequence(), "op": per_op.add_sequence()}
+    worst, checked, mismatched = 0.0, 0, 0
+
+    def compare(got: np.ndarray, want: np.ndarray) -> None:
+        nonlocal worst, checked, mismatched
+        for g, w in zip(got, want, strict=True):
+            worst = max(worst, _rel(g, w))
+            if not near_tie(w, tol):
+                checked += 1
+                mismatched += int(np.argmax(g)) != int(np.argmax(w))
+
+    try:
+        last = per_op.prefill([seqs["op"]], [prompt])[0]
+        engine.prefill([seqs["mk"]], [prompt])
+        for _ in range(rounds):
+            fed = [int(np.argmax(last)), *(int(t) for t in rng.integers(1, 49152, rows - 1))]
+            (got,) = engine.verify([seqs["mk"]], [fed])
+            want = np.stack([per_op.decode([seqs["op"]], [t])[0] for t in fed])
+            compare(got, want)
+            engine.rollback(seqs["mk"], rows - keep)
+            per_op.rollback(seqs["op"], rows - keep)
+            last = want[keep - 1]
+        for eng in (engine, per_op):
+            eng.rollback(seqs["mk" if eng is engine else "op"], window + 3)
+        fed = [int(t) for t in rng.integers(1, 49152, 8)]
+        compare(np.stack([engine.decode([seqs["mk"]], [t])[0] for t in fed]),
+                np.stack([per_op.decode([seqs["op"]], [t])[0] for t in fed]))
+    finally:
+        engine.remove_sequence(seqs["mk"])
+        per_op.remove_sequence(seqs["op"])
+    decoder = SpeculativeDecoder(engine, NgramDrafter(), draft_max=6, timed_length=False)
+    params = SamplingParams(temperature=0, max_tokens=64)
+    words = [int(t) for t in rng.integers(1, 49152, 12)]
+    repeated = (words * (window // 12 + 4))[:window + 36]  # prompt lookup finds its drafts in the repeats
+    same = list(decoder.generate(repeated, params)) == list(engine.generate(repeated, params))
+    return {"window": window, "verify_rows": rows, "rounds": rounds, "max_rel_diff": worst, "ids_checked": checked,
+            "ids_mismatched": mismatched, "tolerance": tol, "speculation_equals_plain": same,
+            "drafted": decoder.stats.drafted, "accepted": decoder.stats.accepted,
+            "ok": worst <= tol and mismatched == 0 and same and decoder.stats.accepted > 0}
 
 
 def _served(scheduler, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -671,7 +737,10 @@ def run(args: argparse.Namespace) -> int:
     if engine.megakernel is not None:
         per_op = _per_op_engine(artifact)
         checks["megakernel_vs_per_op"] = check_paths(engine, per_op, tol=path_tol)
-        checks["tree_verify"] = tree_check(engine, per_op, folder, tol, path_tol)
+        if engine.sliding_window:  # no token trees on sliding layers: chains, rollbacks and speculation instead
+            checks["window_verify"] = check_window_verify(engine, per_op, tol=path_tol)
+        else:
+            checks["tree_verify"] = tree_check(engine, per_op, folder, tol, path_tol)
         del per_op
     result["checks"] = checks
     if not args.no_timing:
@@ -987,6 +1056,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="compile's --megakernel-tf32 (likewise)")
     p.add_argument("--precision", choices=("auto", "f16", "f32"), default="auto",
                    help="as compile's: auto is f16 (tensor-core prefill) on CUDA; the reference emulates it")
+    p.add_argument("--sliding-megakernel", action="store_true", help="a model with sliding-window layers (Gemma 3) "
+                   "gets its megakernels (compile_model's sliding_megakernel, off by default until a GPU ran it)")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="no oracle trace (7B and up: the float64 oracle needs ~8 bytes a weight, more than this "
                    "machine has); `run` then checks batched vs alone and megakernel vs per-op only")

@@ -72,6 +72,9 @@ def main() -> int:
                    "references round as the build does (device_check.py prepare reads the manifest)")
     p.add_argument("--no-reference", action="store_true", help="no oracle reference (7B and up: the float64 "
                    "oracle does not fit this machine; device_check prepare --no-reference)")
+    p.add_argument("--sliding-megakernel", action="store_true", help="models with sliding-window layers (gemma3-270m) "
+                   "get their megakernels (device_check.py prepare --sliding-megakernel; off by default until a GPU "
+                   "ran them)")
     p.add_argument("--megakernel-q8", action="store_true", help="an alias kept for old commands: the default build "
                    "has it")
     p.add_argument("--megakernel-tf32", action="store_true", help="an alias kept for old commands: the default "
@@ -89,6 +92,7 @@ def main() -> int:
                         "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16",
                         "--precision", args.precision, *bundle, *(["--no-megakernel"] if args.no_megakernel else []),
                         *(["--no-reference"] if args.no_reference else []),
+                        *(["--sliding-megakernel"] if args.sliding_megakernel else []),
                         *(["--megakernel-q8"] if args.megakernel_q8 else []),
                         *(["--megakernel-tf32"] if args.megakernel_tf32 else []),
                         "--prefill-attention", args.prefill_attention], check=True)

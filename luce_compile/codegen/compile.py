@@ -27,6 +27,7 @@ from luce_compile.codegen.device_binaries import export_checked
 from luce_compile.codegen.gpu_toolchain import gpu_toolchain
 from luce_compile.codegen.pipeline import relax_pipeline
 from luce_compile.errors import LuceError
+from luce_compile.fuse.options import SLIDING_MEGAKERNEL
 from luce_compile.gguf.reader import GGUFFile, read_gguf
 from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
@@ -75,7 +76,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
                   overwrite: bool = False, progress: Progress | None = None, precision: str = "auto",
                   tune_logs: Path | None = None, use_tune_logs: bool = True, megakernel: bool = True,
                   megakernel_q8: bool | None = None, megakernel_tf32: bool | None = None,
-                  kv_cache: str = "auto", prefill_attention: str = "wmma") -> Path:
+                  kv_cache: str = "auto", prefill_attention: str = "wmma",
+                  sliding_megakernel: bool | None = None) -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
     An existing out_dir is replaced only if it is an artifact and `overwrite` is set (the CLI's --force); anything
@@ -97,6 +99,9 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     manifest's kernels.kv_cache and the runtime contract's kv_dtype. `prefill_attention`: the prompt's attention
     kernels on CUDA with precision f16 (--prefill-attention, LowerOptions.prefill_attention: "wmma", the default
     until the device has checked and timed "flash"), recorded per kernel as the manifest's kernels.prefill_attention.
+    `sliding_megakernel`: a model with sliding-window layers (Gemma 3) gets decode megakernels too, and on every
+    target the cache layout through which the runtime hands them TVM's pages (lower/kv_layers.py; a CPU build with
+    it is how that layout is checked here); None: fuse/options.SLIDING_MEGAKERNEL (off until a GPU has run it).
     """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -115,6 +120,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     fast = precision == "f16"  # the GPU's default build: the megakernels round as llama.cpp's CUDA kernels do
     megakernel_q8 = fast if megakernel_q8 is None else megakernel_q8
     megakernel_tf32 = (fast and info.kind == "cuda") if megakernel_tf32 is None else megakernel_tf32
+    sliding_megakernel = SLIDING_MEGAKERNEL if sliding_megakernel is None else sliding_megakernel
     tuning = load_tuning(info, tune_logs, use_tune_logs)
     # the records are part of the key: new records (or --no-tune-logs) make a new build, never a stale reuse
     key = (f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}-{tuning.digest()}"
@@ -122,7 +128,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
            f"{'-mkq8' if megakernel and megakernel_q8 and info.kind in GPU_KINDS else ''}"
            f"{'-mktf32' if megakernel and megakernel_tf32 and info.kind == 'cuda' else ''}"
            f"{'' if kv_cache == 'f32' else f'-kv{kv_cache}'}"
-           f"{'' if prefill_attention == 'wmma' else f'-pa{prefill_attention}'}")
+           f"{'' if prefill_attention == 'wmma' else f'-pa{prefill_attention}'}"
+           f"{'-mksw' if sliding_megakernel else ''}")
     cached = cache_dir() / "artifacts" / key
     if use_cache and (cached / "manifest.json").is_file():
         say(f"reusing the cached build {cached}")
@@ -138,9 +145,9 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     # the runtime must load the tokenizer the artifact carries (a pre-tokenizer it lacks, as Kimi K2's kimi-k2, would
     # otherwise be refused only when the finished artifact is loaded): refused here, in ~0.1 s
     Tokenizer.from_metadata(_tokenizer_metadata(gguf))
-    built = _build(gguf, graph, info, gguf_sha, say, LowerOptions(precision=precision, kv_cache=kv_cache,
-                                                                        prefill_attention=prefill_attention), tuning,
-                   megakernel, megakernel_q8, megakernel_tf32)
+    lower = LowerOptions(precision=precision, kv_cache=kv_cache, prefill_attention=prefill_attention,
+                         probe_sliding_pages=sliding_megakernel)
+    built = _build(gguf, graph, info, gguf_sha, say, lower, tuning, megakernel, megakernel_q8, megakernel_tf32)
     try:
         if use_cache:
             _copy_tree(built, cached, overwrite=True)  # the cache is ours: a stale entry is replaced
@@ -203,7 +210,8 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
         say("generating the decode megakernels")
         megakernel_fields["megakernel"], extra_files = artifact_megakernels(graph, info.name, work, kv_dtype,
                                                                             q8_activations=megakernel_q8,
-                                                                            float_mma=megakernel_tf32)
+                                                                            float_mma=megakernel_tf32,
+                                                                            sliding=options.probe_sliding_pages)
     elif info.kind in GPU_KINDS:
         megakernel_fields["megakernel"] = {"skipped": "built with --no-megakernel"}
     say("writing the artifact (weights repacked into kernel planes)")

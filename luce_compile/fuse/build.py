@@ -168,16 +168,22 @@ TABLES_FILE = "megakernel.npz"
 
 
 def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: str,
-                         q8_activations: bool = False, float_mma: bool = False) -> tuple[dict, dict[str, Path]]:
+                         q8_activations: bool = False, float_mma: bool = False,
+                         sliding: bool = False) -> tuple[dict, dict[str, Path]]:
     """Compile the megakernels for an artifact: the manifest's "megakernel" section and the files it names
     (luce_runtime/megakernel.py reads both). The section says why when there is none: a target or model the
-    generator does not cover yet is built without one, and the engine runs the per-op path."""
+    generator does not cover yet is built without one, and the engine runs the per-op path.
+
+    Sliding-window layers (Gemma 3): TVM 0.27's cache keeps every page of such a model (no ring: lower/kv_layers.py)
+    and its per-op kernels read a window's suffix of them; the megakernel reads the whole page table and applies
+    each row's window itself (emit_cuda/attention.py _visible, by the row's position), so both read the same pages.
+    The runtime learns those pages through its probe only with the cache layout `sliding` asks the lowering for
+    (LowerOptions.probe_sliding_pages): without it (the default until a GPU has run it: SLIDING_MEGAKERNEL), none."""
     from luce_compile.lower.relax_model import param_name
 
-    if graph.config.sliding_window and any(graph.config.sliding or ()):
-        # TVM's cache keeps a sliding window's keys in a ring of pages with sinks, which the megakernel's
-        # attention does not read
-        return {"skipped": "sliding-window layers (TVM's cache pages them as a ring)"}, {}
+    if graph.config.sliding_window and any(graph.config.sliding or ()) and not sliding:
+        return {"skipped": "sliding-window layers: built only with compile_model(sliding_megakernel=True) until "
+                           "a GPU has run them (fuse/options.SLIDING_MEGAKERNEL)"}, {}
     from luce_compile.targets import get_target
 
     # the model's whole trained context (issue 38; was capped at 4,096): nothing in the kernel grows with it but the

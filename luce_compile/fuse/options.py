@@ -19,6 +19,12 @@ Q8_ORDER = {"Q4_0": "nibbles", "Q4_1": "nibbles", "Q5_0": "nibbles", "Q5_1": "ni
 MMA_FLOAT_TYPES = ("F16", "BF16")
 
 
+# GPU builds of models with sliding-window layers (Gemma 3) get decode megakernels, and the cache layout through which
+# the runtime hands them TVM's pages (lower/kv_layers.py): compile_model(sliding_megakernel=True), device_check.py
+# prepare --sliding-megakernel. Off by default until a GPU has run it (benchmarks/README.md, "Gemma 3 on the
+# megakernel"); True here makes it every build's default.
+SLIDING_MEGAKERNEL = False
+
 STATIC_KIB = 44  # shared memory without opting in (under 48 KiB, with room for the kernel's static buffers)
 # 200 lets the 8B's K = 14,336 down projection take 8-bit inputs at b=8 (the float body took 5.8 of a 12.5 ms step);
 # with interleave_slices the 8B's b=8 step went 12,181 -> 8,379 µs on the H200 (96 vs 44 measured no faster at b=1)

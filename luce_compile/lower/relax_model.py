@@ -36,6 +36,7 @@ from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, YARN_ATTRS, Graph, 
 from luce_compile.lower.attention_sinks import check_sinks, kv_head_dim, pad_with_sinks
 from luce_compile.lower.cpu_int8 import int8_linear, resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype
+from luce_compile.lower.kv_layers import cache_layers
 from luce_compile.lower.moe import check_target, lower_moe
 from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul, with_tensor_core_twin
@@ -64,6 +65,9 @@ class LowerOptions:
     # schedules/gpu/flash_prefill.py, ragged and paged: built and emulated here, not yet checked or timed on a
     # device); the manifest's kernels.prefill_attention records the choice
     prefill_attention: str = "wmma"
+    # a model with sliding-window layers gets the cache layout through which the runtime's page probe reads its
+    # pages (lower/kv_layers.py): what its megakernels need (compile_model's sliding_megakernel)
+    probe_sliding_pages: bool = False
 
 
 def weight_specs(info: TensorInfo) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -95,6 +99,7 @@ class GraphModule(nn.Module):
         self._kernels: dict[tuple, tirx.PrimFunc] = {}
         self.precision = resolve_precision(options.precision, target)  # "auto" resolved (and logged) once
         self.kv_dtype = kv_cache_dtype(options.kv_cache)
+        self.cache_layers = cache_layers(graph.config, options.probe_sliding_pages)
         self._quantized: dict = {}  # inputs already quantized to 8 bits (int8_linear's cache)
 
     # ---- exported functions -------------------------------------------------------------------------------------
@@ -102,17 +107,18 @@ class GraphModule(nn.Module):
                         page_size: tirx.Var, support_sliding_window: tirx.Var) -> PagedKVCache:
         # the argument names and order are KVCacheArgs' (export_spec builds the signature from it)
         c = self.graph.config
-        kinds = ["mha_sliding" if s else "mha" for s in (c.sliding or (False,) * c.n_layer)]
+        layers = self.cache_layers  # the model's layers are the cache's [first, first + n_layer) (kv_layers.py)
         head = kv_head_dim(c)  # the head's row in the cache: wider where it carries attention sinks
         with prefill_attention_tiles(self.target, c.head_dim, self.kv_dtype), \
                 tensor_core_prefill_attention(self.target, self.precision, self.options.prefill_attention), \
                 kv_pages_probe(), \
                 cpu_attention(self.target, c.head_dim if c.attn_sinks else None, c.attn_sinks):
             return TIRPagedKVCache(
-                attn_kind=kinds, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+                attn_kind=list(layers.kinds), max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
                 prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-                support_sliding_window=support_sliding_window, layer_partition=relax.ShapeExpr([0, c.n_layer]),
-                num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head_kv,
+                support_sliding_window=support_sliding_window,
+                layer_partition=relax.ShapeExpr([layers.first, layers.first + c.n_layer]),
+                num_hidden_layers=len(layers.kinds), num_attention_heads=c.n_head, num_key_value_heads=c.n_head_kv,
                 qk_head_dim=head, v_head_dim=head if c.attn_sinks else c.head_dim_v, mla_original_qk_head_dim=0,
                 mla_original_v_head_dim=0,
                 # RoPE is the graph's own op (both layouts, per-layer bases): the cache stores keys already rotated.
@@ -454,7 +460,7 @@ def _attention(m: GraphModule, o: Op, ins: list, kv: PagedKVCache, **_) -> nn.Te
     qkv = op.concat([q, k, v], dim=2)  # (B, S, H + 2·Hkv, D): the cache appends k, v and attends
     if m.kv_dtype != qkv.dtype:  # the cache takes q, k, v and gives its output in its own dtype (--kv-cache f16)
         qkv = op.astype(qkv, m.kv_dtype)
-    out = kv.attention_with_fused_qkv(a["layer"], qkv, a["n_head"], sm_scale=a["scale"])
+    out = kv.attention_with_fused_qkv(m.cache_layers.first + a["layer"], qkv, a["n_head"], sm_scale=a["scale"])
     if "sinks" in o.weights:
         out = op.split(out, [d], axis=3)[0]  # (B, S, H, D): the padding columns (zeros) dropped
     if out.dtype != m.options.dtype:

@@ -184,6 +184,8 @@ class _KV:
         self._end(self.cache)
 
     def enable_sliding_window(self, seq: int, window: int) -> None:
+        """With TVM 0.27's per-layer windows this pages nothing out (every page stays: luce_compile/lower/
+        kv_layers.py); it makes the cache refuse forks of the sequence, whose sliding layers it would window wrong."""
         self._slide(self.cache, seq, window, 0)
 
     def free_pages(self) -> int:
@@ -354,7 +356,28 @@ class Engine:
         whose fixed cost is several decode steps."""
         if self.megakernel is not None and self._mk_verify_rows:
             return self._mk_verify_rows
-        return INT8_VERIFY_ROWS if self.has_int8_verify else 0
+        return min(INT8_VERIFY_ROWS, self._per_op_verify_limit) if self.has_int8_verify else 0
+
+    @property
+    def verify_limit(self) -> int:
+        """The most tokens one verify may feed a sequence: the prefill chunk, or for a model with sliding-window
+        layers what a prefill call may take (chunk_limit: the window, or one token where the prefill kernels do not
+        window the cached keys) unless the megakernel's rows take it (each row applies its own window)."""
+        return max(self._per_op_verify_limit, self._mk_verify_rows if self.megakernel is not None else 0)
+
+    @property
+    def verify_budget(self) -> int:
+        """The most tokens one verify may feed over all its sequences: the prefill chunk, or for a model with
+        sliding-window layers whose prefill kernels take one token a call, the megakernel's rows."""
+        if not self.sliding_window or self.contract.sliding_prefill_chunks:
+            return self.prefill_chunk
+        return self._mk_verify_rows if self.megakernel is not None else 0
+
+    @property
+    def _per_op_verify_limit(self) -> int:
+        if not self.sliding_window:
+            return self.prefill_chunk
+        return min(self.prefill_chunk, self.sliding_window) if self.contract.sliding_prefill_chunks else 1
 
     @property
     def max_sequences(self) -> int:
@@ -397,10 +420,7 @@ class Engine:
         if not 0 <= n <= self._live[seq_id]:
             raise EngineError(f"engine: cannot roll back {n} tokens of sequence {seq_id}, which holds "
                               f"{self._live[seq_id]}.")
-        if not self._can_pop(self._live[seq_id]):
-            raise EngineError(f"engine: sequence {seq_id} has passed its sliding window of {self.sliding_window} "
-                              "tokens; its cache cannot roll back (TVM's paged cache keeps only the window).")
-        if n:
+        if n:  # at any depth, past a sliding window too: TVM 0.27 keeps every page (luce_compile/lower/kv_layers.py)
             self._kv.popn(seq_id, n)
             self._live[seq_id] -= n
             self._pages_moved(seq_id)
@@ -435,7 +455,10 @@ class Engine:
         kernel for the keys already cached is wrong on sliding-window layers (NaN or wrong rows, seen on a tiny
         gemma3 with window 8); artifacts whose kernel applies the window there (the contract's
         sliding_prefill_chunks: the CPU build's own kernels) take such chunks at every call, the others one token
-        per call after the first chunk (the decode kernel, which applies the window correctly).
+        per call after the first chunk (the decode kernel, which applies the window correctly). TVM's CUDA kernel
+        masks each row to its window since apache/tvm#20121 (luce_compile/lower/kv_layers.py) but has not been
+        checked on a GPU yet: CUDA artifacts keep one token a call. A verify on the megakernel is not bound by
+        this (verify_limit): its rows each apply their own window.
         """
         self._check(seq_id)
         if not self.sliding_window:
@@ -452,7 +475,7 @@ class Engine:
         return seq_id
 
     def _register(self, seq_id: int, length: int) -> None:
-        if self.sliding_window:
+        if self.sliding_window:  # the cache then refuses forks of it (_KV.enable_sliding_window says why)
             self._kv.enable_sliding_window(seq_id, self.sliding_window)
         self._live[seq_id] = length
 
@@ -721,14 +744,16 @@ class Engine:
         on the per-op kernels where chains verify there too (no megakernel, or one measured slower for verify), or
         on the megakernel's verify rows when its kernels take a tree (built since issue 39: the manifest's kernel
         parameters list `off_path`). An older megakernel verifies chains only; a tree would go to the per-op path,
-        at several decode steps' cost."""
+        at several decode steps' cost. A model with sliding-window layers verifies none (_check_tree says why)."""
+        if self.sliding_window:
+            return False
         if self.megakernel is None or not self._mk_verify_rows:
             return True
         return self.megakernel.can_tree
 
     def _tree_on_megakernel(self, n: int) -> bool:
         return (self.megakernel is not None and bool(self._mk_verify_rows) and self.megakernel.can_tree
-                and n <= min(self._mk_verify_rows, MAX_TREE_ROWS))
+                and not self.sliding_window and n <= min(self._mk_verify_rows, MAX_TREE_ROWS))
 
     def _check_tree(self, seq_id: int, tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int]]:
         tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]
@@ -736,6 +761,11 @@ class Engine:
                 any(not 0 <= p < i for i, p in enumerate(parents) if i):
             raise EngineError(f"engine: a token tree needs one parent per token, -1 for the first and an earlier "
                               f"node for every other; got parents {parents} for {len(tokens)} tokens.")
+        if self.sliding_window:
+            # TVM's tree kernels take no window (their length info is a global layer's), and the megakernel windows
+            # a row by its slot where a node's position is its depth
+            raise EngineError(f"engine: {self.artifact.root} has sliding-window layers, which verify chains only, "
+                              "not token trees; draft chains (verifies_trees is False).")
         self._check_verify([seq_id], [tokens])
         return tokens, parents
 
@@ -761,11 +791,13 @@ class Engine:
         if total > self.prefill_chunk:
             raise EngineError(f"engine: a verify of {total} tokens is longer than the prefill chunk of "
                               f"{self.prefill_chunk}; draft fewer tokens (or load with a larger prefill_chunk).")
+        if self._verify_on_megakernel(tokens):  # each row applies its own window: no chunk limit
+            return
         for sid, toks in zip(seq_ids, tokens, strict=True):
             if len(toks) > self.chunk_limit(sid):
-                raise EngineError(f"engine: sequence {sid} can take {self.chunk_limit(sid)} tokens per call, not "
-                                  f"{len(toks)} (TVM's CPU prefill on sliding-window layers, see chunk_limit); "
-                                  "speculative decoding needs a model without sliding windows.")
+                raise EngineError(f"engine: sequence {sid} can take {self.chunk_limit(sid)} tokens per call on the "
+                                  f"per-op kernels, not {len(toks)} (sliding-window layers: see chunk_limit); verify "
+                                  f"at most {self.verify_limit} tokens of a sequence (Engine.verify_limit).")
 
     def _forward(self, seq_ids: list[int], tokens: list[list[int]], fn: Fn, every_row: bool = False,
                  parents: list[int] | None = None) -> np.ndarray:
@@ -804,19 +836,9 @@ class Engine:
         return logits
 
     def _undo_append(self, seq_id: int, n: int) -> None:
-        """Pop the n tokens a failed step appended beyond the sequence's counted length; where the cache cannot (a
-        sequence past its sliding window: TVM's popn does not undo the window's wrap-around), drop the sequence
-        instead of keeping a corrupt one."""
+        """Pop the n tokens a failed step appended beyond the sequence's counted length."""
         self._pages_moved(seq_id)
-        if self._can_pop(self._live[seq_id] + n):
-            self._kv.popn(seq_id, n)
-            return
-        log.warning("engine: sequence %d dropped after a failed step (past its sliding window)", seq_id)
-        self._kv.remove(seq_id)
-        del self._live[seq_id]
-
-    def _can_pop(self, length: int) -> bool:
-        return not self.sliding_window or length <= self.sliding_window
+        self._kv.popn(seq_id, n)
 
     # ---- generation ------------------------------------------------------------------------------------------------
     def token_limit(self, prompt_len: int, max_tokens: int | None) -> int:

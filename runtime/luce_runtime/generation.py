@@ -210,14 +210,15 @@ class GenerationLoop:
 
     def step(self, gens: Sequence[Generation], budget: int | None = None) -> list[tuple[Generation, Commit]]:
         """One target forward for every generation with a pending token; what each committed, in order. budget:
-        the most tokens one verify may take (default the engine's prefill chunk)."""
+        the most tokens one verify may take (default, and at most, the engine's verify_budget: its prefill chunk but
+        for a model with sliding-window layers whose per-op prefill takes one token a call)."""
         ready = [g for g in gens if g.pending is not None and not g.done]
         self.decoded = 0
         if not ready:
             return []
         self.stats.steps += sum(g.spec is not None for g in ready)
         alone = ready[0] if len(ready) == 1 and ready[0].spec is not None and ready[0].spec.timed else None
-        drafts = self._propose(ready, budget or self.engine.prefill_chunk, alone)
+        drafts = self._propose(ready, min(budget or self.engine.prefill_chunk, self.engine.verify_budget), alone)
         out = self._decode([g for g in ready if g not in drafts], alone)
         return out + self._verify(drafts, alone) if drafts else out
 
@@ -231,7 +232,7 @@ class GenerationLoop:
             if g.spec is None:
                 continue
             # a step commits up to k + 1 tokens: never more than the limit allows (the cache stays in context)
-            k = min(g.spec.length.k, g.end.limit - g.end.emitted - 1, budget - 1,
+            k = min(g.spec.length.k, g.end.limit - g.end.emitted - 1, budget - 1, self.engine.verify_limit - 1,
                     cheap - 1 if cheap > 1 else g.spec.length.k)
             if k < 1:
                 continue

@@ -5,7 +5,9 @@ was built with, which `vm.builtin.attention_kv_cache_debug_get_kv(cache, seq, st
 layer with (that layer's pages, the positions' slots as page_id * page_size + offset, k, v, layer). The compiler
 puts the global function KV_PAGES_PROBE in that slot (lower/relax_model.kv_pages_probe); this module registers
 it, and it records what it is given instead of copying keys and values. So the megakernel decodes into the same
-pages that prefill, per-op decode and verify use: one KV pool for every path (issue 11), no copies.
+pages that prefill, per-op decode and verify use: one KV pool for every path (issue 11), no copies. DebugGetKV
+refuses a cache whose first layer ids hold a sliding-window kind; a model with such layers (Gemma 3) is probed only
+in the cache layout its megakernel build asks for (luce_compile/lower/kv_layers.py).
 
 Page ids of a sequence only change when TVM allocates (a new page at a page boundary), forks (copy-on-write of a
 shared last page) or pops; callers re-read them after those (Engine._mk_pages).

@@ -250,7 +250,8 @@ class Megakernel:
     @classmethod
     def refusal(cls, section: dict, *, kv_dtype: str, page_size: int, max_context: int, sm_count: int) -> str | None:
         """Why this engine cannot run the artifact's megakernels (None: it can). Models with sliding windows get
-        none from the compiler (fuse/build.artifact_megakernels says why in the section)."""
+        them only from a build that asked (fuse/build.artifact_megakernels says why in the section otherwise): the
+        kernel applies each row's window to the whole page table it is handed, the pages TVM keeps for every layer."""
         if "kernels" not in section:
             return f"the artifact has none: {section.get('skipped', 'not built')}"
         if section["kv_dtype"] != kv_dtype or int(section["page_size"]) != page_size:

@@ -130,10 +130,15 @@ def check_same_vocabulary(target: Engine, draft: Engine) -> None:
 
 
 def refuse_sliding_window(engine: Engine, role: str) -> None:
-    if engine.sliding_window:
-        raise SpecError(f"speculative: the {role} {engine.artifact.root} has sliding-window layers; TVM's paged cache "
-                        "cannot roll back rejected tokens once the window's ring of pages has wrapped (and verifies "
-                        "several tokens only where Engine.chunk_limit allows). Run it without speculation.")
+    """A target with sliding-window layers speculates where a verify can feed a sequence several tokens, each row
+    in its own window (Engine.verify_limit): on the megakernel's rows, or where the prefill kernels window the cached
+    keys (the CPU build's). Rolling back the rejected drafts works at any depth: TVM 0.27 keeps every page of such
+    a model (luce_compile/lower/kv_layers.py). A draft model needs only the rollback: it is not asked."""
+    if engine.sliding_window and engine.verify_limit < 2:
+        raise SpecError(f"speculative: the {role} {engine.artifact.root} has sliding-window layers and verifies "
+                        f"one token a call: its per-op prefill takes one token a call past the first chunk "
+                        f"(Engine.chunk_limit) and no megakernel verifies rows ({engine.decode_path}). Run it "
+                        "without speculation, or build it with its megakernels (compile_model sliding_megakernel).")
 
 
 class DraftModel:
@@ -149,7 +154,6 @@ class DraftModel:
     def __init__(self, engine: Engine, target: Engine, *, checked: bool = False, branch: float = 0.0):
         if not checked:  # the server checks its one draft engine once, not per request (152k token strings)
             check_same_vocabulary(target, engine)
-            refuse_sliding_window(engine, "draft model")
         self.engine, self.branch = engine, branch
         self._seq: int | None = None
         self._fed = 0  # tokens the last proposal fed to catch up (Draft.fed)

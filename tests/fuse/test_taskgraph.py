@@ -83,6 +83,52 @@ def test_task_graph_decodes_like_the_oracle(name, batch, kv_splits, fold, last, 
     assert_decodes_like_oracle(path, graph, sim, rng, batch, steps=10)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 8])
+@pytest.mark.parametrize(("kv_splits", "fold", "last", "chunk"),
+                         [(0, False, False, 4), (3, True, False, CHUNK), (3, False, True, CHUNK)],
+                         ids=["chunks-of-4", "3-splits-merged-by-o-proj", "3-splits-merged-by-last"])
+def test_sliding_window_rows_decode_past_the_window_at_every_batch(batch, kv_splits, fold, last, chunk, rng):
+    """gemma3 (window 8 on two of its three layers) at the engine's batch sizes: prompts of 5 to 26 tokens (most
+    already past the window, all of them past it within the steps) decoded together for 12 steps. A sliding row
+    sees its last 8 keys, a global row all of them, in chunks that start at the window's first key: every step's
+    logits are the oracle's."""
+    path, graph, tg, plan = setup("tiny-gemma3", batch, kv_splits=kv_splits, fold=fold, last=last, chunk=chunk)
+    windows = {int(st.attention.attrs.get("sliding_window") or 0) for st in tg.stages if st.attention is not None}
+    assert windows == {0, 8}
+    sim = TaskSimulator(tg, plan, Oracle(path))
+    assert_decodes_like_oracle(path, graph, sim, rng, batch, steps=12, prompt_len=lambda b: 5 + 3 * b)
+
+
+@pytest.mark.parametrize(("kv_splits", "fold", "last"), [(0, False, False), (3, True, False), (3, False, True)],
+                         ids=["chunks-of-8", "3-splits-merged-by-o-proj", "3-splits-merged-by-last"])
+def test_sliding_window_verify_rows_after_rollbacks_inside_the_window(kv_splits, fold, last, rng):
+    """Speculation on gemma3 (window 8) on the megakernel: a sequence longer than the window verifies 5 rows a step,
+    the last 3 are rejected (rolled back, as the engine's popn: the next step writes over their slots) and the next
+    step's rows verify from the kept history. Each row's logits must be the oracle's after that history and the
+    rows before it: a row windows the keys by its own position, and never reads a rejected key (the simulator
+    refuses a read of this step's slots before this step wrote them)."""
+    batch, keep = 5, 2
+    path, graph, tg, plan = setup("tiny-gemma3", batch, kv_splits=kv_splits, fold=fold, last=last)
+    sim = TaskSimulator(tg, plan, Oracle(path), sequence_of_row=[0] * batch)
+    oracle = Oracle(path)
+    history = [int(t) for t in rng.integers(0, 49152, 12)]
+    kv, _ = prefill_kv(oracle, graph, history)
+    sim.load_prefix(0, kv)
+    for step in range(5):
+        fed = [int(t) for t in rng.integers(0, 49152, batch)]
+        start = sim.length[0]
+        got, ids = sim.step(fed, seed=step, adversarial=step % 2 == 1)
+        want = oracle.forward(fed)
+        for j in range(batch):
+            err = np.max(np.abs(got[j] - want[j])) / np.max(np.abs(want[j]))
+            assert err < 1e-10, (step, j, err)
+            assert ids[j] == int(np.argmax(want[j]))
+        sim.length[0] = start + keep  # the rejected rows' keys stay in their slots until overwritten
+        history += fed[:keep]
+        oracle.prefill(history)
+    assert sim.length[0] == len(history) == 12 + 5 * keep
+
+
 @pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize(("kv_splits", "fold", "last"), [(0, False, False), (3, True, False), (3, False, True)],

@@ -451,9 +451,32 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny, target, tmp_path
 
 
 @pytest.mark.e2e
-def test_a_sliding_window_target_is_refused(tiny, engine_of):
+@pytest.mark.parametrize("name", ["ngram", "q4"])
+def test_a_sliding_window_target_speculates_with_plain_decodings_ids(name, tiny, engine_of, rng):
+    """tiny-gemma3 (window 8) on the CPU build, whose prefill kernels window the cached keys: its verify takes up to
+    the window's tokens of a sequence (Engine.verify_limit), chains only (no trees on sliding layers), and its
+    rollbacks of rejected drafts go past the window (TVM 0.27 keeps every page): generations of 40 tokens, far past
+    the window, are plain decoding's. Its own Q4_0 as the draft model rolls back past the window too."""
+    target = engine_of(tiny("tiny-gemma3"), **OPTIONS)
+    assert target.sliding_window == 8 and target.verify_limit == 8 and not target.verifies_trees
+    drafter = NgramDrafter() if name == "ngram" else DraftModel(engine_of(tiny("tiny-gemma3", quant="Q4_0"),
+                                                                          **OPTIONS), target, branch=0.05)
+    decoder = SpeculativeDecoder(target, drafter, draft_max=12, timed_length=False)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    for prompt in prompts(rng, target.vocab_size, 8):
+        assert list(decoder.generate(prompt, params)) == list(target.generate(prompt, params)), prompt
+    assert target.sequences() == {}
+    assert 0 < decoder.stats.accepted < decoder.stats.drafted, decoder.stats
+
+
+@pytest.mark.e2e
+def test_a_sliding_window_target_verifying_one_token_a_call_is_refused(tiny, engine_of, monkeypatch):
+    """A build whose prefill kernels do not window the cached keys (a CUDA build's: one token a call past the first
+    chunk) and with no megakernel rows verifies one token a call: speculation is refused, with the reason."""
     engine = engine_of(tiny("tiny-gemma3"), **OPTIONS)
-    with pytest.raises(SpecError, match="sliding-window"):
+    monkeypatch.setattr(engine, "contract", replace(engine.contract, sliding_prefill_chunks=False))
+    assert engine.verify_limit == 1 and engine.verify_budget == 0
+    with pytest.raises(SpecError, match="sliding-window layers and verifies one token a call"):
         SpeculativeDecoder(engine, NgramDrafter())
 
 

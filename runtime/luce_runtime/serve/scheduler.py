@@ -135,8 +135,8 @@ class Scheduler:
         self.deterministic = deterministic  # batch invariance for greedy and seeded requests (the docstring)
         self.speculation = speculation
         self.page_size = engine.page_size
-        # sliding-window models: no forks (TVM's cache keeps a window's keys in a ring of pages with sinks; a fork
-        # or a rollback inside it is not what the oracle computes: _KV.popn, refuse_sliding_window)
+        # sliding-window models: no forks (TVM's kernels window a sliding layer per block of the fork tree, so a forked
+        # sequence attends to too many keys; the cache refuses them: luce_compile/lower/kv_layers.py)
         self.prefix_slots = 0 if engine.sliding_window else max(0, min(prefix_cache, engine.max_sequences - max_batch))
         self.counters = Counters()
         # its stats: draft tokens proposed to the target, of them accepted, target forwards of speculating requests

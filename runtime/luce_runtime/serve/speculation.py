@@ -49,7 +49,6 @@ class Speculation:
     def draft_model(cls, draft: Engine, target: Engine, draft_max: int) -> Speculation:
         """Draft with `draft` (loaded with a sequence per batch slot): its vocabulary is checked once here."""
         refuse_sliding_window(target, "target model")
-        refuse_sliding_window(draft, "draft model")
         check_same_vocabulary(target, draft)
         DraftLength(draft_max)
         return cls("draft", lambda: DraftModel(draft, target, checked=True), draft_max, draft)
