@@ -103,6 +103,14 @@ def q8_1_matmul(x: np.ndarray, w: np.ndarray, m: np.ndarray) -> np.ndarray:
     return y + f16(d[..., 0] * q.sum(-1)) @ m.T
 
 
+def gpu_q8_matmul(x: np.ndarray, w: np.ndarray, kind: str, raw: np.ndarray) -> np.ndarray:
+    """x (…, K) @ w (N, K)ᵀ in float64 with x rounded as llama.cpp's CUDA kernels round it for weight type `kind` (the
+    gpu_q8_1 forms below: the megakernel's 8-bit matvecs, the 8-bit prefill GEMM); `raw` the weight's GGUF rows."""
+    if kind in Q8_1_TYPES + GPU_Q8_1_TYPES:
+        return q8_1_matmul(x, w, block_minimums(raw, kind, w.shape))
+    return (q8_0 if kind in GPU_Q8_0_TYPES else ACTIVATION_ROUNDING[kind])(x) @ w.T
+
+
 class GgmlRounding(Oracle):
     """The oracle plus llama.cpp's CPU roundings of activations (module docstring). `types`: the weight types whose
     matmul inputs are rounded (None: every type ggml rounds for); `gelu_table`: ggml's fp16 GELU table;
