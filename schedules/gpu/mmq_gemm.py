@@ -212,10 +212,17 @@ def _bytes(q: list[tirx.Expr]) -> tirx.Expr:
     return b[0] | (b[1] << u32(8)) | (b[2] << u32(16)) | (b[3] << u32(24))
 
 
+def _div_rn(a: tirx.Expr, b: tirx.Expr) -> tirx.Expr:
+    """a / b rounded to nearest (IEEE), as numpy divides: TVM builds CUDA with --use_fast_math, under which `/` is an
+    approximate division (2 ulp) and x · 127/amax would fall on the other side of a rounding boundary now and then."""
+    return tirx.call_pure_extern("float32", "__fdiv_rn", a, b)
+
+
 def quantize_block(x: tirx.Buffer, out: dict[str, tirx.Buffer], r: tirx.Expr, blk: tirx.Expr, n_in: int,
-                   order: str) -> None:
+                   order: str, div=_div_rn) -> None:
     """Block blk (32 values) of row r of x (float32, flat) into out's xq (words), xd [, xs] (flat): the statements of
-    one thread of kernel 1 (and of the CPU harness that checks them, tests/schedules/test_gpu_mmq_gemm.py)."""
+    one thread of kernel 1 (and of the CPU harness that checks them, tests/schedules/test_gpu_mmq_gemm.py, which
+    passes the plain division for `div`: __fdiv_rn is CUDA's)."""
     v = B.alloc_buffer((BLOCK,), "float32", scope="local")
     for h in range(BLOCK // 4):  # 16-byte loads
         B.buffer_store(v, x.vload([r * n_in + blk * BLOCK + 4 * h], "float32x4"), [tirx.Ramp(i32(4 * h), i32(1), 4)])
@@ -225,7 +232,7 @@ def quantize_block(x: tirx.Buffer, out: dict[str, tirx.Buffer], r: tirx.Expr, bl
         B.buffer_store(amax, tirx.max(amax[0], tirx.abs(v[i])), [i32(0)])
     zero = tirx.const(0.0, "float32")
     inv = B.alloc_buffer((1,), "float32", scope="local")
-    B.buffer_store(inv, tirx.Select(amax[0] > zero, tirx.const(127.0, "float32") / amax[0], zero), [i32(0)])
+    B.buffer_store(inv, tirx.Select(amax[0] > zero, div(tirx.const(127.0, "float32"), amax[0]), zero), [i32(0)])
     q = B.alloc_buffer((BLOCK,), "int32", scope="local")
     for i in range(BLOCK):
         B.buffer_store(q, tirx.nearbyint(v[i] * inv[0]).astype("int32"), [i32(i)])
@@ -239,7 +246,7 @@ def quantize_block(x: tirx.Buffer, out: dict[str, tirx.Buffer], r: tirx.Expr, bl
     first = (r * n_in + blk * BLOCK) // 4
     for h in range(2):
         B.buffer_store(out["xq"], words.vload([i32(4 * h)], "uint32x4"), [tirx.Ramp(first + 4 * h, i32(1), 4)])
-    d = amax[0] / tirx.const(127.0, "float32")  # s takes the float32 d (cpu_int8.quantize_q8)
+    d = div(amax[0], tirx.const(127.0, "float32"))  # s takes the float32 d (cpu_int8.quantize_q8)
     at = r * (n_in // BLOCK) + blk
     B.buffer_store(out["xd"], d.astype("float16").astype("float32"), [at])
     if "xs" in out:

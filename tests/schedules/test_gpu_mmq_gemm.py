@@ -32,7 +32,7 @@ from tvm.target import Target
 
 from luce_compile.codegen.gpu_toolchain import find_tool
 from luce_compile.gguf.quants import dequantize, quantize
-from luce_compile.graph.rounding import block_minimums, q8_0, q8_1_matmul, q8_blocks
+from luce_compile.graph.rounding import block_minimums, gpu_q8_matmul, q8_blocks
 from luce_compile.lower.cpu_int8 import Q8Format
 from luce_compile.lower.q8_gemm import Q8_GEMM_ACTIVATIONS, q8_gemm_format, q8_gemm_matmul
 from luce_compile.lower.quant_layout import plane_specs, repack
@@ -61,15 +61,14 @@ def activations(rng: np.random.Generator, rows: int, n_in: int) -> np.ndarray:
 def reference(qtype: str, raw: np.ndarray, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(y, bound): float64 with the activations' rounding emulated as the oracle does, and each output's bound."""
     k = w.shape[1]
-    if Q8_GEMM_ACTIVATIONS[qtype] == "Q8_1":
+    q, d = q8_blocks(x)
+    xr = (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)  # what q8_0 gives
+    magnitude = np.abs(xr) @ np.abs(w).T
+    if Q8_GEMM_ACTIVATIONS[qtype] == "Q8_1":  # the scale part and the minimum part are summed apart
         m = block_minimums(raw, qtype, w.shape)
-        q, d = q8_blocks(x)
-        xr = (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)
         s = (d[..., 0] * q.sum(-1)).astype(np.float16).astype(np.float64)
         magnitude = np.abs(xr) @ np.abs(w - np.repeat(m, 32, axis=1)).T + np.abs(s) @ np.abs(m).T
-        return q8_1_matmul(x, w, m), 2 * (2 * k // 32 + 2) * U * magnitude
-    xr = q8_0(x)
-    return xr @ w.T, 2 * (2 * k // 32 + 2) * U * (np.abs(xr) @ np.abs(w).T)
+    return gpu_q8_matmul(x, w, qtype, raw), 2 * (2 * k // 32 + 2) * U * magnitude
 
 
 # ---- 1. the arithmetic -----------------------------------------------------------------------------------------------
@@ -114,7 +113,7 @@ def _quantizer(rows: int, n_in: int, order: str, sums: bool) -> tirx.PrimFunc:
         if sums:
             out["xs"] = B.arg("xs", B.buffer((rows * n_in // 32,), "float32"))
         with B.serial(0, rows) as r, B.serial(0, n_in // 32) as b:
-            mmq_gemm.quantize_block(x, out, r, b, n_in, order)
+            mmq_gemm.quantize_block(x, out, r, b, n_in, order, div=lambda p, q: p / q)
     return ib.get()
 
 
@@ -210,7 +209,9 @@ def test_every_type_generates_the_integer_mma_kernel(qtype):
     assert [(str(p.dtype), [str(d) for d in p.shape]) for p in func.params] == \
         [(str(p.dtype), [str(d) for d in p.shape]) for p in lowered.params]
     quant, gemm = _kernels(_source(func))
-    assert "__shfl" not in quant and "nearbyintf" in quant
+    # a thread per block (no shuffles); the divisions IEEE's whatever --use_fast_math (127/amax; amax/127 for d and s)
+    assert "__shfl" not in quant and quant.count("nearbyintf") == 32
+    assert quant.count("__fdiv_rn(") == (3 if q8_gemm_format(qtype).with_sum else 2)
     steps_in_code = 2 + 1 + 1  # the loop's pair, the lone step after it, the last step's compute
     frags = (64 // mma_gemm.WARPS_M // 16) * (64 // mma_gemm.WARPS_N // 8)
     k16 = qtype == "Q6_K"
