@@ -72,6 +72,9 @@ def main() -> int:
                    "references round as the build does (device_check.py prepare reads the manifest)")
     p.add_argument("--no-reference", action="store_true", help="no oracle reference (7B and up: the float64 "
                    "oracle does not fit this machine; device_check prepare --no-reference)")
+    p.add_argument("--prefill-gemm", choices=("f16", "q8"), default="f16", help="compile's: q8 = llama.cpp's 8-bit "
+                   "activations in the GEMMs above 8 rows (schedules/gpu/mmq_gemm.py); the references round as the "
+                   "build does")
     p.add_argument("--megakernel-q8", action="store_true", help="an alias kept for old commands: the default build "
                    "has it")
     p.add_argument("--megakernel-tf32", action="store_true", help="an alias kept for old commands: the default "
@@ -85,7 +88,8 @@ def main() -> int:
         bundle = ["--bundle", str(args.dir / "bundle")] if i == 0 else []
         subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "prepare", "--preset", w,
                         "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16",
-                        "--precision", args.precision, *bundle, *(["--no-megakernel"] if args.no_megakernel else []),
+                        "--precision", args.precision, "--prefill-gemm", args.prefill_gemm, *bundle,
+                        *(["--no-megakernel"] if args.no_megakernel else []),
                         *(["--no-reference"] if args.no_reference else []),
                         *(["--megakernel-q8"] if args.megakernel_q8 else []),
                         *(["--megakernel-tf32"] if args.megakernel_tf32 else [])], check=True)
