@@ -676,7 +676,8 @@ def run(args: argparse.Namespace) -> int:
         result["oracle"] = NO_REFERENCE
         # torch in float32 on the dequantized weights, not emulating the 8-bit or float16 roundings: the bar is the
         # one the megakernel's 8-bit matvecs keep against the float per-op path (REL_TOL_Q8, luce_compile/checks)
-        checks["torch_reference"] = check_oracle(engine, torch_reference(gguf), REL_TOL_Q8 if q8 else REL_TOL_F16)
+        checks["torch_reference"] = check_oracle(engine, torch_reference(gguf),
+                                                 REL_TOL_Q8 if q8 or q8_prefill else REL_TOL_F16)
     result["decode_path"] = engine.decode_path
     if engine.megakernel is not None:
         per_op = _per_op_engine(artifact)
