@@ -1,13 +1,13 @@
-"""schedules/gpu/mmq_gemm.py: the prefill GEMM with 8-bit activations on integer tensor cores (--prefill-gemm q8),
-checked as far as a machine without a GPU can.
+"""schedules/gpu/mmq_gemm.py and mmq_blocks.py: the prefill GEMM with 8-bit activations on integer tensor cores
+(--prefill-gemm q8), checked as far as a machine without a GPU can.
 
-1. The arithmetic: `emulate` (the kernel's operations in numpy: exact int32 block dots, then the float32 scale and
-   minimum terms in the kernel's order) against float64 with only the activations' 8-bit rounding emulated, the
-   formula the emulating oracle uses (graph/rounding.q8_1_matmul, q8_0), on fresh random weights of every type.
-   Bound: each block adds one term d_w·d_x·C (C exact; fl(C·d_w) and the fma round once each) and, with a minimum,
-   one term m_w·s_x (one rounding): recursive float32 summation of 2·K/32 terms, each with ≤ 2 roundings, errs by at
-   most (2·K/32 + 2)·u·Σ|terms| (Higham §3.1, u = 2⁻²⁴); every output is held to twice that. A wrong scale, offset,
-   minimum or sub-block moves y by ~|y|/√(K/32), far above (the last test of the section shows one).
+1. The arithmetic: mmq_blocks.emulate (the kernel's operations in numpy: exact int32 block dots, then the float32
+   scale and minimum terms in the kernel's order) against float64 with only the activations' 8-bit rounding
+   emulated, the formula the emulating oracle uses (graph/rounding.gpu_q8_matmul), on fresh random weights of every
+   type. Bound: each block adds one term d_w·d_x·C (C exact; fl(C·d_w) and the fma round once each) and, with a
+   minimum, one term m_w·s_x (one rounding): recursive float32 summation of 2·K/32 terms, each with ≤ 2 roundings,
+   errs by at most (2·K/32 + 2)·u·Σ|terms| (Higham §3.1, u = 2⁻²⁴); every output is held to twice that. A wrong
+   scale, offset, minimum or sub-block moves y by ~|y|/√(K/32), far above (the last test of the section shows one).
 2. The statements of kernel 1 (quantize) and of the weight unpacking run on the CPU: the same TIR the GPU kernel is
    made of (quantize_block, WeightBlock), in llvm loops, bit for bit against the emulation's values.
 3. The GPU kernel's CUDA (no GPU, no nvcc): its instruction counts, barriers, signature; its sm_90 build (nvcc,
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import tvm
 from gguf import GGMLQuantizationType
-from luce_schedules.gpu import mma_gemm, mmq_gemm
+from luce_schedules.gpu import mma_gemm, mmq_blocks, mmq_gemm
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as B
@@ -77,7 +77,7 @@ def reference(qtype: str, raw: np.ndarray, w: np.ndarray, x: np.ndarray) -> tupl
 def test_emulation_is_float64_with_the_8_bit_rounding(qtype, rng):
     raw, planes, w = random_weights(qtype, 40, 768, rng)
     x = activations(rng, 24, 768)
-    got = mmq_gemm.emulate(qtype, planes, x)
+    got = mmq_blocks.emulate(qtype, planes, x)
     want, bound = reference(qtype, raw, w, x)
     assert got.dtype == np.float32 and np.all(np.abs(got - want) <= bound)
     # the 8-bit rounding is what the emulation is about: float64 without it is a thousand times further off
@@ -92,7 +92,7 @@ def test_a_wrong_sub_block_scale_breaks_the_bound(rng):
     x = activations(rng, 24, 768)
     swapped = dict(planes, sc=planes["sc"].reshape(40, -1, 2)[..., ::-1].reshape(40, -1).copy())
     want, bound = reference("Q6_K", raw, w, x)
-    assert np.any(np.abs(mmq_gemm.emulate("Q6_K", swapped, x) - want) > bound)
+    assert np.any(np.abs(mmq_blocks.emulate("Q6_K", swapped, x) - want) > bound)
 
 
 # ---- 2. kernel 1 and the weight unpacking, on the CPU ----------------------------------------------------------------
@@ -113,7 +113,7 @@ def _quantizer(rows: int, n_in: int, order: str, sums: bool) -> tirx.PrimFunc:
         if sums:
             out["xs"] = B.arg("xs", B.buffer((rows * n_in // 32,), "float32"))
         with B.serial(0, rows) as r, B.serial(0, n_in // 32) as b:
-            mmq_gemm.quantize_block(x, out, r, b, n_in, order, div=lambda p, q: p / q)
+            mmq_blocks.quantize_block(x, out, r, b, n_in, order, div=lambda p, q: p / q)
     return ib.get()
 
 
@@ -147,9 +147,9 @@ def _unpacker(qtype: str, n_out: int, n_in: int) -> tirx.PrimFunc:
         words = B.arg("words", B.buffer((n_out * nb * 8,), "uint32"))
         dw = B.arg("dw", B.buffer((n_out * nb * groups,), "float32"))
         mw = B.arg("mw", B.buffer((n_out * nb,), "float32"))
-        views = mmq_gemm.plane_views(planes)
+        views = mmq_blocks.plane_views(planes)
         with B.serial(0, n_out) as n, B.serial(0, nb) as b:
-            unit = mmq_gemm.WeightBlock(qtype, views, n, b, n_in)
+            unit = mmq_blocks.WeightBlock(qtype, views, n, b, n_in)
             unit.load()
             for s, word in enumerate(unit.words()):
                 B.buffer_store(words, word, [(n * nb + b) * 8 + s])
@@ -172,9 +172,9 @@ def test_the_weight_words_are_the_emulations_integers_in_the_activations_order(q
     outs = [np.zeros(n_out * nb * 8, np.uint32), np.zeros(n_out * nb * groups, np.float32),
             np.zeros(n_out * nb, np.float32)]
     *_, words, dw, mw = _run_cpu(_unpacker(qtype, n_out, n_in), *planes.values(), *outs)
-    q, want_dw, want_mw = mmq_gemm.weight_integers(qtype, planes)
+    q, want_dw, want_mw = mmq_blocks.weight_integers(qtype, planes)
     positions = [q8_gemm_format(qtype).position_element(p) for p in range(32)]
-    slots = mmq_gemm.Q6_SLOTS if qtype == "Q6_K" else tuple(range(8))
+    slots = mmq_blocks.Q6_SLOTS if qtype == "Q6_K" else tuple(range(8))
     in_order = words.view(np.int8).reshape(n_out, nb, 8, 4)[:, :, list(slots)].reshape(n_out, nb, 32)
     assert np.array_equal(in_order, q.reshape(n_out, nb, 32)[..., positions])
     assert np.array_equal(dw.reshape(n_out, -1), want_dw)
