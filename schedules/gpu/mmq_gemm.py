@@ -119,8 +119,10 @@ def _fma(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
     return tirx.call_pure_extern("float32", "__fmaf_rn", a, b, c)
 
 
-class _Gemm:
-    """Kernel 2's pieces, inside its launch (tx, the tile's origin m0/n0, the flat views and shared buffers)."""
+class GemmKernel:
+    """Kernel 2's pieces, inside its launch (tx, the tile's origin m0/n0, the flat views and shared buffers). Its
+    staging (load_step, store_step) has no warp-wide instruction: the tests run it on the CPU, a loop for the threads,
+    and read what it leaves in shared memory."""
 
     def __init__(self, qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], views: dict, rows, tx,
                  m0, n0, sums: bool):
@@ -372,7 +374,7 @@ def _gemm_kernel(qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], 
     bx, by, tx = B.env_thread("blockIdx.x"), B.env_thread("blockIdx.y"), B.env_thread("threadIdx.x")
     with B.launch_thread(bx, -(-n_out // tile_n)), B.launch_thread(by, (rows + (tile_m - 1)) // tile_m), \
             B.launch_thread(tx, THREADS):
-        k = _Gemm(qtype, n_out, n_in, tile, views, rows, tx, by * tile_m, bx * tile_n, sums)
+        k = GemmKernel(qtype, n_out, n_in, tile, views, rows, tx, by * tile_m, bx * tile_n, sums)
         k.alloc_shared()
         acc = B.alloc_buffer((k.frags_m * k.frags_n * 4,), "float32", scope="local")
         for i in range(k.frags_m * k.frags_n * 4):

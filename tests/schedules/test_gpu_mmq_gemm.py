@@ -8,8 +8,10 @@
    minimum, one term m_w·s_x (one rounding): recursive float32 summation of 2·K/32 terms, each with ≤ 2 roundings,
    errs by at most (2·K/32 + 2)·u·Σ|terms| (Higham §3.1, u = 2⁻²⁴); every output is held to twice that. A wrong
    scale, offset, minimum or sub-block moves y by ~|y|/√(K/32), far above (the last test of the section shows one).
-2. The statements of kernel 1 (quantize) and of the weight unpacking run on the CPU: the same TIR the GPU kernel is
-   made of (quantize_block, WeightBlock), in llvm loops, bit for bit against the emulation's values.
+2. The statements of kernel 1 (quantize), of the weight unpacking and of a whole K step's staging into shared
+   memory run on the CPU: the same TIR the GPU kernel is made of (quantize_block, WeightBlock, GemmKernel's
+   load_step and store_step), in llvm loops, bit for bit against the emulation's values and the layout the mma.sync
+   side reads (what only the GPU runs: ldmatrix and mma.sync, whose addressing is mma_gemm.py's).
 3. The GPU kernel's CUDA (no GPU, no nvcc): its instruction counts, barriers, signature; its sm_90 build (nvcc,
    ptxas) at the 8B's default tiles: registers, spills, shared memory.
 What only a GPU can check (scripts/device_check.py gemm, benchmarks/README.md "An 8-bit prefill GEMM"): the kernel's
@@ -185,6 +187,73 @@ def test_the_weight_words_are_the_emulations_integers_in_the_activations_order(q
         assert sorted(elements) == list(range(16))
         shared = words.view(np.int8).reshape(n_out, nb, 32)
         assert np.array_equal(shared[..., :16], q.reshape(n_out, nb, 32)[..., elements])
+
+
+def _stager(qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], rows: int, origin: tuple[int, int],
+            step: int, stage: int) -> tirx.PrimFunc:
+    """GemmKernel's load_step then store_step of K step `step` into `stage`, for every thread in turn (a loop on the
+    CPU), the shared buffers being arguments: what the tile's threads leave in shared memory for the mma.sync."""
+    fmt, groups = q8_gemm_format(qtype), (2 if qtype == "Q6_K" else 1)
+    (tiles, scales), _ = mmq_gemm._shared_words(qtype, tile)
+    with IRBuilder() as ib, B.prim_func():
+        B.func_name("stage")
+        planes = {pl: B.arg(pl, B.buffer(tuple(tirx.IntImm("int64", d) for d in shape), dt))
+                  for pl, (shape, dt) in plane_specs(qtype, n_out, n_in).items()}
+        x = {"xq": B.arg("xq", B.buffer((rows * n_in // 4,), "uint32"))}
+        for name in ("xd", "xs") if fmt.with_sum else ("xd",):
+            x[f"{name}:flat"] = B.arg(name, B.buffer((rows * n_in // 32,), "float32"))
+        smem = {name: B.arg(name, B.buffer((n,), "uint32")) for name, n in tiles.items()}
+        stages = {name: [B.arg(f"{name}{i}", B.buffer((n,), "float32")) for i in range(2)]
+                  for name, n in scales.items()}
+        views = mmq_blocks.plane_views(planes) | x  # (declared after every argument)
+        with B.serial(0, mma_gemm.THREADS) as tx:
+            k = mmq_gemm.GemmKernel(qtype, n_out, n_in, tile, views, rows, tx, origin[0], origin[1], fmt.with_sum)
+            k.smem, k.stage = smem, stages
+            k.store_step(stage, k.load_step(tirx.const(step, "int32")))
+    return ib.get(), groups
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+def test_a_step_leaves_each_row_and_scale_where_the_mma_reads_it(qtype, rng):
+    """The second K step of the tile at rows 64.. of 100 (rows past the batch clamped to its last) and features
+    128.. of 200 (clamped to 199), into stage 1: each x row's and weight row's 8 words a block in their slots (Q6_K's
+    permuted), padded rows; d_x [, s_x] at [block][row]; d_w, -MAGIC·d_w at [block][group][feature], m_w."""
+    n_out, n_in, tile, rows, origin, step = 200, 512, (64, 128, 128), 100, (64, 128), 1
+    _, planes, _ = random_weights(qtype, n_out, n_in, rng)
+    fmt = q8_gemm_format(qtype)
+    xq = rng.integers(0, 2**32, rows * n_in // 4, dtype=np.uint32)
+    xs = [rng.standard_normal(rows * n_in // 32).astype(np.float32) for _ in range(2 if fmt.with_sum else 1)]
+    func, groups = _stager(qtype, n_out, n_in, tile, rows, origin, step, 1)
+    (tiles, scales), _ = mmq_gemm._shared_words(qtype, tile)
+    outs = [np.zeros(n, np.uint32) for n in tiles.values()] + \
+        [np.zeros(n, np.float32) for n in scales.values() for _ in range(2)]
+    got = _run_cpu(func, *planes.values(), xq, *xs, *outs)[len(planes) + 1 + len(xs):]
+    tile_m, tile_n, tile_k = tile
+    nblk, row = tile_k // 32, mmq_gemm.row_words(tile_k)
+    slots = list(mmq_blocks.Q6_SLOTS if qtype == "Q6_K" else range(8))
+    blocks = step * nblk + np.arange(nblk)
+    x_rows = np.minimum(origin[0] + np.arange(tile_m), rows - 1)
+    want_x = xq.reshape(rows, -1, 8)[x_rows][:, blocks][..., slots]  # (tile_m, nblk, 8) words in slot order
+    xa = got[0].reshape(2, tile_m, row)[1]
+    assert np.array_equal(xa[:, :nblk * 8].reshape(tile_m, nblk, 8), want_x)
+    q, dw, mw = mmq_blocks.weight_integers(qtype, planes)
+    feats = np.minimum(origin[1] + np.arange(tile_n), n_out - 1)
+    positions = [fmt.position_element(p) for p in range(32)]
+    # the weights' quants in the activations' order of the 32 values, as words
+    in_position = np.ascontiguousarray(q.reshape(n_out, -1, 32)[..., positions].astype(np.int8))
+    want_w = in_position.view(np.uint32).reshape(n_out, -1, 8)[feats][:, blocks][..., slots]
+    wb = got[1].reshape(2, tile_n, row)[1]
+    assert np.array_equal(wb[:, :nblk * 8].reshape(tile_n, nblk, 8), want_w)
+    sx = got[2 + 2 * 0 + 1].reshape(nblk, tile_m, len(xs))  # stage 1
+    for p, plane in enumerate(xs):
+        assert np.array_equal(sx[..., p], plane.reshape(rows, -1)[x_rows][:, blocks].T)
+    sw = got[2 + 2 * 1 + 1].reshape(nblk, groups, tile_n, 2)
+    want_dw = dw.reshape(n_out, -1, groups)[feats][:, blocks].transpose(1, 2, 0)  # (nblk, groups, tile_n)
+    assert np.array_equal(sw[..., 0], want_dw) and np.array_equal(sw[..., 1], want_dw * np.float32(-12582912.0))
+    if mw is not None:
+        assert np.array_equal(got[2 + 2 * 2 + 1].reshape(nblk, tile_n), mw[feats][:, blocks].T)
+    assert not any(a.any() for a in got[2::2])  # stage 0 untouched
 
 
 # ---- 3. the GPU kernel's code and its sm_90 build -------------------------------------------------------------------
