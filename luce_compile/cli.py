@@ -261,7 +261,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                   precision=args.precision, tune_logs=args.tune_logs, use_tune_logs=not args.no_tune_logs,
                   megakernel=not args.no_megakernel, megakernel_q8=args.megakernel_q8,
                   megakernel_tf32=args.megakernel_tf32, kv_cache=args.kv_cache,
-                  prefill_attention=args.prefill_attention)
+                  prefill_attention=args.prefill_attention, prefill_gemm=args.prefill_gemm)
     print(out)
     return 0
 
@@ -483,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA with --precision f16: the prompt's attention kernels. wmma (default) = the WMMA kernel "
                         "for a prompt's first chunk; flash = mma.sync flash attention for the first chunk and every "
                         "later one (head dims up to 128, f16 KV cache; not yet checked on a GPU)")
+    s.add_argument("--prefill-gemm", choices=("f16", "q8"), default="f16",  # LowerOptions.prefill_gemm
+                   help="CUDA with --precision f16: the matmuls of more than 8 rows (prefill, verify). f16 (default) "
+                        "= float16 operands on tensor cores; q8 = llama.cpp's 8-bit activations (blocks of 32) on "
+                        "integer tensor cores, for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights (not yet checked "
+                        "on a GPU)")
     s.add_argument("--force", action="store_true",
                    help="replace an existing artifact at -o (anything else there is always refused)")
     s.add_argument("--no-megakernel", action="store_true",

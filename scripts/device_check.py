@@ -75,7 +75,7 @@ def prepare(args: argparse.Namespace) -> None:
     artifact = compile_model(gguf, args.target, out / "artifact", use_cache=not args.no_cache, overwrite=True,
                              precision=args.precision, megakernel=not args.no_megakernel,
                              megakernel_q8=args.megakernel_q8, megakernel_tf32=args.megakernel_tf32,
-                             prefill_attention=args.prefill_attention,
+                             prefill_attention=args.prefill_attention, prefill_gemm=args.prefill_gemm,
                              sliding_megakernel=args.sliding_megakernel)
     build_s = time.perf_counter() - start
     manifest = json.loads((artifact / "manifest.json").read_text())
@@ -96,6 +96,10 @@ def prepare(args: argparse.Namespace) -> None:
     if args.reference:
         rounding = {"q8_types": q8, "q8_decode_only": True, "tf32_types": tf32,
                     "half_above": LOW_BATCH[-1][0] if precision == "f16" else None}
+        # --prefill-gemm q8: those rows' matmuls of these types take 8-bit activations (llama.cpp's CUDA forms)
+        q8_prefill = tuple(manifest["kernels"].get("prefill_gemm", {}).get("q8_types", ()))
+        if q8_prefill:
+            rounding["q8_above"] = q8_prefill
         if manifest["kernels"].get("kv_cache") == "f16":  # compile's auto on a GPU: keys and values rounded
             rounding["half_kv"] = True
         ids, logits = _cached_oracle_trace(gguf, prompt, args.steps, **rounding)
@@ -107,6 +111,8 @@ def prepare(args: argparse.Namespace) -> None:
                      logits=_cached_oracle_tree(gguf, prompt, tokens, TREE_PARENTS, **rounding))
     (out / "spec.json").write_text(json.dumps({"preset": args.preset, "gguf_name": gguf.name, "target": args.target,
                                                "megakernel_q8": megakernel_q8,
+                                               "prefill_gemm": manifest["kernels"].get("prefill_gemm",
+                                                                                       {"choice": "f16"})["choice"],
                                                "megakernel_tf32": megakernel_tf32, "reference": args.reference,
                                                "precision": precision, "build_seconds": round(build_s, 1),
                                                "kv_cache": manifest["kernels"].get("kv_cache", "f32"),
@@ -191,7 +197,7 @@ def _oracle_trace(gguf: Path, prompt: list[int], steps: int, **rounding) -> tupl
 
 
 def _rounding_oracle(gguf: Path, half_above: int | None = None, q8_types: tuple[str, ...] = (), half_kv: bool = False,
-                     q8_decode_only: bool = False, tf32_types: tuple[str, ...] = ()):
+                     q8_decode_only: bool = False, tf32_types: tuple[str, ...] = (), q8_above: tuple[str, ...] = ()):
     """The float64 oracle with the build's roundings emulated (its `decoding` set by the caller after a prefill);
     half_above=N rounds both operands of the matmuls of more than N rows to float16
     (precision f16's tensor-core GEMMs; the logits rows asked of the LM head stay float32, as in the build);
@@ -200,7 +206,9 @@ def _rounding_oracle(gguf: Path, half_above: int | None = None, q8_types: tuple[
     activations a check must emulate it: its ~1e-3 moves activations across rounding boundaries, and the logits
     by ~2e-2, measured on tiny-llama); q8_decode_only: the rounding in decode steps only (an artifact built with
     --megakernel-q8: the megakernel decodes, the per-op kernels prefill); tf32_types: the weight types whose matmul
-    inputs are rounded to tf32 (the megakernel's float_mma), in decode steps only as well with q8_decode_only."""
+    inputs are rounded to tf32 (the megakernel's float_mma), in decode steps only as well with q8_decode_only;
+    q8_above: the weight types whose matmuls of more than half_above rows take 8-bit activations instead of float16
+    operands (--prefill-gemm q8: lower/q8_gemm.py's forms, those of the megakernel's matvecs)."""
     from luce_compile.graph.oracle import Oracle
     from luce_compile.graph.rounding import GgmlRounding
 
@@ -210,7 +218,7 @@ def _rounding_oracle(gguf: Path, half_above: int | None = None, q8_types: tuple[
             super().__init__(source, types=q8_types, gelu_table=False, tf32_types=tf32_types, gpu_q8_1=True)
 
     # 2-D operands: numpy's BLAS path (the same formula, ~20x faster)
-    class FastOracle(Base if q8_types or tf32_types else Oracle):
+    class FastOracle(Base if q8_types or tf32_types or q8_above else Oracle):
         decoding = False
 
         def _plain_or_rounded(self, op, x2):
@@ -220,7 +228,10 @@ def _rounding_oracle(gguf: Path, half_above: int | None = None, q8_types: tuple[
 
         def _matmul(self, op, x):
             x2 = x.reshape(-1, x.shape[-1])
-            if half_above is not None and len(x2) > half_above:
+            kind = self.gguf.tensor(op.weights["weight"]).ggml_type.name
+            if half_above is not None and len(x2) > half_above and kind in q8_above:
+                y = self._rounded_matmul(op, x2)  # the 8-bit GEMM's rounding, as the megakernel's (gpu_q8_1)
+            elif half_above is not None and len(x2) > half_above:
                 y = _half(x2) @ _half(self.weight(op.weights["weight"])).T
                 y = y + self.weight(op.weights["bias"]) if "bias" in op.weights else y
             else:
@@ -721,7 +732,8 @@ def run(args: argparse.Namespace) -> int:
     half = result["spec"].get("precision", "f32") == "f16"
     mk_options = engine.artifact.manifest.get("megakernel", {}).get("options", {})
     q8, tf32 = bool(mk_options.get("q8_activations")), bool(mk_options.get("float_mma"))
-    tol = REL_TOL_Q8 if q8 else REL_TOL_F16 if half else REL_TOL
+    q8_prefill = result["spec"].get("prefill_gemm", "f16") == "q8"  # 8-bit activations in the prefill GEMMs
+    tol = REL_TOL_Q8 if q8 or q8_prefill else REL_TOL_F16 if half else REL_TOL
     path_tol = REL_TOL_Q8 if q8 else REL_TOL_TF32 if tf32 else BATCH_TOL  # the megakernel against the per-op path
     if args.tree_only:
         return _tree_only(engine, artifact, folder, result, args, tol, path_tol)
@@ -732,7 +744,8 @@ def run(args: argparse.Namespace) -> int:
         result["oracle"] = NO_REFERENCE
         # torch in float32 on the dequantized weights, not emulating the 8-bit or float16 roundings: the bar is the
         # one the megakernel's 8-bit matvecs keep against the float per-op path (REL_TOL_Q8, luce_compile/checks)
-        checks["torch_reference"] = check_oracle(engine, torch_reference(gguf), REL_TOL_Q8 if q8 else REL_TOL_F16)
+        checks["torch_reference"] = check_oracle(engine, torch_reference(gguf),
+                                                 REL_TOL_Q8 if q8 or q8_prefill else REL_TOL_F16)
     result["decode_path"] = engine.decode_path
     if engine.megakernel is not None:
         per_op = _per_op_engine(artifact)
@@ -785,13 +798,17 @@ def check_gemms(args: argparse.Namespace) -> int:
     """Every rule-default GEMM of a tuning bundle (`luce-compile tune ... --bundle`; with --all every candidate) on
     fresh random weights (the project's quantizer, gguf/quants.py, repacked as the build repacks) and activations,
     at a few row counts: each branch of the batch dispatch against float64 numpy, plain and with float16 operands
-    (the tensor cores' rounding, exactly)."""
+    (the tensor cores' rounding, exactly), or for the 8-bit GEMM (--prefill-gemm q8: a function whose arguments end
+    with the quantized input's scratch) with its activations rounded to 8 bits as the oracle rounds them
+    (graph/rounding.gpu_q8_matmul), held to REL_TOL_Q8_GEMM above the low-batch buckets."""
     _load_runtime()
     import tvm
     from gguf import GGMLQuantizationType
     from luce_runtime.tune_bench import read_index
 
+    from luce_compile.checks import REL_TOL_Q8_GEMM
     from luce_compile.gguf.quants import dequantize, quantize
+    from luce_compile.graph.rounding import gpu_q8_matmul
     from luce_compile.lower.quant_layout import repack
 
     bundle = Path(args.bundle)
@@ -803,7 +820,9 @@ def check_gemms(args: argparse.Namespace) -> int:
         if not (cand.get("default") or args.all) or "library" not in cand or w["rule"] != "gpu.quant_gemm":
             continue
         qtype = GGMLQuantizationType[w["weight_type"]]
-        n_in, n_out = w["args"][0]["shape"][1], w["args"][-1]["shape"][1]
+        names = [a["name"] for a in w["args"]]
+        y_at = names.index("xq") - 1 if "xq" in names else len(names) - 1  # the 8-bit GEMM's scratch follows y
+        n_in, n_out = w["args"][0]["shape"][1], w["args"][y_at]["shape"][1]
         w_float = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
         raw = quantize(w_float, qtype).reshape(n_out, -1)
         wq = dequantize(raw, qtype).reshape(n_out, n_in).astype(np.float64)
@@ -812,16 +831,27 @@ def check_gemms(args: argparse.Namespace) -> int:
         for batch in args.rows:
             x = rng.standard_normal((batch, n_in)).astype(np.float32)
             out = tvm.runtime.tensor(np.zeros((batch, n_out), np.float32), device)
-            fn(tvm.runtime.tensor(x, device), *planes, out)
+            scratch = [tvm.runtime.tensor(np.zeros((batch, a["shape"][1]), a["dtype"]), device)
+                       for a in w["args"][y_at + 1:]]
+            fn(tvm.runtime.tensor(x, device), *planes, out, *scratch)
             got = out.numpy()
             plain = x.astype(np.float64) @ wq.T
-            half = _half(x.astype(np.float64)) @ _half(wq).T
-            rows.append({"function": cand["function"], "knobs": cand.get("knobs"), "rows": batch,
-                         "vs_plain": _rel(got, plain), "vs_half": _rel(got, half)})
+            row = {"function": cand["function"], "knobs": cand.get("knobs"), "rows": batch,
+                   "vs_plain": _rel(got, plain)}
+            if scratch:  # above the buckets the 8-bit GEMM; at or below them the float32 GEMVs (plain)
+                row["vs_q8"] = _rel(got, gpu_q8_matmul(x.astype(np.float64), wq, qtype.name, raw))
+                row["ok"] = (row["vs_q8"] if batch > LOW_BATCH_ROWS else row["vs_plain"]) <= REL_TOL_Q8_GEMM
+            else:
+                row["vs_half"] = _rel(got, _half(x.astype(np.float64)) @ _half(wq).T)
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
-    return 0
+    return 0 if all(r.get("ok", True) for r in rows) else 1
+
+
+# schedules/gpu/quant_gemm.LOW_BATCH's last limit (not importable there: the GPU machine has no TVM compiler)
+LOW_BATCH_ROWS = 8
 
 
 # ---- prefill attention (schedules/gpu/flash_prefill.py, attention_prefill.py) ---------------------------------------
@@ -1058,6 +1088,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="as compile's: auto is f16 (tensor-core prefill) on CUDA; the reference emulates it")
     p.add_argument("--sliding-megakernel", action="store_true", help="a model with sliding-window layers (Gemma 3) "
                    "gets its megakernels (compile_model's sliding_megakernel, off by default until a GPU ran it)")
+    p.add_argument("--prefill-gemm", choices=("f16", "q8"), default="f16",
+                   help="as compile's: q8 = 8-bit activations in the GEMMs of more than 8 rows; the reference "
+                   "rounds those matmuls' inputs as the manifest's kernels.prefill_gemm says")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="no oracle trace (7B and up: the float64 oracle needs ~8 bytes a weight, more than this "
                    "machine has); `run` then checks batched vs alone and megakernel vs per-op only")

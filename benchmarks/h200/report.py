@@ -412,6 +412,8 @@ def build_description(*runs: Path) -> str:
         text += "; the megakernels' quantized matvecs with llama.cpp's 8-bit activations (--megakernel-q8)"
     if any((s or {}).get("spec", {}).get("megakernel_tf32") for s in specs):
         text += "; the megakernels' F16/BF16 matvecs on tf32 tensor cores (--megakernel-tf32)"
+    if any((s or {}).get("spec", {}).get("prefill_gemm") == "q8" for s in specs):
+        text += "; llama.cpp's 8-bit activations in the GEMMs above 8 rows, integer tensor cores (--prefill-gemm q8)"
     kv = sorted({(s or {}).get("spec", {}).get("kv_cache") for s in specs} - {None})
     if kv:
         text += f"; KV cache {', '.join(kv)}"

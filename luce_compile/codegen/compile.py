@@ -34,7 +34,9 @@ from luce_compile.graph.ir import Graph
 from luce_compile.lower.attention_sinks import kv_head_dim
 from luce_compile.lower.cpu_int8 import resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype, resolve_kv_cache
+from luce_compile.lower.q8_gemm import Q8_GEMM_ATTR, check_prefill_gemm
 from luce_compile.lower.quant_layout import weight_planes
+from luce_compile.lower.quant_matmul import GGML_TYPE_ATTR, TENSOR_CORE_TWIN
 from luce_compile.lower.relax_model import (
     PLANE_SEP,
     LowerOptions,
@@ -76,7 +78,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
                   overwrite: bool = False, progress: Progress | None = None, precision: str = "auto",
                   tune_logs: Path | None = None, use_tune_logs: bool = True, megakernel: bool = True,
                   megakernel_q8: bool | None = None, megakernel_tf32: bool | None = None,
-                  kv_cache: str = "auto", prefill_attention: str = "wmma",
+                  kv_cache: str = "auto", prefill_attention: str = "wmma", prefill_gemm: str = "f16",
                   sliding_megakernel: bool | None = None) -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
@@ -102,6 +104,10 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     `sliding_megakernel`: a model with sliding-window layers (Gemma 3) gets decode megakernels too, and on every
     target the cache layout through which the runtime hands them TVM's pages (lower/kv_layers.py; a CPU build with
     it is how that layout is checked here); None: fuse/options.SLIDING_MEGAKERNEL (off until a GPU has run it).
+    `prefill_gemm`: the matmuls of more than 8 rows on CUDA with precision f16 (--prefill-gemm,
+    LowerOptions.prefill_gemm): "f16" (float16 operands, the default) or "q8" (llama.cpp's 8-bit activations on
+    integer tensor cores, lower/q8_gemm.py, for the weight types it takes; opt-in until it has run on a GPU),
+    recorded with the types it served as the manifest's kernels.prefill_gemm.
     """
     say = progress or (lambda _msg: None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -112,12 +118,16 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
         if on and (info.kind not in kinds or not megakernel):
             raise LuceError(f"compile: {flag} changes the decode megakernels, which only {which} targets build; "
                             f"{info.name}{'' if megakernel else ' with --no-megakernel'} has none. Drop the flag.")
+    precision = resolve_precision(precision, info.tvm_target())  # refuses int8 where it cannot run, before work
+    fast = precision == "f16"  # the GPU's default build: the megakernels round as llama.cpp's CUDA kernels do
+    if check_prefill_gemm(prefill_gemm) != "f16" and not (fast and info.kind == "cuda"):
+        raise LuceError(f"compile: --prefill-gemm {prefill_gemm} changes the tensor-core GEMM of the matmuls of more "
+                        f"than 8 rows, which only CUDA targets with precision f16 have; {info.name} with precision "
+                        f"{precision} has none. Drop the flag or use --precision f16 on a CUDA target.")
     say("hashing the model")
     gguf_sha = file_sha256(gguf_path)
-    precision = resolve_precision(precision, info.tvm_target())  # refuses int8 where it cannot run, before work
     kv_cache = resolve_kv_cache(kv_cache, info.kind in GPU_KINDS and precision == "f16")
     kv_cache_dtype(kv_cache)  # refuses a KV cache type that is not built, before work
-    fast = precision == "f16"  # the GPU's default build: the megakernels round as llama.cpp's CUDA kernels do
     megakernel_q8 = fast if megakernel_q8 is None else megakernel_q8
     megakernel_tf32 = (fast and info.kind == "cuda") if megakernel_tf32 is None else megakernel_tf32
     sliding_megakernel = SLIDING_MEGAKERNEL if sliding_megakernel is None else sliding_megakernel
@@ -129,6 +139,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
            f"{'-mktf32' if megakernel and megakernel_tf32 and info.kind == 'cuda' else ''}"
            f"{'' if kv_cache == 'f32' else f'-kv{kv_cache}'}"
            f"{'' if prefill_attention == 'wmma' else f'-pa{prefill_attention}'}"
+           f"{'' if prefill_gemm == 'f16' else f'-pg{prefill_gemm}'}"
            f"{'-mksw' if sliding_megakernel else ''}")
     cached = cache_dir() / "artifacts" / key
     if use_cache and (cached / "manifest.json").is_file():
@@ -146,7 +157,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     # otherwise be refused only when the finished artifact is loaded): refused here, in ~0.1 s
     Tokenizer.from_metadata(_tokenizer_metadata(gguf))
     lower = LowerOptions(precision=precision, kv_cache=kv_cache, prefill_attention=prefill_attention,
-                         probe_sliding_pages=sliding_megakernel)
+                         prefill_gemm=prefill_gemm, probe_sliding_pages=sliding_megakernel)
     built = _build(gguf, graph, info, gguf_sha, say, lower, tuning, megakernel, megakernel_q8, megakernel_tf32)
     try:
         if use_cache:
@@ -230,6 +241,7 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
                     "prefill_attention": {"choice": options.prefill_attention, **prefill_attention_kernels(
                         target, options.precision, options.prefill_attention, kv_head or c.head_dim,
                         kv_head or c.head_dim_v, kv_dtype)},
+                    "prefill_gemm": prefill_gemm_record(mod, options),
                     **({"tuning": tuning.to_manifest()} if tuning else {}),
                     **({"device_binaries": binaries.to_manifest()} if binaries else {})},
         "runtime": contract.to_manifest(),
@@ -239,6 +251,16 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     return write_artifact(work / "artifact", manifest_fields=manifest, weights=_weights(gguf, params),
                           export_fn=lambda path: shutil.copyfile(library, path),
                           tokenizer_metadata=_tokenizer_metadata(gguf), extra_files=extra_files)
+
+
+def prefill_gemm_record(mod, options: LowerOptions) -> dict:  # noqa: ANN001  (the lowered tvm.IRModule)
+    """The manifest's kernels.prefill_gemm: the choice, and the weight types whose matmuls of more than 8 rows take
+    the 8-bit GEMM, read from the lowered module (the others keep the float16 one): what an oracle reference for the
+    build must emulate (scripts/device_check.py prepare)."""
+    twins = [f.attrs[TENSOR_CORE_TWIN] for _, f in mod.functions_items()
+             if f.attrs and TENSOR_CORE_TWIN in f.attrs]
+    q8 = sorted({str(t.attrs[GGML_TYPE_ATTR]) for t in twins if Q8_GEMM_ATTR in t.attrs})
+    return {"choice": options.prefill_gemm, "q8_types": q8}
 
 
 def _target_fields(info: TargetInfo, target) -> dict:

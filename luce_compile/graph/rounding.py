@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from luce_compile.gguf.quants import k_quant_minimums
 from luce_compile.gguf.reader import GGUFFile
@@ -84,6 +85,32 @@ GPU_Q8_1_TYPES = ("Q4_K", "Q5_K")  # with gpu_q8_1: q8_1 activations against the
 GPU_Q8_0_TYPES = ("Q6_K",)  # with gpu_q8_1: q8_1 blocks of 32 whose sums no minimum takes, i.e. q8_0's values
 
 
+def block_minimums(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Each 32-value block's minimum term m (w = d·q + m) of a (…, K) weight's raw GGUF rows, (out, K/32) float64:
+    −dmin·mn of each sub-block for GPU_Q8_1_TYPES, the block's own m for Q4_1/Q5_1."""
+    if kind in GPU_Q8_1_TYPES:
+        return k_quant_minimums(raw, GGMLQuantizationType[kind])
+    blocks = raw.reshape(*shape[:-1], shape[-1] // 32, -1)  # block_q4_1 / block_q5_1 start with f16 d, then f16 m
+    return blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def q8_1_matmul(x: np.ndarray, w: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """x (…, K) rounded to q8_1 blocks times weights w (N, K) whose 32-value blocks have minimum terms m (N, K/32),
+    as ggml's vec_dot_q4_1_q8_1 sums it: Σ_blocks d_w·d_x·Σ q_w·q_x + m·s_x, with d·q = w − m and
+    s_x = f16(d_x · Σ q_x) from the float32 d_x (float64: only the activations' rounding is emulated)."""
+    q, d = q8_blocks(x)
+    y = (q * f16(d)).reshape(x.shape) @ (w - np.repeat(m, 32, axis=-1)).T
+    return y + f16(d[..., 0] * q.sum(-1)) @ m.T
+
+
+def gpu_q8_matmul(x: np.ndarray, w: np.ndarray, kind: str, raw: np.ndarray) -> np.ndarray:
+    """x (…, K) @ w (N, K)ᵀ in float64 with x rounded as llama.cpp's CUDA kernels round it for weight type `kind` (the
+    gpu_q8_1 forms below: the megakernel's 8-bit matvecs, the 8-bit prefill GEMM); `raw` the weight's GGUF rows."""
+    if kind in Q8_1_TYPES + GPU_Q8_1_TYPES:
+        return q8_1_matmul(x, w, block_minimums(raw, kind, w.shape))
+    return (q8_0 if kind in GPU_Q8_0_TYPES else ACTIVATION_ROUNDING[kind])(x) @ w.T
+
+
 class GgmlRounding(Oracle):
     """The oracle plus llama.cpp's CPU roundings of activations (module docstring). `types`: the weight types whose
     matmul inputs are rounded (None: every type ggml rounds for); `gelu_table`: ggml's fp16 GELU table;
@@ -100,29 +127,26 @@ class GgmlRounding(Oracle):
         self.q8_1_types = Q8_1_TYPES + (GPU_Q8_1_TYPES if gpu_q8_1 else ())
 
     def _block_minimums(self, name: str) -> np.ndarray:
-        """Each 32-value block's minimum term m (w = d·q + m), (out, n_blocks) float64."""
         info = self.gguf.tensor(name)
-        if info.ggml_type.name in GPU_Q8_1_TYPES:  # −dmin·m of each sub-block of 32
-            return k_quant_minimums(self.gguf.raw(name), info.ggml_type)
-        # block_q4_1 / block_q5_1 start with f16 d, then f16 m
-        blocks = self.gguf.raw(name).reshape(*info.shape[:-1], info.shape[-1] // 32, -1)
-        return blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)  # (out, n_blocks)
+        return block_minimums(self.gguf.raw(name), info.ggml_type.name, info.shape)
 
     def _matmul(self, op, x):
-        name = op.weights["weight"]
-        kind = self.gguf.tensor(name).ggml_type.name
+        kind = self.gguf.tensor(op.weights["weight"]).ggml_type.name
         if kind in self.tf32_types:
             return super()._matmul(op, tf32(x))
         if self.types is not None and kind not in self.types:
             return super()._matmul(op, x)
+        return self._rounded_matmul(op, x)
+
+    def _rounded_matmul(self, op, x):
+        """The matmul with x rounded as llama.cpp rounds it for the weight's type, whatever `types` says (a caller
+        that rounds only some matmuls, scripts/device_check.py's oracle for --prefill-gemm q8, picks them itself)."""
+        name = op.weights["weight"]
+        kind = self.gguf.tensor(name).ggml_type.name
         if kind not in self.q8_1_types:
             rounding = q8_0 if self.gpu_q8_1 and kind in GPU_Q8_0_TYPES else ACTIVATION_ROUNDING.get(kind)
             return super()._matmul(op, rounding(x) if rounding else x)
-        # q8_1 · q4_1 = Σ_blocks d_w·d_x·Σ q_w·q_x + m_w·s_x, with s_x = f16(d_x · Σ q_x) from the float32 d_x
-        q, d = q8_blocks(x)
-        m = self._block_minimums(name)
-        y = (q * f16(d)).reshape(x.shape) @ (self.weight(name) - np.repeat(m, 32, axis=-1)).T
-        y = y + f16(d[..., 0] * q.sum(-1)) @ m.T
+        y = q8_1_matmul(x, self.weight(name), self._block_minimums(name))
         return y + self.weight(op.weights["bias"]) if "bias" in op.weights else y
 
     _lm_head = _matmul

@@ -270,11 +270,15 @@ def quant_matmul(
     out_dtype: str = "float32",
     compute_dtype: str = "float32",
     name: str | None = None,
+    scratch: Mapping[str, tuple[tuple, str]] | None = None,
 ) -> tirx.PrimFunc:
     """y = x @ dequant(W)ᵀ: PrimFunc(x (batch, n_in), *planes, y (batch, n_out)); batch=1 is the GEMV (decode).
 
     compute_dtype="float16" rounds both operands to half precision before the float32 sums (an "x_half" block
-    casts x; "dequantize" writes float16): the form tensor cores multiply (schedules/gpu/tensor_gemm.py)."""
+    casts x; "dequantize" writes float16): the form tensor cores multiply (schedules/gpu/tensor_gemm.py).
+    `scratch`: name → ((rows, columns), dtype) of more arguments after y that the computation does not use (a
+    string rows is the batch), which a kernel scheduled for the function may write: the 8-bit GEMM's quantized input
+    (lower/q8_gemm.py)."""
     qtype = as_ggml_type(ggml_type)
     _check_dtype("x_dtype", x_dtype)
     _check_dtype("out_dtype", out_dtype)
@@ -295,7 +299,9 @@ def quant_matmul(
         y = te.compute(_i64(rows, n_out), lambda b, n: y[b, n].astype(out_dtype), name="cast")
     kind = "gemv" if batch == 1 else f"gemm{'' if batch == 'dynamic' else batch}"
     symbol = name or f"quant_matmul_{qtype.name.lower()}_{n_out}x{n_in}_{kind}"
-    return te.create_prim_func([x, *planes.values(), y]).with_attr("global_symbol", symbol)
+    extra = [te.placeholder(_i64(rows if isinstance(r, str) else r, c), dtype, name=arg)
+             for arg, ((r, c), dtype) in (scratch or {}).items()]
+    return te.create_prim_func([x, *planes.values(), y, *extra]).with_attr("global_symbol", symbol)
 
 
 def with_tensor_core_twin(func: tirx.PrimFunc, ggml_type: GGMLQuantizationType | str, n_out: int, n_in: int, *,

@@ -38,8 +38,9 @@ from luce_compile.lower.cpu_int8 import int8_linear, resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype
 from luce_compile.lower.kv_layers import cache_layers
 from luce_compile.lower.moe import check_target, lower_moe
+from luce_compile.lower.q8_gemm import Q8_GEMM_ATTR, q8_gemm_format, q8_gemm_matmul, scratch_specs
 from luce_compile.lower.quant_layout import plane_specs
-from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul, with_tensor_core_twin
+from luce_compile.lower.quant_matmul import TENSOR_CORE_TWIN, quant_embedding, quant_matmul, with_tensor_core_twin
 from luce_compile.lower.rope import rope_func
 
 PLANE_SEP = "::"
@@ -68,6 +69,10 @@ class LowerOptions:
     # a model with sliding-window layers gets the cache layout through which the runtime's page probe reads its
     # pages (lower/kv_layers.py): what its megakernels need (compile_model's sliding_megakernel)
     probe_sliding_pages: bool = False
+    # the matmuls of more than 8 rows on CUDA with precision f16 (prefill, verify): "f16" (schedules/gpu/mma_gemm.py,
+    # float16 operands) or "q8" (mmq_gemm.py: llama.cpp's 8-bit activations on integer tensor cores, for the weight
+    # types of lower/q8_gemm.py; opt-in until it has run on a GPU); the manifest's kernels.prefill_gemm records it
+    prefill_gemm: str = "f16"
 
 
 def weight_specs(info: TensorInfo) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -175,7 +180,10 @@ class GraphModule(nn.Module):
         kind = "gemv" if batch == 1 else "gemm"
         func = self._kernel(("mm", info.ggml_type, n, k, batch), lambda: self._matmul_func(info, n, k, batch, kind))
         out = nn.Tensor.placeholder((x2.shape[0], n), self.options.dtype)
-        y = op.tensor_ir_op(func, func.attrs["global_symbol"], [x2, *self._planes(tensor)], out)
+        scratch = q8_gemm_scratch(func, info, k, x2.shape[0])
+        y = op.tensor_ir_op(func, func.attrs["global_symbol"], [x2, *self._planes(tensor)],
+                            [out, *scratch] if scratch else out)
+        y = y[0] if scratch else y
         if bias is not None:
             y = y + self._vector(bias)
         return op.reshape(y, (*lead, n))
@@ -185,6 +193,8 @@ class GraphModule(nn.Module):
         func = quant_matmul(info.ggml_type, n, k, batch=batch, x_dtype=dtype, out_dtype=dtype,
                             name=f"{kind}_{info.ggml_type.name.lower()}_{n}x{k}")
         if self.precision == "f16" and batch == "dynamic":  # many rows: tensor cores (precision f16, CUDA)
+            if self.options.prefill_gemm == "q8" and dtype == "float32" and q8_gemm_format(info.ggml_type):
+                return q8_gemm_matmul(info.ggml_type, n, k, name=f"{kind}_{info.ggml_type.name.lower()}_{n}x{k}")
             func = with_tensor_core_twin(func, info.ggml_type, n, k, x_dtype=dtype, out_dtype=dtype)
         return func
 
@@ -253,6 +263,15 @@ def prefill_attention_tiles(target: tvm.target.Target, head_dim: int, dtype: str
 
 
 PREFILL_ATTENTION = ("flash", "wmma")
+
+
+def q8_gemm_scratch(func: tirx.PrimFunc, info: TensorInfo, k: int, rows) -> list[nn.Tensor]:
+    """The 8-bit GEMM's scratch outputs (its quantized input, lower/q8_gemm.py) where func is one, else []."""
+    twin = func.attrs.get(TENSOR_CORE_TWIN) if func.attrs else None
+    if twin is None or Q8_GEMM_ATTR not in twin.attrs:
+        return []
+    specs = scratch_specs(q8_gemm_format(info.ggml_type), k, rows)
+    return [nn.Tensor.placeholder(shape, dtype) for shape, dtype in specs.values()]
 
 
 def prefill_attention_kernels(target: tvm.target.Target, precision: str, choice: str, head_dim: int, head_dim_v: int,

@@ -27,13 +27,14 @@ from typing import ClassVar
 
 import tvm_ffi.structural
 from luce_schedules.cpu.quant_matmul import match_matmul
-from luce_schedules.gpu import mma_gemm
+from luce_schedules.gpu import mma_gemm, mmq_gemm
 from luce_schedules.gpu.base import GPURule, sm_count
 from luce_schedules.gpu.tensor_gemm import TensorCoreGEMM
 from tvm import IRModule, ir, s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
+from luce_compile.lower.q8_gemm import Q8_GEMM_ATTR
 from luce_compile.lower.quant_matmul import GGML_TYPE_ATTR, TENSOR_CORE_TWIN
 
 # (largest batch, LowBatchGEMV bucket), smallest first; a batch above the last goes to Matmul
@@ -99,9 +100,13 @@ def tensor_core_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, target: Target,
                      knobs: dict[str, int]) -> Dispatched | None:
     """The twin's computation on tensor cores, with func's parameters (the same signature), so that
     dispatch_on_batch can put it beside schedules of func itself: mma_gemm's kernel (knobs["kernel"] 1) or the twin
-    scheduled by TensorCoreGEMM (0, or a K mma_gemm does not take); None where neither applies."""
+    scheduled by TensorCoreGEMM (0, or a K mma_gemm does not take); None where neither applies. A twin marked
+    Q8_GEMM_ATTR (--prefill-gemm q8) takes mmq_gemm's 8-bit kernel at knob kernel 1 and nothing else: its
+    arithmetic is the build's choice, not a tuning candidate's."""
     n_in, n_out = (int(twin.params[i].shape[1]) for i in (0, -1))
     qtype = str(twin.attrs[GGML_TYPE_ATTR]) if GGML_TYPE_ATTR in twin.attrs else None
+    if Q8_GEMM_ATTR in twin.attrs:
+        return _q8_gemm(func, twin, qtype, n_out, n_in, target, knobs)
     if knobs.get("kernel", 1) == 1 and qtype is not None and mma_gemm.supports(qtype, n_in):
         tile_m, tile_n, tile_k = mma_gemm.default_tile(n_out, sm_count(target, 132))
         x_dtype, out_dtype = (str(twin.params[i].dtype) for i in (0, -1))
@@ -113,6 +118,18 @@ def tensor_core_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, target: Target,
     if sch is None:
         return None
     return Dispatched(IRModule({"main": func.with_body(_rebound(sch.mod["main"], func))}))
+
+
+def _q8_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, qtype: str | None, n_out: int, n_in: int, target: Target,
+             knobs: dict[str, int]) -> Dispatched:
+    x_dtype = str(twin.params[0].dtype)
+    if knobs.get("kernel", 1) != 1 or qtype is None or not mmq_gemm.supports(qtype, n_in, x_dtype):
+        raise ValueError(f"gpu.quant_gemm: a --prefill-gemm q8 function ({qtype}, K={n_in}, x {x_dtype}) runs only "
+                         f"mmq_gemm's kernel (knob kernel 1), got knobs {knobs}")
+    tile_m, tile_n, tile_k = mmq_gemm.default_tile(n_out, sm_count(target, 132))
+    kernel = mmq_gemm.mmq_gemm(qtype, n_out, n_in, tile_m=knobs.get("tile_m") or tile_m,
+                               tile_n=knobs.get("tile_n") or tile_n, tile_k=knobs.get("tile_k") or tile_k)
+    return Dispatched(IRModule({"main": func.with_body(_rebound(kernel, func))}))
 
 
 def _rebound(other: tirx.PrimFunc, func: tirx.PrimFunc) -> tirx.Stmt:

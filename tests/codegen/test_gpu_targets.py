@@ -294,3 +294,28 @@ def test_gemma3_artifacts_carry_megakernels_only_when_asked(tmp_path):
     mk = sections[True]
     assert mk["batches"] == [1, 2, 4, 8] and "skipped" not in mk
     assert {r["kernel"] for r in mk["resources"]} == {f"megakernel_b{b}" for b in mk["batches"]}
+
+
+@pytest.mark.slow
+def test_prefill_gemm_q8_builds_the_integer_mma_kernels(tmp_path):
+    """--prefill-gemm q8: the tiny llama in Q4_1 (its LM head Q8_0) for sm_90: the manifest records the choice and the
+    types it served, and every gemm kernel's SASS above the buckets holds integer tensor-core mma (IMMA.16832) fed by
+    ldmatrix (LDSM), where the default build's hold HMMA.16816 (~25 s: no megakernel)."""
+    from luce_compile.codegen.compile import compile_model
+    from luce_compile.codegen.device_binaries import _cuobjdump_env
+    from luce_compile.codegen.gpu_toolchain import find_tool
+    from luce_compile.synthetic import cached_synthetic
+
+    gguf = cached_synthetic("tiny-llama@Q4_1")
+    artifact = compile_model(gguf, "sm_90", tmp_path / "q8", megakernel=False, prefill_gemm="q8")
+    kernels = json.loads((artifact / "manifest.json").read_text())["kernels"]
+    assert kernels["prefill_gemm"] == {"choice": "q8", "q8_types": ["Q4_1", "Q8_0"]}
+    (binary,) = extract_binaries((artifact / "model.so").read_bytes())
+    path = tmp_path / "model.fatbin"
+    path.write_bytes(binary.data)
+    sass = subprocess.run([find_tool("cuobjdump"), "-sass", str(path)], capture_output=True, text=True,
+                          env=_cuobjdump_env(), check=True).stdout
+    bodies = {part.split()[0]: part for part in sass.split("Function : ")[1:]}
+    gemm = [body for name, body in bodies.items() if name.startswith("gemm_")]
+    integer = [body for body in gemm if "IMMA.16832.S8.S8" in body]
+    assert integer and all("LDSM" in body for body in integer) and not any("HMMA" in body for body in gemm)

@@ -15,6 +15,7 @@ from luce_schedules.gpu.tensor_gemm import TensorCoreGEMM, accumulator_scope
 from tvm import s_tir, tirx
 from tvm.target import Target
 
+from luce_compile.lower.q8_gemm import q8_gemm_matmul
 from luce_compile.lower.quant_matmul import TENSOR_CORE_TWIN, quant_matmul, with_tensor_core_twin
 
 TARGET = Target({"kind": "cuda", "arch": "sm_90", "max_shared_memory_per_block": 49152,
@@ -112,6 +113,30 @@ def test_a_tuned_tile_runs_up_to_twice_its_measured_rows_the_default_above():
     for knobs, measured in ((QuantGEMM().knobs(), {"batch": 512}), (tuned, {})):
         (out,) = QuantGEMM().apply_measured(func, TARGET, knobs, measured)
         assert [limit for limit, _ in _branches(out.mod["main"])] == [limit for limit, _ in LOW_BATCH]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_a_q8_function_runs_the_8_bit_kernel_above_the_buckets(qtype):
+    """--prefill-gemm q8 (lower/q8_gemm.py): above the buckets the quantizer then mmq_gemm.py's integer mma.sync
+    kernel, on the function's own parameters (its scratch included); the buckets stay float32 SIMT. Its arithmetic
+    is the build's, not a tuning candidate's: knob kernel 0 (WMMA, float16 operands) is refused as invalid."""
+    func = q8_gemm_matmul(qtype, 256, 512, name=f"gemm_{qtype.lower()}_256x512")
+    (out,) = QuantGEMM().apply(func, TARGET)
+    scheduled = out.mod["main"]
+    assert list(scheduled.params) == list(func.params) and "xq" in [p.name for p in func.params]
+    branches = _branches(scheduled)
+    assert [limit for limit, _ in branches] == [limit for limit, _ in LOW_BATCH]
+    low, above = branches[-1][1].split("else:", 1)
+    assert "T.ptx" not in "".join(text for _, text in branches[:-1]) + low
+    source = _cuda_source(scheduled)
+    assert "mma_int_sync_aligned_m16n8k" in source and "m16n8k16_row_col_f32_f16" not in source
+    kernels = re.findall(r"__global__[^;{]*\{", source)
+    assert len(kernels) == len(LOW_BATCH) + 2  # the buckets', the quantizer, the GEMM
+    tuned = QuantGEMM().apply(func, TARGET, {"kernel": 1, "tile_m": 32, "tile_n": 64, "tile_k": 64})
+    assert "+ 31) // 32" in _branches(tuned[0].mod["main"])[-1][1].split("else:", 1)[1]
+    with pytest.raises(ValueError, match="q8"):
+        QuantGEMM().apply(func, TARGET, {"kernel": 0})
 
 
 @pytest.mark.unit
