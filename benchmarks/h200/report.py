@@ -331,6 +331,24 @@ def spec_replay_lines(replay: dict[str, Any] | None) -> list[str]:
         steps, accepted = sum(r["steps"] for r in rs), sum(r["accepted"] for r in rs)
         lines.append(f"| {task} | {name} | {len(rs)} | {tokens} | {tokens / plain_s:,.0f} | {tokens / spec_s:,.0f} | "
                      f"{plain_s / spec_s:.2f}× | {(accepted + steps) / steps if steps else 0:.2f} |")
+    return lines + tree_position_lines(replay.get("tasks", []))
+
+
+def tree_position_lines(tasks: list[dict[str, Any]]) -> list[str]:
+    """The replayed token trees' acceptance per position (spec_replay.py's `positions`, issue 39): at each depth
+    after the pending token, the chain's tokens and the siblings accepted of those proposed."""
+    trees = [t for t in tasks if t.get("positions")]
+    if not trees:
+        return []
+    lines = ["", "Token trees replayed (the draft tree's steps: the trace's tree shape, its accepted path through the "
+             "chain or a sibling): accepted / proposed at each depth after the pending token.", "",
+             "| task | drafter | tree steps | steps replayed exactly | depth | chain | siblings |",
+             "|---|---|---|---|---|---|---|"]
+    for t in trees:
+        for d, pos in enumerate(t["positions"]):
+            (ca, cp), (sa, sp) = pos["chain"], pos["sibling"]
+            lines.append(f"| {t['task']} | {t['drafter']} | {t['tree_steps']} | {t['replayed']} / {t['steps']} | {d} | "
+                         f"{ca} / {cp} | {sa} / {sp} |")
     return lines
 
 

@@ -14,9 +14,18 @@
 # llama.cpp (its build is 5 of the ~7 minutes): luce-compile and torch only, e.g. to re-measure after a change.
 # UNTUNED=.gpucheck/h200-untuned (benchmarks/h200/prepare.py --untuned, carried too) also times each workload's
 # artifact compiled without the tuning logs, right after the tuned one: tuned vs untuned in the same run.
-# SPEC_TRACE=benchmarks/results/spec-<date>.json (with the pair among WORKLOADS: prepare.py --no-megakernel --dir
-# .gpucheck/spec --workloads qwen2.5-coder-1.5b qwen2.5-coder-0.5b, and H=.gpucheck/spec) then replays speculation on
-# the pair.
+# SPEC_TRACE=benchmarks/results/spec-<date>.json (with the pair among WORKLOADS: prepare.py --dir .gpucheck/spec
+# --workloads qwen2.5-coder-1.5b qwen2.5-coder-0.5b, and H=.gpucheck/spec) then replays speculation on the pair;
+# SPEC_PAIR="TARGET DRAFT" names another pair. Token trees (issue 39) replay where the trace has them (spec.py
+# --drafters "draft model,prompt lookup,draft tree"): the 7B target with the 0.5B draft, forcing the 1.5B's trace:
+#   here:  .venv/bin/python benchmarks/spec.py --drafters "draft model,prompt lookup,draft tree" --branch 0.1 \
+#            --humaneval 8 --edits 8   (commit results/spec-<date>.json: the device call reads it from the tree)
+#          .venv/bin/python benchmarks/h200/prepare.py --dir .gpucheck/spec7b --no-reference \
+#            --workloads qwen2.5-7b qwen2.5-coder-0.5b-vocab
+#   there (carry [".gpucheck/spec7b"]): H=.gpucheck/spec7b WORKLOADS="qwen2.5-7b qwen2.5-coder-0.5b-vocab" CHECKS="" \
+#            SPEC_PAIR="qwen2.5-7b qwen2.5-coder-0.5b-vocab" SPEC_TRACE=benchmarks/results/spec-<date>.json \
+#            LLAMA_CPP=0 TORCH=0 PROFILE=0 REPEAT=1 bash benchmarks/h200/run.sh
+#   and here: report.py RUN (its replay section has the trees' acceptance per position).
 # PEROP=1 also times each artifact's decode with the per-op kernels (bench --no-megakernel): ours-perop.json.
 # SERVED=1 adds the served batch-invariance check to each workload's checks (device_check run --served: 8 concurrent
 # greedy requests on `serve --deterministic`'s scheduler against each alone).

@@ -169,13 +169,16 @@ def _together(items: list, call: Callable[[list], Sequence]) -> list[tuple[Any, 
 
 class GenerationLoop:
     """Steps the generations of one engine (module docstring). stats count the speculating generations' target
-    forwards, drafts and accepted drafts; trace, when a list, gets each verify's (drafted, accepted)."""
+    forwards, drafts and accepted drafts; trace, when a list, gets each verify's (drafted, accepted); trees, when a
+    dict too, gets each token tree's (parents, path) keyed by its verify's index in trace: the tree as verified
+    (Draft.parents) and the draft index of each accepted token, root first (benchmarks replay them)."""
 
     def __init__(self, engine: Engine, *, isolate: Callable | None = None,
                  fail: Callable[[Generation, Exception], None] | None = None):
         self.engine = engine
         self.stats = SpecStats()
         self.trace: list[tuple[int, int]] | None = None
+        self.trees: dict[int, tuple[list[int], list[int]]] | None = None
         self._isolate = isolate or _together  # (items, call) → [(item, result)] of the items that did not fail
         self._fail = fail
         self.decoded = 0  # generations the last step decoded plainly (in one batched call)
@@ -343,6 +346,8 @@ class GenerationLoop:
         self.stats.branch_accepted += sum(c - 1 >= draft.chain for c in path)
         if self.trace is not None:
             self.trace.append((len(draft.tokens), len(path)))
+            if self.trees is not None:
+                self.trees[len(self.trace) - 1] = (list(draft.parents), [c - 1 for c in path])
         if g.spec is not None:
             g.spec.length.update(draft.chain, min(len(path), draft.chain))
         if not g.done:

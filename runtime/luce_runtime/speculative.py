@@ -418,6 +418,15 @@ class SpeculativeDecoder:
     def trace(self, trace: list[tuple[int, int]] | None) -> None:
         self.loop.trace = trace
 
+    @property
+    def trees(self) -> dict[int, tuple[list[int], list[int]]] | None:
+        """A dict, with trace a list: each token tree's (parents, accepted path) by its step in trace (benchmarks)."""
+        return self.loop.trees
+
+    @trees.setter
+    def trees(self, trees: dict[int, tuple[list[int], list[int]]] | None) -> None:
+        self.loop.trees = trees
+
     def _spec(self):
         from luce_runtime.generation import Speculating
 

@@ -172,6 +172,15 @@ def test_spec_replay_section_sums_each_task_and_drafter(report, tmp_path):
     assert report.spec_replay_lines(report.collect(tmp_path / "tiny").get("spec_replay")) == []
 
 
+def test_spec_replay_section_lists_tree_positions(report):
+    tasks = [{"task": "code-edit", "drafter": "draft model", "steps": 4, "replayed": 4},
+             {"task": "code-edit", "drafter": "draft tree", "steps": 5, "replayed": 5, "tree_steps": 3,
+              "positions": [{"chain": [3, 3], "sibling": [0, 1]}, {"chain": [1, 3], "sibling": [1, 2]}]}]
+    lines = report.tree_position_lines(tasks)
+    assert "| code-edit | draft tree | 3 | 5 / 5 | 1 | 1 / 3 | 1 / 2 |" in lines
+    assert not any("draft model" in line for line in lines) and report.tree_position_lines(tasks[:1]) == []
+
+
 def test_build_description_names_the_8_bit_megakernel(report, tmp_path):
     """An artifact built with prepare.py --megakernel-q8 says so in the table's header (device_check prepare records
     it in spec.json, which check.json carries)."""
