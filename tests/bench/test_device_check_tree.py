@@ -49,7 +49,9 @@ def test_tree_check_passes_the_oracles_tree_and_fails_a_mixed_up_one(tiny, engin
         assert result["ok"] != swapped, result
         assert result["vs_oracle"]["rows"] == len(tokens) + 1 and not result["device_ids_mismatched"]
         if not swapped:
-            assert result["vs_per_op"]["max_rel_err"] <= 1e-4 and result["vs_oracle"]["max_rel_err"] <= 1e-6
+            # the last row is the float32 kernels' decode after the commit: a few 1e-7 to ~1.3e-6 from float64 by the
+            # seed (LUCE_TEST_SEED=3109227677 gave 1.3e-6), so 1e-5; a node in the wrong slot is off by O(1)
+            assert result["vs_per_op"]["max_rel_err"] <= 1e-4 and result["vs_oracle"]["max_rel_err"] <= 1e-5
     finally:
         for name, value in saved.items():
             setattr(engine, name, value)
