@@ -63,6 +63,7 @@ NO_REFERENCE = ("not run: the float64 oracle cannot hold this model on the 24 Gi
 
 # ---- prepare (build machine) --------------------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> None:
+    from luce_runtime.kv_memory import sliding_window
     from luce_schedules.gpu.quant_gemm import LOW_BATCH
 
     from luce_compile.codegen.compile import compile_model
@@ -104,7 +105,7 @@ def prepare(args: argparse.Namespace) -> None:
             rounding["half_kv"] = True
         ids, logits = _cached_oracle_trace(gguf, prompt, args.steps, **rounding)
         np.savez(out / "reference.npz", prompt=np.array(prompt, np.int32), ids=np.array(ids, np.int32), logits=logits)
-        if not _window(manifest["config"]):  # sliding-window layers verify chains only (check_window_verify)
+        if not sliding_window(manifest["config"]):  # sliding-window layers verify chains only (check_window_verify)
             tokens = reference_tree(ids, logits)
             np.savez(out / "tree_reference.npz", tokens=np.array(tokens, np.int32),
                      parents=np.array(TREE_PARENTS, np.int32),
@@ -421,11 +422,6 @@ def random_masks(rng: np.random.Generator, logits: np.ndarray) -> list[np.ndarra
             allowed[:] = False
         out.append(np.packbits(np.pad(allowed, (0, -vocab % 32)), bitorder="little").view(np.int32))
     return out
-
-
-def _window(config: dict) -> int:
-    """The model's sliding window where any layer slides, else 0."""
-    return int(config.get("sliding_window") or 0) if any(config.get("sliding") or ()) else 0
 
 
 def check_paths(engine, per_op, steps: int = 64, seed: int = 2, tol: float = BATCH_TOL) -> dict:

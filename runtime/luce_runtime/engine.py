@@ -34,7 +34,7 @@ from tvm.runtime import vm as tvm_vm  # noqa: E402
 from luce_runtime.artifact import Artifact, load_artifact  # noqa: E402
 from luce_runtime.contract import OPTIONAL_FUNCTIONS, REQUIRED_FUNCTIONS, Fn, KVCacheArgs, RuntimeContract  # noqa: E402
 from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
-from luce_runtime.kv_memory import check_context  # noqa: E402
+from luce_runtime.kv_memory import check_context, sliding_window  # noqa: E402
 from luce_runtime.kv_pages import KVPages  # noqa: E402
 from luce_runtime.megakernel import MAX_TREE_ROWS, Megakernel, off_path_words  # noqa: E402
 from luce_runtime.sampler import SamplingParams, masked_argmax  # noqa: E402
@@ -220,8 +220,7 @@ class Engine:
         self._fns = {str(f): self.vm[str(f)] for f in REQUIRED_FUNCTIONS}
         self._fns.update({str(f): self.vm[str(f)] for f in OPTIONAL_FUNCTIONS if str(f) in self.contract.functions})
         weights = self.artifact.weights()
-        window = int(self.config.get("sliding_window") or 0)
-        self.sliding_window = window if window and any(self.config.get("sliding", ())) else 0
+        self.sliding_window = sliding_window(self.config)
         # every live sequence may grow to max_context; pages are whole, so round each one up (+1 spare page)
         pages_per_seq = -(-self.max_context // self.page_size) + 1
         args = KVCacheArgs(max_batch_size=self.options.max_batch,

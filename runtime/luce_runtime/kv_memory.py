@@ -88,6 +88,12 @@ def check_context(config: dict, context: int) -> int:
     return context or min(trained, 4096)
 
 
+def sliding_window(config: dict) -> int:
+    """The model's sliding window where any of its layers slides (Gemma 3, gpt-oss), else 0."""
+    window = int(config.get("sliding_window") or 0)
+    return window if window and any(config.get("sliding") or ()) else 0
+
+
 def weights_bytes(manifest: dict) -> int:
     """The bytes of an artifact's weights as the engine loads them (its manifest's planes)."""
     return sum(int(p.get("nbytes", 0)) for p in manifest.get("weights", {}).get("params", []))
