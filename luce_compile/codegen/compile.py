@@ -34,7 +34,7 @@ from luce_compile.graph.ir import Graph
 from luce_compile.lower.attention_sinks import kv_head_dim
 from luce_compile.lower.cpu_int8 import resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype, resolve_kv_cache
-from luce_compile.lower.q8_gemm import Q8_GEMM_ATTR, check_prefill_gemm
+from luce_compile.lower.q8_gemm import check_prefill_gemm, is_q8_gemm
 from luce_compile.lower.quant_layout import weight_planes
 from luce_compile.lower.quant_matmul import GGML_TYPE_ATTR, TENSOR_CORE_TWIN
 from luce_compile.lower.relax_model import (
@@ -257,9 +257,8 @@ def prefill_gemm_record(mod, options: LowerOptions) -> dict:  # noqa: ANN001  (t
     """The manifest's kernels.prefill_gemm: the choice, and the weight types whose matmuls of more than 8 rows take
     the 8-bit GEMM, read from the lowered module (the others keep the float16 one): what an oracle reference for the
     build must emulate (scripts/device_check.py prepare)."""
-    twins = [f.attrs[TENSOR_CORE_TWIN] for _, f in mod.functions_items()
-             if f.attrs and TENSOR_CORE_TWIN in f.attrs]
-    q8 = sorted({str(t.attrs[GGML_TYPE_ATTR]) for t in twins if Q8_GEMM_ATTR in t.attrs})
+    q8 = sorted({str(f.attrs[TENSOR_CORE_TWIN].attrs[GGML_TYPE_ATTR]) for _, f in mod.functions_items()
+                 if is_q8_gemm(f)})
     return {"choice": options.prefill_gemm, "q8_types": q8}
 
 

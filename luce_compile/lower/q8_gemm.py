@@ -29,7 +29,7 @@ from tvm import tirx
 
 from luce_compile.lower.cpu_int8 import INT8_FORMATS, Q8Format
 from luce_compile.lower.quant_layout import as_ggml_type
-from luce_compile.lower.quant_matmul import quant_matmul, with_tensor_core_twin
+from luce_compile.lower.quant_matmul import TENSOR_CORE_TWIN, quant_matmul, with_tensor_core_twin
 
 PREFILL_GEMMS = ("f16", "q8")  # --prefill-gemm: the float16 tensor-core GEMM (mma_gemm.py), or this one
 # attr of the float16 twin of a function built for the 8-bit GEMM: schedules/gpu/quant_gemm.py then runs mmq_gemm.py
@@ -75,8 +75,13 @@ def q8_gemm_matmul(ggml_type: GGMLQuantizationType | str, n_out: int, n_in: int,
                          f"{sorted(Q8_GEMM_ACTIVATIONS)}")
     func = quant_matmul(ggml_type, n_out, n_in, name=name, scratch=scratch_specs(fmt, n_in))
     func = with_tensor_core_twin(func, ggml_type, n_out, n_in)
-    twin = func.attrs["luce.tensor_core_twin"]
-    return func.with_attr("luce.tensor_core_twin", twin.with_attr(Q8_GEMM_ATTR, True))
+    return func.with_attr(TENSOR_CORE_TWIN, func.attrs[TENSOR_CORE_TWIN].with_attr(Q8_GEMM_ATTR, True))
+
+
+def is_q8_gemm(func: tirx.PrimFunc) -> bool:
+    """Whether func is q8_gemm_matmul's: its float16 twin carries Q8_GEMM_ATTR."""
+    twin = func.attrs.get(TENSOR_CORE_TWIN) if func.attrs else None
+    return twin is not None and Q8_GEMM_ATTR in twin.attrs
 
 
 def scratch_specs(fmt: Q8Format, n_in: int, rows: int | str = "batch") -> dict[str, tuple[tuple, str]]:

@@ -38,9 +38,9 @@ from luce_compile.lower.cpu_int8 import int8_linear, resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype
 from luce_compile.lower.kv_layers import cache_layers
 from luce_compile.lower.moe import check_target, lower_moe
-from luce_compile.lower.q8_gemm import Q8_GEMM_ATTR, q8_gemm_format, q8_gemm_matmul, scratch_specs
+from luce_compile.lower.q8_gemm import is_q8_gemm, q8_gemm_format, q8_gemm_matmul, scratch_specs
 from luce_compile.lower.quant_layout import plane_specs
-from luce_compile.lower.quant_matmul import TENSOR_CORE_TWIN, quant_embedding, quant_matmul, with_tensor_core_twin
+from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul, with_tensor_core_twin
 from luce_compile.lower.rope import rope_func
 
 PLANE_SEP = "::"
@@ -189,12 +189,12 @@ class GraphModule(nn.Module):
         return op.reshape(y, (*lead, n))
 
     def _matmul_func(self, info: TensorInfo, n: int, k: int, batch: int | str, kind: str) -> tirx.PrimFunc:
-        dtype = self.options.dtype
-        func = quant_matmul(info.ggml_type, n, k, batch=batch, x_dtype=dtype, out_dtype=dtype,
-                            name=f"{kind}_{info.ggml_type.name.lower()}_{n}x{k}")
-        if self.precision == "f16" and batch == "dynamic":  # many rows: tensor cores (precision f16, CUDA)
-            if self.options.prefill_gemm == "q8" and dtype == "float32" and q8_gemm_format(info.ggml_type):
-                return q8_gemm_matmul(info.ggml_type, n, k, name=f"{kind}_{info.ggml_type.name.lower()}_{n}x{k}")
+        dtype, name = self.options.dtype, f"{kind}_{info.ggml_type.name.lower()}_{n}x{k}"
+        tensor_cores = self.precision == "f16" and batch == "dynamic"  # many rows (precision f16, CUDA)
+        if tensor_cores and self.options.prefill_gemm == "q8" and dtype == "float32" and q8_gemm_format(info.ggml_type):
+            return q8_gemm_matmul(info.ggml_type, n, k, name=name)
+        func = quant_matmul(info.ggml_type, n, k, batch=batch, x_dtype=dtype, out_dtype=dtype, name=name)
+        if tensor_cores:
             func = with_tensor_core_twin(func, info.ggml_type, n, k, x_dtype=dtype, out_dtype=dtype)
         return func
 
@@ -267,8 +267,7 @@ PREFILL_ATTENTION = ("flash", "wmma")
 
 def q8_gemm_scratch(func: tirx.PrimFunc, info: TensorInfo, k: int, rows) -> list[nn.Tensor]:
     """The 8-bit GEMM's scratch outputs (its quantized input, lower/q8_gemm.py) where func is one, else []."""
-    twin = func.attrs.get(TENSOR_CORE_TWIN) if func.attrs else None
-    if twin is None or Q8_GEMM_ATTR not in twin.attrs:
+    if not is_q8_gemm(func):
         return []
     specs = scratch_specs(q8_gemm_format(info.ggml_type), k, rows)
     return [nn.Tensor.placeholder(shape, dtype) for shape, dtype in specs.values()]
