@@ -64,9 +64,9 @@ class Step:
     @property
     def chain(self) -> int:
         """Tokens the drafter is asked for: a tree's leading chain (Draft.chain), all k of a chain."""
-        if self.parents is None:
-            return self.k
-        return next((i for i, p in enumerate(self.parents) if p != i - 1), len(self.parents))
+        from luce_runtime.speculative import chain_length
+
+        return self.k if self.parents is None else chain_length(self.parents)
 
     def trimmed(self, chain: int, nodes: int | None = None) -> Step:
         """This step within `chain` chain tokens and `nodes` nodes in all: a tree keeps its first chain tokens, then
@@ -114,12 +114,17 @@ def tree_tokens(step: Step, want: list[int], vocab: int) -> list[int]:
     """A tree's tokens: the target's greedy id at its depth (want[d]) at each node of the accepted path, elsewhere
     one it does not choose there (after a path node at depth d - 1 the target chooses want[d]: want[d] + 1 is never
     accepted; past the path any token is)."""
-    depth: list[int] = []
-    for p in step.parents:
-        depth.append(0 if p == -1 else depth[p] + 1)
     on_path = set(step.path)
     return [want[d] if i in on_path else (want[d] + 1) % vocab if d < len(want) else 0
-            for i, d in enumerate(depth)]
+            for i, d in enumerate(depths(step.parents))]
+
+
+def depths(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """Each node's depth in a token tree: 0 for a root (parent -1), its parent's + 1 below it."""
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p == -1 else out[p] + 1)
+    return out
 
 
 class Forced:
@@ -169,11 +174,8 @@ def positions(trees: list[tuple[list[int], list[int]]]) -> list[dict[str, list[i
     out: list[dict[str, list[int]]] = []
     for parents, path in trees:
         chain = Step(len(parents), len(path), tuple(parents), tuple(path)).chain
-        depth: list[int] = []
-        for p in parents:
-            depth.append(0 if p == -1 else depth[p] + 1)
         on_path = set(path)
-        for i, d in enumerate(depth):
+        for i, d in enumerate(depths(parents)):
             while len(out) <= d:
                 out.append({"chain": [0, 0], "sibling": [0, 0]})
             kind = out[d]["chain" if i < chain else "sibling"]

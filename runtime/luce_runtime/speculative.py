@@ -65,9 +65,12 @@ class Draft:
     @property
     def chain(self) -> int:
         """How many leading tokens form a chain (all of them without a tree)."""
-        if self.parents is None:
-            return len(self.tokens)
-        return next((i for i, p in enumerate(self.parents) if p != i - 1), len(self.parents))
+        return len(self.tokens) if self.parents is None else chain_length(self.parents)
+
+
+def chain_length(parents: Sequence[int]) -> int:
+    """How many leading nodes of a token tree (each node's parent, -1 for the root) form a chain (-1, 0, 1, ...)."""
+    return next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
 
 
 class Drafter(Protocol):
