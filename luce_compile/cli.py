@@ -479,10 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "tensor cores with float16 operands (CUDA sm_70+); f32 = the exact float32 kernels, for "
                         "checks against the oracle; auto = int8 on such CPUs, f16 on CUDA, else f32 (default)")
     add_kv_cache_arg(s)
-    s.add_argument("--prefill-attention", choices=("wmma", "flash"), default="wmma",  # LowerOptions.prefill_attention
-                   help="CUDA with --precision f16: the prompt's attention kernels. wmma (default) = the WMMA kernel "
-                        "for a prompt's first chunk; flash = mma.sync flash attention for the first chunk and every "
-                        "later one (head dims up to 128, f16 KV cache; not yet checked on a GPU)")
+    s.add_argument("--prefill-attention", choices=("flash", "wmma"), default="flash",  # LowerOptions.prefill_attention
+                   help="CUDA with --precision f16: the prompt's attention kernels. flash (default) = mma.sync flash "
+                        "attention for a prompt's first chunk and every later one (head dims up to 128, f16 KV "
+                        "cache; others take wmma); wmma = the earlier WMMA kernel, for a prompt's first chunk only")
     s.add_argument("--prefill-gemm", choices=("f16", "q8"), default="f16",  # LowerOptions.prefill_gemm
                    help="CUDA with --precision f16: the matmuls of more than 8 rows (prefill, verify). f16 (default) "
                         "= float16 operands on tensor cores; q8 = llama.cpp's 8-bit activations (blocks of 32) on "

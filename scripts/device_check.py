@@ -1090,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="no oracle trace (7B and up: the float64 oracle needs ~8 bytes a weight, more than this "
                    "machine has); `run` then checks batched vs alone and megakernel vs per-op only")
-    p.add_argument("--prefill-attention", choices=("wmma", "flash"), default="wmma",
+    p.add_argument("--prefill-attention", choices=("flash", "wmma"), default="flash",
                    help="compile's: the prompt's attention kernels on CUDA (the reference is the same either way)")
     p.set_defaults(func=prepare)
     r = sub.add_parser("run", help="GPU machine: rebuild weights, check against the reference, time")

@@ -82,7 +82,7 @@ def main() -> int:
                    "has it")
     p.add_argument("--megakernel-tf32", action="store_true", help="an alias kept for old commands: the default "
                    "build has it")
-    p.add_argument("--prefill-attention", choices=("wmma", "flash"), default="wmma",
+    p.add_argument("--prefill-attention", choices=("flash", "wmma"), default="flash",
                    help="compile's (device_check.py prepare --prefill-attention)")
     args = p.parse_args()
     if args.untuned:

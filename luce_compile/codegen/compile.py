@@ -78,7 +78,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
                   overwrite: bool = False, progress: Progress | None = None, precision: str = "auto",
                   tune_logs: Path | None = None, use_tune_logs: bool = True, megakernel: bool = True,
                   megakernel_q8: bool | None = None, megakernel_tf32: bool | None = None,
-                  kv_cache: str = "auto", prefill_attention: str = "wmma", prefill_gemm: str = "f16",
+                  kv_cache: str = "auto", prefill_attention: str = "flash", prefill_gemm: str = "f16",
                   sliding_megakernel: bool | None = None) -> Path:
     """Compile a GGUF model for a target into an artifact directory at out_dir.
 
@@ -99,8 +99,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     oracle checks; the manifest's megakernel options record the choice. `kv_cache`: the KV cache's type (--kv-cache,
     lower/kv_cache.py: auto is f16 on a GPU's fast build (precision f16) and f32 otherwise), recorded as the
     manifest's kernels.kv_cache and the runtime contract's kv_dtype. `prefill_attention`: the prompt's attention
-    kernels on CUDA with precision f16 (--prefill-attention, LowerOptions.prefill_attention: "wmma", the default
-    until the device has checked and timed "flash"), recorded per kernel as the manifest's kernels.prefill_attention.
+    kernels on CUDA with precision f16 (--prefill-attention, LowerOptions.prefill_attention: "flash" by default,
+    "wmma" the earlier kernel), recorded per kernel as the manifest's kernels.prefill_attention.
     `sliding_megakernel`: a model with sliding-window layers (Gemma 3) gets decode megakernels too, and on every
     target the cache layout through which the runtime hands them TVM's pages (lower/kv_layers.py; a CPU build with
     it is how that layout is checked here); None: fuse/options.SLIDING_MEGAKERNEL (off until a GPU has run it).
@@ -138,7 +138,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
            f"{'-mkq8' if megakernel and megakernel_q8 and info.kind in GPU_KINDS else ''}"
            f"{'-mktf32' if megakernel and megakernel_tf32 and info.kind == 'cuda' else ''}"
            f"{'' if kv_cache == 'f32' else f'-kv{kv_cache}'}"
-           f"{'' if prefill_attention == 'wmma' else f'-pa{prefill_attention}'}"
+           f"{'' if prefill_attention == 'flash' else f'-pa{prefill_attention}'}"
            f"{'' if prefill_gemm == 'f16' else f'-pg{prefill_gemm}'}"
            f"{'-mksw' if sliding_megakernel else ''}")
     cached = cache_dir() / "artifacts" / key

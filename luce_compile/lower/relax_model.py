@@ -61,11 +61,11 @@ class LowerOptions:
     # default); lowering on its own stays exact: int8 differs from the plain float64 oracle by the activation
     # rounding (~2e-2 of the logits).
     precision: str = "f32"
-    # the prompt's attention on CUDA with precision f16 (prefill_attention_kernels): "wmma" (attention_prefill.py's,
-    # ragged only; the default until flash has run on a GPU) or "flash" (the mma.sync kernels of
-    # schedules/gpu/flash_prefill.py, ragged and paged: built and emulated here, not yet checked or timed on a
-    # device); the manifest's kernels.prefill_attention records the choice
-    prefill_attention: str = "wmma"
+    # the prompt's attention on CUDA with precision f16 (prefill_attention_kernels): "flash" (the mma.sync kernels of
+    # schedules/gpu/flash_prefill.py, ragged and paged; on the H100 4.4-7.8x the WMMA kernel's speed at 2K-32K
+    # tokens, benchmarks/README.md) or "wmma" (attention_prefill.py's, ragged only, the earlier kernel); head dims
+    # flash does not take fall back to wmma. The manifest's kernels.prefill_attention records the choice
+    prefill_attention: str = "flash"
     # a model with sliding-window layers gets the cache layout through which the runtime's page probe reads its
     # pages (lower/kv_layers.py): what its megakernels need (compile_model's sliding_megakernel)
     probe_sliding_pages: bool = False
@@ -295,7 +295,7 @@ def prefill_attention_kernels(target: tvm.target.Target, precision: str, choice:
 
 
 @contextlib.contextmanager
-def tensor_core_prefill_attention(target: tvm.target.Target, precision: str, choice: str = "wmma") -> Iterator[None]:
+def tensor_core_prefill_attention(target: tvm.target.Target, precision: str, choice: str = "flash") -> Iterator[None]:
     """With precision f16 on CUDA, the cache's prefill kernels are ours, as prefill_attention_kernels says: the
     ragged one (a prefill from an empty cache: all of pp512/pp2048's attention) and, with "flash", the paged one (every
     later chunk of a long prompt; issue 38: on tensor cores at every chunk). The factories are swapped; what ours do

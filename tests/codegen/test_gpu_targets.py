@@ -245,19 +245,20 @@ def test_cuda_artifacts_carry_the_decode_megakernels(name, built, tiny_gguf):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sm_90", "sm_86,sm_90,sm_120"])
 def test_prompt_attention_is_the_flash_kernels(name, built, tiny_gguf, tmp_path):
-    """--prefill-attention flash: the prefill attention, ragged and paged, is flash_prefill.py's on every CUDA arch:
-    the manifest records it and each arch's SASS of both kernels holds its instructions (mma.sync m16n8k16 =
-    HMMA.16816, ldmatrix = LDSM, cp.async = LDGSTS). The default build keeps the WMMA kernel until flash has run on a
-    GPU."""
+    """The default build's prefill attention, ragged and paged, is flash_prefill.py's on every CUDA arch: the
+    manifest records it and each arch's SASS of both kernels holds its instructions (mma.sync m16n8k16 =
+    HMMA.16816, ldmatrix = LDSM, cp.async = LDGSTS). --prefill-attention wmma records the WMMA kernel for the
+    first chunk and TVM's for later ones."""
     from luce_compile.codegen.compile import compile_model
     from luce_compile.codegen.device_binaries import _cuobjdump_env
     from luce_compile.codegen.gpu_toolchain import find_tool
 
-    default = json.loads((built(name) / "manifest.json").read_text())["kernels"]["prefill_attention"]
-    assert default["choice"] == "wmma"
-    artifact = compile_model(tiny_gguf, name, tmp_path / "flash", prefill_attention="flash")
+    artifact = built(name)
     record = json.loads((artifact / "manifest.json").read_text())["kernels"]["prefill_attention"]
     assert record["choice"] == "flash" and record["ragged"].startswith("flash") and record["paged"].startswith("flash")
+    wmma = compile_model(tiny_gguf, name, tmp_path / "wmma", prefill_attention="wmma")
+    other = json.loads((wmma / "manifest.json").read_text())["kernels"]["prefill_attention"]
+    assert other["choice"] == "wmma" and other["ragged"].startswith("wmma") and other["paged"] == "tvm"
     (binary,) = extract_binaries((artifact / "model.so").read_bytes())
     path = tmp_path / "model.fatbin"
     path.write_bytes(binary.data)

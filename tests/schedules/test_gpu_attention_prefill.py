@@ -82,7 +82,7 @@ def test_cuda_uses_wmma_static_shared_memory_and_few_barriers(h_kv, h_q, d):
 @pytest.mark.unit
 def test_swapped_only_for_cuda_f16_and_restored():
     original = kv_cache._attention_prefill_ragged
-    with tensor_core_prefill_attention(CUDA, "f16"):
+    with tensor_core_prefill_attention(CUDA, "f16", "wmma"):
         func = kv_cache._attention_prefill_ragged(8, 32, 64, 64, "float32", {}, CUDA)
         assert kv_cache._attention_prefill_ragged is not original
         assert "wmma.matrix_a" in func.script()
