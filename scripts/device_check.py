@@ -650,7 +650,8 @@ def check_served_invariance(artifact: Path, n: int = 8, max_tokens: int = 24, ch
     from luce_runtime.serve.scheduler import Scheduler
 
     def scheduler() -> Scheduler:
-        engine = Engine(artifact, EngineOptions(max_batch=2 * n, max_context=1024, prefill_chunk=chunk))
+        engine = Engine(artifact, EngineOptions(max_batch=2 * n, max_context=1024, prefill_chunk=chunk,
+                                                batch_invariant=True))
         s = Scheduler(engine, max_batch=n, prefix_cache=4, deterministic=True)
         s.start()
         return s

@@ -62,6 +62,9 @@ class EngineOptions:
     # megakernel where it measured faster than the per-op kernels at load (Engine._choose_decode_paths), True
     # wherever it has a kernel (checks of the megakernel itself), False never (checks against the per-op kernels)
     megakernel: bool | str = "auto"
+    # a decode row's logits the same whatever else its step holds (serve --deterministic; Engine.invariant_rows says
+    # how): no load-time choice of paths, which could differ between two engines
+    batch_invariant: bool = False
 
 
 INT8_VERIFY_ROWS = 16  # the most rows the int8 low-row matmuls are built for (schedules/cpu/int8_gemv.py)
@@ -249,8 +252,11 @@ class Engine:
             largest = min(self.megakernel.batches[-1], self.options.max_batch)
             self._mk_sizes = set(range(1, largest + 1))
             self._mk_verify_rows = self.megakernel.batches[-1]
-            if self.options.megakernel == "auto":
+            if self.options.megakernel == "auto" and not self.options.batch_invariant:
                 self._choose_decode_paths()
+        # batch invariance: the megakernel's variants split attention's keys by batch size (fuse/taskgraph.py's
+        # kv_fill), so every step runs the largest
+        self._mk_batch = self.megakernel.batches[-1] if self.options.batch_invariant and self.megakernel else None
 
     def _load_megakernel(self, weights: dict[str, np.ndarray]) -> Megakernel | None:
         """The artifact's decode megakernels, when this engine can run them (else None, and the reason logged)."""
@@ -532,12 +538,32 @@ class Engine:
                 break  # see chunk_limit: on TVM's kernel a call mixing first chunks and 1-token rows goes wrong
         return batch
 
+    @property
+    def invariant_rows(self) -> int:
+        """With batch_invariant, the rows one decode call runs together (more go in several calls); 0 = any number.
+        The CPU's int8 decode is row-invariant as built (each row's integer sums in one fixed order); the largest
+        megakernel takes its batch of rows, each summed alike wherever it sits; the other per-op kernels branch on
+        the row count (schedules/gpu/quant_gemm.py, the f32 CPU's DECODE1 and DECODE), so a row a call."""
+        if not self.options.batch_invariant or (self.artifact.manifest["target"]["kind"] == "llvm"
+                                                and self.has_int8_verify):
+            return 0
+        return self._mk_batch if self._mk_batch else 1
+
+    def _in_groups(self, n: int, step) -> np.ndarray:
+        """step(a, b) over rows [a, b) of a decode of n rows, in groups of invariant_rows, concatenated."""
+        size = self.invariant_rows or n
+        outs = [step(a, min(a + size, n)) for a in range(0, n, size)]
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One token for each sequence, all in one batched step; logits (B, V) float32."""
         self._check_step(seq_ids, [[t] for t in tokens])
+        return self._in_groups(len(seq_ids), lambda a, b: self._decode_rows(list(seq_ids[a:b]), list(tokens[a:b])))
+
+    def _decode_rows(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
         if len(seq_ids) in self._mk_sizes:
-            return self._megakernel_step(list(seq_ids), [int(t) for t in tokens])
-        return self._per_op_step(list(seq_ids), list(tokens))
+            return self._megakernel_step(seq_ids, [int(t) for t in tokens])
+        return self._per_op_step(seq_ids, tokens)
 
     def _per_op_step(self, seq_ids: list[int], tokens: list[int]) -> np.ndarray:
         return self._forward(seq_ids, [[t] for t in tokens], Fn.DECODE1 if len(seq_ids) == 1 else Fn.DECODE)
@@ -553,12 +579,17 @@ class Engine:
         tokens only: on the device for a megakernel step (its kernel takes masks), here otherwise. A row whose
         mask allows no token gets -1."""
         masks = self._mask_words(allowed, len(seq_ids))
-        mk = len(seq_ids) in self._mk_sizes and (masks is None or self.megakernel.can_mask)
-        if not mk:
-            logits = self.decode(seq_ids, tokens)
-            return (np.argmax(logits, axis=-1) if masks is None else masked_argmax(logits, masks)).tolist()
         self._check_step(seq_ids, [[t] for t in tokens])
-        return self._megakernel_step(list(seq_ids), [int(t) for t in tokens], logits=False, allowed=masks).tolist()
+
+        def rows(a: int, b: int) -> np.ndarray:
+            group = None if masks is None else masks[a:b]
+            if b - a in self._mk_sizes and (group is None or self.megakernel.can_mask):
+                return self._megakernel_step(list(seq_ids[a:b]), [int(t) for t in tokens[a:b]], logits=False,
+                                             allowed=group)
+            logits = self._decode_rows(list(seq_ids[a:b]), list(tokens[a:b]))
+            return np.argmax(logits, axis=-1) if group is None else masked_argmax(logits, group)
+
+        return self._in_groups(len(seq_ids), rows).tolist()
 
     def _mask_words(self, allowed: Sequence[np.ndarray | None] | None, n: int) -> np.ndarray | None:
         """Rows' masks as one (n, ceil(vocab / 32)) int32 array (None rows allow every token); None if no row has
@@ -609,7 +640,8 @@ class Engine:
                                        [n + j for n, c in zip(lengths, counts, strict=True) for j in range(c)],
                                        [p for p, c in zip(pages, counts, strict=True) for _ in range(c)],
                                        *self._pages.kernel_args(self.device), logits=logits, allowed=allowed,
-                                       off_path=None if parents is None else off_path_words(parents))
+                                       off_path=None if parents is None else off_path_words(parents),
+                                       batch=self._mk_batch)
         except BaseException:
             if reserve:
                 self._kv.end()

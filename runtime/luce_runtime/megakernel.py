@@ -280,15 +280,16 @@ class Megakernel:
 
     def step(self, tokens: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]],
              kv_pages, kv_layer_offset, *, logits: bool = True, allowed: np.ndarray | None = None,
-             off_path: Sequence[int] | None = None) -> np.ndarray:
+             off_path: Sequence[int] | None = None, batch: int | None = None) -> np.ndarray:
         """One decode step: token i at position lengths[i] of the sequence whose page ids are pages[i] (covering
         that position); keys and values go into the cache's pages. The logits (n, vocab) float32, or with
         logits=False only each row's greedy token (n,) int32: the one copy back is then 4 bytes a row. allowed:
         (n, ceil(vocab / 32)) int32 token masks (token t is bit t % 32 of word t // 32) for the greedy ids (the
         logits stay the model's); a row that allows no token gets -1. off_path: a token tree's rows (lengths[i]
-        is then row i's slot; off_path_words), None for a decode step or a chain."""
+        is then row i's slot; off_path_words), None for a decode step or a chain. batch: the kernel's batch size
+        (at least n; None: the smallest that takes n rows)."""
         n = len(tokens)
-        k = self.kernels[self.kernel_for(n)]
+        k = self.kernels[batch if batch is not None and batch >= n else self.kernel_for(n)]
         k.stage(tokens, lengths, pages, allowed, off_path)
         k.launch(kv_pages, kv_layer_offset, self.profiling)
         self._last = k

@@ -225,6 +225,55 @@ def test_the_engine_keeps_the_megakernel_only_where_it_measured_faster(engine, m
     assert engine_module._ranges({1, 2, 3, 5, 7, 8}) == "1-3, 5, 7-8"
 
 
+def test_a_batch_invariant_engine_decodes_each_row_as_alone(tiny, engine_of, rng, monkeypatch):
+    """EngineOptions.batch_invariant (serve --deterministic): the f32 CPU build's decode runs a row a call (its
+    DECODE1 and DECODE functions sum in other orders), so three sequences decoded together get exactly their logits
+    alone; with a megakernel, steps run the largest kernel in groups of its rows (stood in for here: the CUDA
+    kernel's row invariance is checked on the device, scripts/device_check.py run --served)."""
+    from luce_runtime.serve.scheduler import Scheduler
+
+    model = tiny("tiny-llama")
+    plain = engine_of(model, max_batch=4, max_context=128, prefill_chunk=16)
+    engine = engine_of(model, max_batch=4, max_context=128, prefill_chunk=16, batch_invariant=True)
+    assert plain.invariant_rows == 0 and engine.invariant_rows == 1
+    with pytest.raises(ValueError, match="batch_invariant=True"):
+        Scheduler(plain, max_batch=4, deterministic=True)
+    prompts = [prompt(rng, n, engine.vocab_size) for n in (5, 9, 3)]
+    tokens = [int(t) for t in rng.integers(0, engine.vocab_size, 3)]
+    seqs = [engine.add_sequence() for _ in prompts]
+    engine.prefill(seqs, prompts)
+    together = engine.decode(seqs, tokens)
+    ids = engine.decode_greedy(seqs, tokens[::-1])
+    for s in seqs:
+        engine.remove_sequence(s)
+    for i, p in enumerate(prompts):
+        s = engine.add_sequence()
+        engine.prefill([s], [p])
+        assert np.array_equal(engine.decode([s], [tokens[i]])[0], together[i])
+        assert engine.decode_greedy([s], [tokens[::-1][i]]) == [ids[i]]
+        engine.remove_sequence(s)
+
+    calls = []
+
+    def fake_rows(seq_ids, feeds, logits=True, allowed=None):
+        calls.append(len(seq_ids))
+        engine._live.update({s: engine._live[s] + len(f) for s, f in zip(seq_ids, feeds, strict=True)})
+        return np.zeros(len(seq_ids), np.int32) if not logits else np.zeros((len(seq_ids), engine.vocab_size))
+
+    monkeypatch.setattr(engine, "_megakernel_rows", fake_rows)
+    monkeypatch.setattr(engine, "_mk_sizes", {1, 2, 3})
+    monkeypatch.setattr(engine, "_mk_batch", 3)
+    seqs = [engine.add_sequence() for _ in range(4)]
+    try:
+        engine.prefill(seqs, [[1, 2]] * 4)
+        assert engine.invariant_rows == 3
+        assert engine.decode_greedy(seqs, [5, 6, 7, 8]) == [0] * 4 and engine.decode(seqs[:2], [1, 2]).shape[0] == 2
+        assert calls == [3, 1, 2]
+    finally:
+        for s in seqs:
+            engine.remove_sequence(s)
+
+
 def test_non_finite_logits_are_reported_never_taken_as_a_token(tiny, engine_of, rng):
     """A step whose logits hold NaN (here: one token's embedding row poisoned, in a model whose LM head is not the
     embedding) is an error naming the sequence and position, on decode, decode_greedy and prefill alike; a 7B of

@@ -121,6 +121,9 @@ def test_a_step_hands_each_row_its_inputs_and_pads_with_the_last_row():
     # a smaller step runs the batch-1 kernel, and a new step's page table holds no row of the last one
     assert mk.step([2], [4], [[3]], pages, None, logits=False).tolist() == [5]
     assert fns[1].seen[-1][2].tolist() == [[3, 0, 0]]
+    # batch: the kernel a batch-invariant engine runs for every step, padded as any
+    assert mk.step([2], [4], [[3]], pages, None, logits=False, batch=4).tolist() == [5]
+    assert fns[4].seen[-1][0].tolist() == [2, 2, 2, 2]
 
 
 def test_a_stalled_block_fails_the_step():

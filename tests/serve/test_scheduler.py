@@ -146,7 +146,8 @@ def test_greedy_requests_give_the_same_tokens_alone_and_beside_seven_others(smol
     from luce_runtime.serve.scheduler import Scheduler
 
     def scheduler():
-        engine = Engine(smol_int8, EngineOptions(max_batch=12, max_context=256, prefill_chunk=CHUNK))
+        engine = Engine(smol_int8, EngineOptions(max_batch=12, max_context=256, prefill_chunk=CHUNK,
+                                                 batch_invariant=True))
         # the last 4 start beside running ones, where they could fork the first ones' cached prompts
         s = Scheduler(engine, max_batch=4, prefix_cache=4, deterministic=True)
         s.start()

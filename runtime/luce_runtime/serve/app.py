@@ -103,7 +103,8 @@ class Service:
         self.options = options
         # the prefix cache's sequences take Engine slots beyond the decode batch (and their pages in the pool)
         self.engine = Engine(options.artifact, EngineOptions(max_batch=plan.sequences + plan.extra,
-                                                             max_context=options.max_context))
+                                                             max_context=options.max_context,
+                                                             batch_invariant=options.deterministic))
         self.tokenizer = self.engine.tokenizer
         self.max_context = self.engine.max_context
         source = self.engine.artifact.manifest["source"]["file_name"]

@@ -24,7 +24,8 @@ copy-on-write for the partial last page) into a small LRU of cached prompts. A l
 system prompt (and earlier turns of a conversation) are computed once.
 
 Batch invariance (deterministic=True, `serve --deterministic`): a greedy or seeded request gives the same tokens
-alone or beside others. Decode is row for row the same in any batch, and so is a joint prefill of several
+alone or beside others. Decode is row for row the same in any batch (the engine's batch_invariant option: one
+kernel for every step on a GPU, Engine.invariant_rows), and so is a joint prefill of several
 sequences of more than 16 rows each; what changes a request's sums is where its prompt is cut into chunks (a
 chunk's attention over cached pages sums in another order than within one chunk), a chunk of ≤ 16 rows joined to
 others (the int8 matmuls take another kernel above 16 rows), and a fork of a cached prompt (attention over the
@@ -131,6 +132,9 @@ class Scheduler:
 
     def __init__(self, engine: Engine, max_batch: int, *, prefix_cache: int = 4,
                  speculation: Speculation | None = None, deterministic: bool = False):
+        if deterministic and not engine.options.batch_invariant:
+            raise ValueError("scheduler: deterministic needs an engine whose decode rows do not depend on the rest "
+                             "of the step: build it with EngineOptions(batch_invariant=True)")
         self.engine, self.max_batch = engine, max_batch
         self.deterministic = deterministic  # batch invariance for greedy and seeded requests (the docstring)
         self.speculation = speculation
