@@ -41,6 +41,7 @@ from device_check import _load_runtime  # noqa: E402  (the same loading as devic
 from luce_compile.checks import MEGAKERNEL_BATCH_TOL as BATCH_TOL  # noqa: E402  (the bars every check shares)
 from luce_compile.checks import MEGAKERNEL_REL_TOL as REL_TOL  # noqa: E402
 from luce_compile.checks import REL_TOL_Q8 as Q8_REL_TOL  # noqa: E402
+from luce_compile.checks import REL_TOL_TF32 as TF32_REL_TOL  # noqa: E402
 from luce_compile.checks import near_tie  # noqa: E402
 from luce_compile.checks import rel_err as _rel  # noqa: E402
 
@@ -283,10 +284,15 @@ def tiny_reference(gguf_path: Path, vocab: int, steps: int = 64, seed: int = 0,
 
 
 def check_batched(runners: dict, vocab: int, sizes=(2, 5, 8), steps: int = 12, seed: int = 1,
-                  long: int = 0) -> dict:
-    """Sequences of different lengths stepped together vs each alone (alone runs give the batched run its cache).
-    long > 0: the first sequence's prompt has that many tokens (its attention at depth splits into other chunks
-    at each batch size than alone: issue 38's long contexts)."""
+                  long: int = 0, tol: float = BATCH_TOL) -> dict:
+    """Sequences of different lengths stepped together vs each alone (alone runs give the batched run its cache),
+    teacher-forced with the alone runs' ids. long > 0: the first sequence's prompt has that many tokens (its
+    attention at depth splits into other chunks at each batch size than alone: issue 38's long contexts), where
+    the sums differ in order by design and `tol` is the build's bar for that (run: REL_TOL_Q8 with 8-bit
+    activations, whose rounding turns a 1e-7 difference at a boundary into ~1e-2 of the logits, REL_TOL_TF32 with
+    tf32 matvecs); ids are then
+    compared where the alone row is no near tie at `tol`. At short contexts every row's arithmetic is the same
+    as alone: the bar is BATCH_TOL and every id counts."""
     torch = runners[1].torch
     rng = np.random.default_rng(seed)
     worst, mism, done = 0.0, 0, []
@@ -305,17 +311,16 @@ def check_batched(runners: dict, vocab: int, sizes=(2, 5, 8), steps: int = 12, s
             mp = batch.max_pages
             batch.pages[:, i * mp:(i + 1) * mp].copy_(alone.pages[:, 0:mp])
         lengths = [len(p) for p in prompts]
-        toks = [want_ids[i][0] for i in range(n)]
         for s in range(steps):
-            logits, ids = batch.step(toks, [lengths[i] + s for i in range(n)])
+            logits, ids = batch.step([want_ids[i][s] for i in range(n)], [lengths[i] + s for i in range(n)])
             for i in range(n):
-                worst = max(worst, _rel(logits[i], want_rows[i][s + 1]))
-                mism += ids[i] != want_ids[i][s + 1]
-            toks = ids
+                want = want_rows[i][s + 1]
+                worst = max(worst, _rel(logits[i], want))
+                mism += ids[i] != want_ids[i][s + 1] and not (long and near_tie(want, tol))
         done.append(n)
         torch.cuda.synchronize()
-    return {"sizes": done, "max_rel_diff": worst, "ids_mismatched": int(mism), "long": long,
-            "ok": worst < BATCH_TOL and mism == 0}
+    return {"sizes": done, "max_rel_diff": worst, "ids_mismatched": int(mism), "long": long, "tolerance": tol,
+            "ok": worst < tol and mism == 0}
 
 
 def time_runner(runner, context: int = 512, steps: int = 200) -> dict:
@@ -446,7 +451,9 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
             result["batched_long"] = {"skipped": f"--long {args.long} past the build's context {build['max_context']}",
                                       "ok": True}
         else:
-            result["batched_long"] = check_batched(runners, runners[1].vocab, sizes=(2, 8), steps=4, long=args.long)
+            result["batched_long"] = check_batched(runners, runners[1].vocab, sizes=(2, 8), steps=4, long=args.long,
+                                                   tol=Q8_REL_TOL if rounded[0] else TF32_REL_TOL if rounded[1]
+                                                   else BATCH_TOL)
         say(f"{folder.name}: batched at depth {args.long} {result['batched_long']}")
     result["check_seconds"] = round(time.perf_counter() - t0, 1)
     if args.time:
