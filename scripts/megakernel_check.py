@@ -48,16 +48,22 @@ from luce_compile.checks import rel_err as _rel  # noqa: E402
 WORKLOADS = ("smollm2-135m", "llama-1b-body", "llama-1b-body-bf16", "qwen3-0.6b")
 TINY_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 TINY_ARCHS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3")
+# types of 256-value super-blocks (and issue 40's), on a tiny llama whose every K is a multiple of 256: the K-quants'
+# 8-bit and float-lane bodies, and the new types on float lanes (no 8-bit body yet)
+WIDE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 
 
 def tiny_specs() -> dict:
-    from luce_compile.synthetic import preset
+    from luce_compile.synthetic import in_type, preset
 
     specs = {name: preset(name) for name in TINY_ARCHS}
     for q in TINY_TYPES:
         specs[f"tiny-llama-{q.lower()}"] = dataclasses.replace(preset("tiny-llama"), quant=q)
     for name in TINY_ARCHS[1:]:  # BF16 bodies of the other architectures: biases, q/k norms, post-norms (float_mma)
         specs[f"{name}-bf16"] = dataclasses.replace(preset(name), quant="BF16")
+    wide = dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=768)
+    for q in WIDE_TYPES:
+        specs[f"tiny-llama-256-{q.lower()}"] = in_type(wide, q)
     return specs
 
 
