@@ -81,7 +81,8 @@ class _WritesKeysAndValues:
         self.engine, self.env, self.attention = engine, env, attention
         self.positions: list[int] = []
 
-    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True, allowed=None, off_path=None):
+    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True, allowed=None, off_path=None,
+             batch=None):
         ps = self.engine.page_size
         layers = self.engine._pages.layers
         for row, n in enumerate(lengths):
@@ -153,7 +154,8 @@ class _WritesTreeNodes:
         self.engine, self.kv, self.rows, self.attention = engine, kv, logits, attention
         self.seen: list[tuple[list[int], list[int]]] = []
 
-    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True, allowed=None, off_path=None):
+    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True, allowed=None, off_path=None,
+             batch=None):
         ps = self.engine.page_size
         layers = self.engine._pages.layers
         self.seen.append((list(lengths), np.asarray(off_path).tolist()))

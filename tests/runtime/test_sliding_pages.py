@@ -101,7 +101,8 @@ class _OracleRows:
         self.logits = env[LOGITS].reshape(env[LOGITS].shape[1], -1)
         self.positions: list[int] = []
 
-    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True, allowed=None, off_path=None):
+    def step(self, tokens, lengths, pages, kv_pages, kv_layer_offset, *, logits=True, allowed=None, off_path=None,
+             batch=None):
         ps, layers = self.engine.page_size, self.engine._pages.layers
         for row, n in enumerate(lengths):
             self.positions.append(n)
