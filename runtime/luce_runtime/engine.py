@@ -257,6 +257,10 @@ class Engine:
         # batch invariance: the megakernel's variants split attention's keys by batch size (fuse/taskgraph.py's
         # kv_fill), so every step runs the largest
         self._mk_batch = self.megakernel.batches[-1] if self.options.batch_invariant and self.megakernel else None
+        if self._mk_batch:
+            self.decode_path = f"megakernel of {self._mk_batch} rows for every step (batch_invariant)"
+        elif self.options.batch_invariant and self.invariant_rows == 1:
+            self.decode_path += ", a row a call (batch_invariant)"
 
     def _load_megakernel(self, weights: dict[str, np.ndarray]) -> Megakernel | None:
         """The artifact's decode megakernels, when this engine can run them (else None, and the reason logged)."""

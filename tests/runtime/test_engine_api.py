@@ -236,6 +236,7 @@ def test_a_batch_invariant_engine_decodes_each_row_as_alone(tiny, engine_of, rng
     plain = engine_of(model, max_batch=4, max_context=128, prefill_chunk=16)
     engine = engine_of(model, max_batch=4, max_context=128, prefill_chunk=16, batch_invariant=True)
     assert plain.invariant_rows == 0 and engine.invariant_rows == 1
+    assert engine.decode_path.endswith("a row a call (batch_invariant)")
     with pytest.raises(ValueError, match="batch_invariant=True"):
         Scheduler(plain, max_batch=4, deterministic=True)
     prompts = [prompt(rng, n, engine.vocab_size) for n in (5, 9, 3)]
