@@ -296,9 +296,8 @@ def check_batched(runners: dict, vocab: int, sizes=(2, 5, 8), steps: int = 12, s
     attention at depth splits into other chunks at each batch size than alone: issue 38's long contexts), where
     the sums differ in order by design and `tol` is the build's bar for that (run: REL_TOL_Q8 with 8-bit
     activations, whose rounding turns a 1e-7 difference at a boundary into ~1e-2 of the logits, REL_TOL_TF32 with
-    tf32 matvecs); ids are then
-    compared where the alone row is no near tie at `tol`. At short contexts every row's arithmetic is the same
-    as alone: the bar is BATCH_TOL and every id counts."""
+    tf32 matvecs); ids are then compared where the alone row is no near tie at `tol`. At short contexts every row's
+    arithmetic is the same as alone: the bar is BATCH_TOL and every id counts."""
     torch = runners[1].torch
     rng = np.random.default_rng(seed)
     worst, mism, done = 0.0, 0, []

@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from luce_runtime.engine import Engine
+from luce_runtime.engine import Engine, EngineError
 from luce_runtime.generation import Commit, Generation, GenerationLoop
 from luce_runtime.grammar import Constraint
 from luce_runtime.sampler import SamplingParams, TokenLogprobs, logprobs
@@ -133,7 +133,7 @@ class Scheduler:
     def __init__(self, engine: Engine, max_batch: int, *, prefix_cache: int = 4,
                  speculation: Speculation | None = None, deterministic: bool = False):
         if deterministic and not engine.options.batch_invariant:
-            raise ValueError("scheduler: deterministic needs an engine whose decode rows do not depend on the rest "
+            raise EngineError("scheduler: deterministic needs an engine whose decode rows do not depend on the rest "
                              "of the step: build it with EngineOptions(batch_invariant=True)")
         self.engine, self.max_batch = engine, max_batch
         self.deterministic = deterministic  # batch invariance for greedy and seeded requests (the docstring)
