@@ -248,15 +248,15 @@ class Engine:
         self._mk_verify_rows = 0
         self.decode_timings_us: dict[int, tuple[float, float]] = {}  # n → (megakernel, per-op) µs, when measured
         self.verify_timings_us: dict[int, tuple[float, float]] = {}  # rows → (megakernel, per-op) µs, likewise
+        # batch invariance: the megakernel's variants split attention's keys by batch size (fuse/taskgraph.py's
+        # kv_fill), so every step runs the largest
+        self._mk_batch = self.megakernel.batches[-1] if self.options.batch_invariant and self.megakernel else None
         if self.megakernel is not None:
             largest = min(self.megakernel.batches[-1], self.options.max_batch)
             self._mk_sizes = set(range(1, largest + 1))
             self._mk_verify_rows = self.megakernel.batches[-1]
             if self.options.megakernel == "auto" and not self.options.batch_invariant:
                 self._choose_decode_paths()
-        # batch invariance: the megakernel's variants split attention's keys by batch size (fuse/taskgraph.py's
-        # kv_fill), so every step runs the largest
-        self._mk_batch = self.megakernel.batches[-1] if self.options.batch_invariant and self.megakernel else None
         if self._mk_batch:
             self.decode_path = f"megakernel of {self._mk_batch} rows for every step (batch_invariant)"
         elif self.options.batch_invariant and self.invariant_rows == 1:
