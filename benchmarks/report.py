@@ -13,10 +13,15 @@ from typing import Any
 OURS = "luce-compile"
 
 
+def beside(stem: Path, suffix: str) -> Path:
+    """stem + suffix: a stem's dots are its name's (llama-3.1-8b-...), not a suffix to replace."""
+    return stem.with_name(stem.name + suffix)
+
+
 def write_results(stem: Path, doc: dict[str, Any], markdown: str) -> tuple[Path, Path]:
     """Write stem.json (the document) and stem.md (its table); returns both paths."""
     stem.parent.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
+    json_path, md_path = beside(stem, ".json"), beside(stem, ".md")
     json_path.write_text(json.dumps(doc, indent=2) + "\n")
     md_path.write_text(markdown)
     return json_path, md_path

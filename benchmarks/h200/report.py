@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from luce_runtime.bench import roofline_tok_s, weight_bytes_per_token  # noqa: E402
-from report import write_results  # noqa: E402
+from report import beside, write_results  # noqa: E402
 
 OURS = "luce-compile"
 BUILD_BEFORE_TUNING = "untuned, float32 activations"  # what runs before 2026-12-01 measured (no precision recorded)
@@ -478,9 +478,9 @@ def tuned_vs_untuned(runs: tuple[Path, ...], stem: Path, command: str) -> str:
             cells.append(f"{_fmt(t, ',.0f')} / {_fmt(u, ',.0f')} ({t / u:.2f}×)" if t and u else "n/a")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    beside(stem, ".json").write_text(json.dumps(doc, indent=1))
     text = "\n".join(lines) + "\n"
-    stem.with_suffix(".md").write_text(text)
+    beside(stem, ".md").write_text(text)
     return text
 
 
@@ -517,7 +517,7 @@ def main() -> int:
     stem = args.out / (args.name or f"{gpu_label(meta).lower()}-{date[:10]}")
     table = markdown(doc)
     write_results(stem, doc, table)
-    plot(doc, stem.with_suffix(".png"))
+    plot(doc, beside(stem, ".png"))
     print(table)
     return 0
 
