@@ -225,6 +225,36 @@ def test_the_engine_keeps_the_megakernel_only_where_it_measured_faster(engine, m
     assert engine_module._ranges({1, 2, 3, 5, 7, 8}) == "1-3, 5, 7-8"
 
 
+def test_an_engine_with_megakernels_times_its_paths_at_load(tiny, monkeypatch):
+    """Engine.__init__ with megakernels and megakernel="auto" times a decode step on them at load, through
+    _megakernel_step into _megakernel_rows, which reads the engine's batch-invariance choice (_mk_batch) for
+    Megakernel.step: every attribute a step reads is set before the timing. The H100's 8B engine died at load on
+    that read (2026-12-07: assigned after). The CUDA megakernel and its rows are stood in for."""
+    from luce_runtime.engine import Engine, EngineOptions
+
+    class StandIn:
+        batches = [1, 2]
+        layer_views: dict = {}
+
+    def load(self, weights):
+        self.decode_path, self._mk_pages = "megakernel for 1-2 sequences, per-op above", {}
+        return StandIn()
+
+    batches = []
+
+    def rows(self, seq_ids, feeds, logits=True, allowed=None):
+        batches.append(self._mk_batch)  # what the real one passes to Megakernel.step
+        self._live.update({s: self._live[s] + len(f) for s, f in zip(seq_ids, feeds, strict=True)})
+        n = sum(len(f) for f in feeds)
+        return np.zeros(n, np.int32) if not logits else np.zeros((n, self.vocab_size))
+
+    monkeypatch.setattr(Engine, "_load_megakernel", load)
+    monkeypatch.setattr(Engine, "_megakernel_rows", rows)
+    engine = Engine(tiny("tiny-llama").artifact, EngineOptions(max_batch=2, max_context=128, prefill_chunk=16))
+    assert batches and set(batches) == {None} and set(engine.decode_timings_us) == {1, 2}
+    assert engine.sequences() == {}
+
+
 def test_a_batch_invariant_engine_decodes_each_row_as_alone(tiny, engine_of, rng, monkeypatch):
     """EngineOptions.batch_invariant (serve --deterministic): the f32 CPU build's decode runs a row a call (its
     DECODE1 and DECODE functions sum in other orders), so three sequences decoded together get exactly their logits
