@@ -60,8 +60,9 @@ class MegakernelOptions:
     # float16 heads of 128, every K and V load of a warp's 8 keys in flight before any is used, the GQA group's
     # heads from one load, q·k reduce-scattered over the lanes. Off: a lane per key for q·k and a 2-byte load a key
     # and dimension for p·v, the body that read the 8B's f16 pages at ~5 GB/s an SM at depth 32K on the H100
-    # (10.2 ms a step against 3.9 at depth 512: benchmarks/README.md). Not measured yet: off by default
-    attn_rows: bool = False
+    # (10.2 ms a step against 3.9 at depth 512: benchmarks/README.md). With norm_partials, on the H100's 8B Q4_K_M:
+    # -11% a step at b=1 and depth 512, -28% at b=8 and depth 32K (3,721 -> 3,316 and 27,002 -> 19,416 µs)
+    attn_rows: bool = True
     attn_rows_slots: int = 0  # with attn_rows: key rows a lane loads a step (K and V each); 0: the emitter's rule
     # bytes of each weight plane's tile (and of each attention chunk's keys/values) asked into L2 before a task's
     # wait, so the fetch overlaps the wait instead of following it; 0 turns it off
@@ -111,8 +112,9 @@ class MegakernelOptions:
     # of squares per row (fuse/taskgraph.py NORM_CHUNK), so the norm's matvec tiles sum 128 floats a row (4,096
     # features) for 1/rms instead of every tile squaring the whole input: on the H100's 8B profile at b=8 the
     # normed stages spent 16-17 µs a task in their input phase against 4 for the O projection (benchmarks/README.md).
-    # Every matvec body (8-bit, float lanes, float_mma) reads them. Not measured yet: off by default
-    norm_partials: bool = False
+    # Every matvec body (8-bit, float lanes, float_mma) reads them. A different float32 order of the sum than the
+    # per-tile one: SmolLM2's float build stays at 3.4e-4 of the oracle (H100, 2026-12-07; without both 3.6e-4)
+    norm_partials: bool = True
 
     def for_target(self, facts: dict) -> MegakernelOptions:
         """These options with shared_kib = 0 resolved for a target's facts (targets.py)."""

@@ -41,7 +41,7 @@ class AttentionMixin(AttentionRowsMixin):
         partials = self.p.partials.get(op.stage)
         rows = rows_layout(d, group, DataType(self.kv_dtype).bits, self.attn_rows_slots) if self.attn_rows else None
         if rows is not None and self._rows_shared(rows, d)[2] > self.shared_floats:
-            raise UnsupportedError("fuse: attention's partials for this head group do not fit shared memory")
+            rows = None  # the rows body's scores do not fit this target's shared memory: the lane-per-key body
         with self.when(split >= 0):
             if rows is not None:
                 self._attn_rows(op, att, q_name, b, g, split, d, window, rows, partials)
