@@ -483,11 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA with --precision f16: the prompt's attention kernels. flash (default) = mma.sync flash "
                         "attention for a prompt's first chunk and every later one (head dims up to 128, f16 KV "
                         "cache; others take wmma); wmma = the earlier WMMA kernel, for a prompt's first chunk only")
-    s.add_argument("--prefill-gemm", choices=("f16", "q8"), default="f16",  # LowerOptions.prefill_gemm
-                   help="CUDA with --precision f16: the matmuls of more than 8 rows (prefill, verify). f16 (default) "
-                        "= float16 operands on tensor cores; q8 = llama.cpp's 8-bit activations (blocks of 32) on "
-                        "integer tensor cores, for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights (not yet checked "
-                        "on a GPU)")
+    s.add_argument("--prefill-gemm", choices=("f16", "q8"), default=None,  # LowerOptions.prefill_gemm
+                   help="CUDA with --precision f16: the matmuls of more than 8 rows (prefill, verify). q8 (default "
+                        "there) = llama.cpp's 8-bit activations (blocks of 32) on integer tensor cores, for "
+                        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights (other types keep f16); f16 = float16 "
+                        "operands on tensor cores for every type")
     s.add_argument("--force", action="store_true",
                    help="replace an existing artifact at -o (anything else there is always refused)")
     s.add_argument("--no-megakernel", action="store_true",

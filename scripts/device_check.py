@@ -1085,9 +1085,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="as compile's: auto is f16 (tensor-core prefill) on CUDA; the reference emulates it")
     p.add_argument("--sliding-megakernel", action="store_true", help="a model with sliding-window layers (Gemma 3) "
                    "gets its megakernels (compile_model's sliding_megakernel, off by default until a GPU ran it)")
-    p.add_argument("--prefill-gemm", choices=("f16", "q8"), default="f16",
-                   help="as compile's: q8 = 8-bit activations in the GEMMs of more than 8 rows; the reference "
-                   "rounds those matmuls' inputs as the manifest's kernels.prefill_gemm says")
+    p.add_argument("--prefill-gemm", choices=("f16", "q8"), default=None,
+                   help="as compile's (q8 by default on CUDA with precision f16): q8 = 8-bit activations in the "
+                   "GEMMs of more than 8 rows; the reference rounds those matmuls' inputs as the manifest's "
+                   "kernels.prefill_gemm says")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="no oracle trace (7B and up: the float64 oracle needs ~8 bytes a weight, more than this "
                    "machine has); `run` then checks batched vs alone and megakernel vs per-op only")

@@ -75,9 +75,9 @@ def main() -> int:
     p.add_argument("--sliding-megakernel", action="store_true", help="models with sliding-window layers (gemma3-270m) "
                    "get their megakernels (device_check.py prepare --sliding-megakernel; off by default until a GPU "
                    "ran them)")
-    p.add_argument("--prefill-gemm", choices=("f16", "q8"), default="f16", help="compile's: q8 = llama.cpp's 8-bit "
-                   "activations in the GEMMs above 8 rows (schedules/gpu/mmq_gemm.py); the references round as the "
-                   "build does")
+    p.add_argument("--prefill-gemm", choices=("f16", "q8"), default=None, help="compile's (q8 by default): q8 = "
+                   "llama.cpp's 8-bit activations in the GEMMs above 8 rows (schedules/gpu/mmq_gemm.py); the "
+                   "references round as the build does")
     p.add_argument("--megakernel-q8", action="store_true", help="an alias kept for old commands: the default build "
                    "has it")
     p.add_argument("--megakernel-tf32", action="store_true", help="an alias kept for old commands: the default "
@@ -93,7 +93,8 @@ def main() -> int:
         bundle = ["--bundle", str(args.dir / "bundle")] if i == 0 else []
         subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "prepare", "--preset", w,
                         "--target", args.target, "--dir", str(args.dir / w), "--prompt-len", "32", "--steps", "16",
-                        "--precision", args.precision, "--prefill-gemm", args.prefill_gemm, *bundle,
+                        "--precision", args.precision, *bundle,
+                        *(["--prefill-gemm", args.prefill_gemm] if args.prefill_gemm else []),
                         *(["--no-megakernel"] if args.no_megakernel else []),
                         *(["--no-reference"] if args.no_reference else []),
                         *(["--sliding-megakernel"] if args.sliding_megakernel else []),

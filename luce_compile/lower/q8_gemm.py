@@ -17,8 +17,8 @@ place the roundings differ.
 
 The quantized input is scratch of the GEMM call: three more output tensors (xq, xd [, xs], fmt.specs) after y that
 Relax allocates with the rest of a step's memory, so that a prefill captured as a CUDA graph allocates nothing (a
-cudaMalloc during capture fails). The kernel is opt-in: compile's --prefill-gemm q8 (LowerOptions.prefill_gemm),
-for precision f16 on CUDA, where it replaces the float16 tensor-core GEMM above the low-batch buckets (> 8 rows)
+cudaMalloc during capture fails). compile_model builds it by default for precision f16 on CUDA (--prefill-gemm,
+LowerOptions.prefill_gemm), where it replaces the float16 tensor-core GEMM above the low-batch buckets (> 8 rows)
 for the types below; the manifest's kernels.prefill_gemm records the choice and the types it served.
 """
 

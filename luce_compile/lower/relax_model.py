@@ -71,7 +71,8 @@ class LowerOptions:
     probe_sliding_pages: bool = False
     # the matmuls of more than 8 rows on CUDA with precision f16 (prefill, verify): "f16" (schedules/gpu/mma_gemm.py,
     # float16 operands) or "q8" (mmq_gemm.py: llama.cpp's 8-bit activations on integer tensor cores, for the weight
-    # types of lower/q8_gemm.py; opt-in until it has run on a GPU); the manifest's kernels.prefill_gemm records it
+    # types of lower/q8_gemm.py; compile_model's default on CUDA); the manifest's kernels.prefill_gemm records it.
+    # Lowering on its own stays float16, as precision stays exact
     prefill_gemm: str = "f16"
 
 
