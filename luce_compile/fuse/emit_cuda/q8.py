@@ -53,6 +53,14 @@ def dp4a(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
     return ix.dot4(a, b, c)
 
 
+# 1/Q8_RESERVE of the shared memory is left beside the largest batch's 8-bit input for a tile's values (8 sequences
+# x 2 slots x 200 rows at 200 KiB); a tile that needs more is refused at build time, never computed wrong. It was a
+# quarter: that kept Qwen2.5-7B's K = 18,944 down projection (185 of 200 KiB at b=8) on float activations at every
+# batch size, 65-79 µs a task at b=1 and ~450 at b=8 where the 8B's 8-bit K = 14,336 took 29 and 61 (H100,
+# 2026-12-07)
+Q8_RESERVE = 16
+
+
 class Q8Mixin:
     @staticmethod
     def _q8_words(k_in: int) -> int:
@@ -95,9 +103,11 @@ class Q8Mixin:
         """The activation order the stage's matmuls take ("nibbles" for Q4/Q5 types, "natural" for Q8_0), or None
         where it keeps float32 activations: the option is off, a weight type has no integer body here, the types
         want different orders, the input is merged from attention partials, or the largest batch's 8-bit input
-        would take more than 3/4 of the shared memory. The choice depends on the stage and the build's largest
-        batch only, so every batch size computes a sequence alike (batched equal to alone)."""
-        if not self.q8 or st.merged >= 0 or self.q8_batch * self._q8_words(k_in) > self.shared_floats * 3 // 4:
+        leaves less than Q8_RESERVE of the shared memory for the tile's values. The choice depends on the stage
+        and the build's largest batch only (not on the tiles: the LM head's differ by batch size), so every batch
+        size computes a sequence alike (batched equal to alone)."""
+        if not self.q8 or st.merged >= 0 or \
+                self.q8_batch * self._q8_words(k_in) > self.shared_floats - self.shared_floats // Q8_RESERVE:
             return None
         types = {t for unit in st.units for t in self._weight_types(unit)}
         if self.q8_mma and types & {"Q5_0", "Q5_1", "Q5_K", "Q6_K"}:  # the tensor-core body takes no high bits
