@@ -87,9 +87,9 @@ def prepare(args: argparse.Namespace) -> None:
     (artifact / "weights.bin").unlink()  # rebuilt there from the GGUF: it would not fit the 64 MiB transfer
     prompt = [int(t) for t in np.random.default_rng(args.seed).integers(1, 49152, args.prompt_len)]
     # precision f16: matmuls of more rows than the last low-batch bucket run on tensor cores
-    from luce_compile.fuse.build import MMA_FLOAT_TYPES, Q8_ORDER
+    from luce_compile.fuse.build import MMA_FLOAT_TYPES, q8_types
 
-    q8 = tuple(Q8_ORDER) if megakernel_q8 else ()  # the megakernel decodes, rounding as llama.cpp
+    q8 = q8_types(options)  # the megakernel decodes, rounding as llama.cpp
     tf32 = MMA_FLOAT_TYPES if megakernel_tf32 else ()  # and its F16/BF16 inputs to tf32
     logits = []
     (out / "reference.npz").unlink(missing_ok=True)  # a re-run without one must not keep an older model's

@@ -273,10 +273,9 @@ def check_oracle(runner, ref: dict, tol: float = REL_TOL) -> dict:
 def roundings(options: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The weight types whose matmul inputs the build rounds to 8 bits, and those it rounds to tf32 (the oracle
     emulates both)."""
-    from luce_compile.fuse.build import MMA_FLOAT_TYPES, Q8_ORDER
+    from luce_compile.fuse.build import MMA_FLOAT_TYPES, q8_types
 
-    return (tuple(Q8_ORDER) if options.get("q8_activations") else (),
-            MMA_FLOAT_TYPES if options.get("float_mma") else ())
+    return q8_types(options), MMA_FLOAT_TYPES if options.get("float_mma") else ()
 
 
 def tiny_reference(gguf_path: Path, vocab: int, steps: int = 64, seed: int = 0,

@@ -14,6 +14,16 @@ from luce_compile.fuse.taskgraph import KV_MIN_KEYS
 # compiler import
 Q8_ORDER = {"Q4_0": "nibbles", "Q4_1": "nibbles", "Q5_0": "nibbles", "Q5_1": "nibbles", "Q8_0": "natural",
             "Q4_K": "nibbles", "Q5_K": "nibbles", "Q6_K": "nibbles"}
+# q8_codebooks: the codebook types, whose 4-bit indices the 8-bit bodies look up to signed bytes first
+Q8_CODEBOOK_ORDER = {"IQ4_NL": "nibbles", "IQ4_XS": "nibbles"}
+
+
+def q8_types(options: dict) -> tuple[str, ...]:
+    """The weight types whose megakernel matvecs take 8-bit activations under `options` (MegakernelOptions as a
+    dict, or an artifact manifest's megakernel options): what the checks' oracle rounds."""
+    if not options.get("q8_activations"):
+        return ()
+    return tuple(Q8_ORDER) + (tuple(Q8_CODEBOOK_ORDER) if options.get("q8_codebooks") else ())
 # float_mma: the weight types whose matvecs run on tf32 tensor cores, which hold them exactly (10 mantissa bits and
 # float32's exponent range); their inputs are rounded to tf32 (the oracle emulates it: graph/rounding.tf32)
 MMA_FLOAT_TYPES = ("F16", "BF16")
@@ -95,6 +105,11 @@ class MegakernelOptions:
     # with q8_activations and K >= 1,024: a lane per 32-value block of a row (16-byte loads), not per 8 values
     # (measured on the H200: the 1B body 1,199 -> 921 us a step at b=1, 4,329 -> 3,107 at b=8)
     q8_by_block: bool = True
+    # with q8_activations: IQ4_NL and IQ4_XS take 8-bit activations too, their indices looked up to int8 values by
+    # three byte permutes a word (intrinsics.lookup16, llama.cpp's get_int_from_table_16) and dotted with dp4a;
+    # without it they run the float lanes (the 8B IQ4_XS at b=1: 11.3 ms a step on the H100, llama.cpp 3.1).
+    # Opt-in until a GPU has checked the body
+    q8_codebooks: bool = False
     # with q8_activations: the matvecs' integer dot products on tensor cores (mma.m16n8k32 s8, 16 rows x a block x
     # 8 sequences an instruction) instead of dp4a, at every batch size
     q8_mma: bool = False

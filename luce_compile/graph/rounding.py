@@ -82,7 +82,9 @@ ACTIVATION_ROUNDING = {
 }
 Q8_1_TYPES = ("Q4_1", "Q5_1")  # Q8_1 activations: q8_0's values plus s = fp16(d · Σq) against the block minimum
 GPU_Q8_1_TYPES = ("Q4_K", "Q5_K")  # with gpu_q8_1: q8_1 activations against their per-32 minimum (the megakernel)
-GPU_Q8_0_TYPES = ("Q6_K",)  # with gpu_q8_1: q8_1 blocks of 32 whose sums no minimum takes, i.e. q8_0's values
+# with gpu_q8_1: q8_1 blocks of 32 whose sums no minimum takes, i.e. q8_0's values (llama.cpp's CUDA forms of the
+# 256-value types without a minimum; IQ4_XS under the megakernel's q8_codebooks)
+GPU_Q8_0_TYPES = ("Q6_K", "IQ4_XS")
 
 
 def block_minimums(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -161,9 +161,9 @@ def test_a_float_granule_reads_each_weight_word_once():
 
 
 def test_q8_choice_is_the_same_at_every_batch_size():
-    """A stage takes 8-bit activations only if the build's largest batch fits them in 3/4 of shared memory: then a
-    sequence is computed alike at every batch size (batched equal to alone), and a build whose largest batch does
-    not fit keeps float32 activations at batch 1 too."""
+    """A stage takes 8-bit activations only if the build's largest batch fits them in shared memory with 1/16 left
+    (q8.Q8_RESERVE): then a sequence is computed alike at every batch size (batched equal to alone), and a build
+    whose largest batch does not fit keeps float32 activations at batch 1 too."""
     import dataclasses
 
     from luce_compile.fuse.options import MegakernelOptions
@@ -172,7 +172,7 @@ def test_q8_choice_is_the_same_at_every_batch_size():
     prog = build_program(graph, batch=1, n_sms=8, max_context=64, kv_chunk=16)
     fits = MegakernelOptions(q8_activations=True, batches=(1, 8))
     assert "__dp4a" in cuda_source(emit_megakernel(prog, options=fits))
-    too_wide = dataclasses.replace(fits, batches=(1, 800))  # 800 x 64 features: over 3/4 of 44 KiB, under 3/4 of 96
+    too_wide = dataclasses.replace(fits, batches=(1, 800))  # 800 x 64 features: over 44 KiB, under 15/16 of 96
     assert "__dp4a" not in cuda_source(emit_megakernel(prog, options=too_wide))
     wider_memory = dataclasses.replace(too_wide, shared_kib=96)  # dynamic shared memory
     source = cuda_source(emit_megakernel(prog, options=wider_memory))
@@ -298,7 +298,7 @@ def test_the_launcher_passes_every_argument_the_kernel_takes():
     assert others == KERNEL_ARGS
 
 
-def _high_bit_words(rng, ggml_type: str, qh_words: int, high) -> tuple[np.ndarray, np.ndarray]:
+def _high_bit_words(rng, ggml_type: str, qh_words: int, high, finish=None) -> tuple[np.ndarray, np.ndarray]:
     """The 8-bit path's two words of each granule of 32 values (low nibbles of the even / odd elements, their high
     bits placed by `high(qh, row, granule)`) and the quants as dequant_expr reads them (quant_matmul.stored_quant),
     on random planes, computed by the same TIR on the CPU: (row, granule, even/odd, byte i) and (row, granule, i,
@@ -316,7 +316,8 @@ def _high_bit_words(rng, ggml_type: str, qh_words: int, high) -> tuple[np.ndarra
     def word(i, g, h):
         nib = [qs[i, g] & mask, (qs[i, g] >> tirx.const(4, "uint32")) & mask]
         bits = high(qh, i, g)
-        return tirx.Select(h == 0, nib[0] | bits[0], nib[1] | bits[1])
+        done = finish or (lambda w: w)  # the codebook types' lookup (_signed_quants)
+        return tirx.Select(h == 0, done(nib[0] | bits[0]), done(nib[1] | bits[1]))
 
     words = te.compute((n, 4, 2), word, name="words")
     quants = te.compute((n, 32), lambda i, k: stored_quant(ggml_type, {"qs": qs, "qh": qh}, i, k), name="quants")
@@ -347,6 +348,71 @@ def test_q6_k_high_bits_land_in_their_quants_bytes(rng):
 
     got, want = _high_bit_words(rng, "Q6_K", 2, lambda qh, i, g: _sixth_bits(qh[i, g // 2], (g % 2) * 16))
     assert np.array_equal(got, want) and want.max() > 47
+
+
+def test_codebook_lookup_permutes_bytes_as_llama_cpp(rng):
+    """IQ4's lookup of four 4-bit indices (one a byte) to their signed codebook values by three byte permutes: run
+    on Python ints with CUDA's documented __byte_perm (byte i of the result: byte s<4i+2:4i> of y:x), it gives
+    kvalues_iq4nl[index] in every byte, for every index in every byte position."""
+    from luce_compile.fuse.emit_cuda.intrinsics import table16_bytes
+    from luce_compile.lower.quant_matmul import CODEBOOKS
+
+    table = CODEBOOKS["IQ4_NL"]
+    raw = bytes(v & 0xFF for v in table)
+    words = [int.from_bytes(raw[4 * w:4 * w + 4], "little") for w in range(4)]
+
+    def byte_perm(x: int, y: int, s: int) -> int:
+        both = (y << 32) | x
+        return sum(((both >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+    indices = rng.integers(0, 16, (2000, 4))
+    indices[:16] = np.arange(16)[:, None]  # every index in every byte
+    for idx in indices:
+        word = int(sum(int(v) << (8 * i) for i, v in enumerate(idx)))
+        got = table16_bytes(word, words, byte_perm, lambda v: v)
+        assert np.frombuffer(got.to_bytes(4, "little"), np.int8).tolist() == [table[v] for v in idx]
+
+
+@pytest.mark.parametrize("quant", ["IQ4_NL", "IQ4_XS"])
+def test_codebook_words_are_the_signed_quants(rng, quant):
+    """The 8-bit path's IQ4 words (a granule's low nibbles, then its high ones, each looked up by
+    emit_cuda.q8._signed_quants) hold the signed values dequant_expr multiplies (quant_matmul.stored_quant), in the
+    order the 8-bit activations take (even elements, then odd): ROCm's select chain, computed on the CPU."""
+    import tvm
+
+    from luce_compile.fuse.emit_cuda.q8 import _signed_quants
+
+    def looked_up(word):
+        with tvm.target.Target({"kind": "rocm", "mcpu": "gfx1201"}):  # the target-independent form
+            return tvm.tirx.reinterpret("uint32", _signed_quants(quant, word))
+
+    got, want = _high_bit_words(rng, quant, 1, lambda qh, i, g: [tvm.tirx.const(0, "uint32")] * 2, finish=looked_up)
+    assert np.array_equal(got.view(np.int8), want) and want.min() < -100
+
+
+@pytest.mark.parametrize("quant", ["IQ4_NL", "IQ4_XS"])
+def test_q8_codebooks_give_integer_dots_to_iq4_weights(quant):
+    """q8_codebooks: IQ4_NL and IQ4_XS matvecs take 8-bit activations, their indices looked up by __byte_perm and
+    dotted with dp4a (llama.cpp's vec_dot_iq4_nl_q8_1 / iq4_xs_q8_1); without it (the default until a GPU checks
+    it) they keep the float32 body, and q8_mma (no codebook body) keeps it too."""
+    import dataclasses
+
+    from luce_compile.fuse.options import MegakernelOptions, q8_types
+    from luce_compile.synthetic import in_type
+
+    spec = in_type(dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=768), quant)
+    graph, _ = open_graph(cached_synthetic(spec))
+    prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16)
+    on = MegakernelOptions(q8_activations=True, q8_codebooks=True)
+    source = cuda_source(emit_megakernel(prog, options=on))
+    assert "__byte_perm" in source and divergent_collectives(source) == []
+    down = next(o.index for o in prog.opcodes if o.kind.name == "MATVEC" and any("ffn_down" in w for w in o.weights))
+    body = source.split(f"_ptr_4[0] == {down})")[-1].split("_ptr_4[0] == ")[0]
+    assert "__dp4a" in body and "__byte_perm" in body
+    for off in (MegakernelOptions(q8_activations=True), dataclasses.replace(on, q8_mma=True)):
+        body = cuda_source(emit_megakernel(prog, options=off)).split(f"_ptr_4[0] == {down})")[-1]
+        assert "__byte_perm" not in body.split("_ptr_4[0] == ")[0]
+    assert quant in q8_types(dataclasses.asdict(on)) and quant not in q8_types({"q8_activations": True})
 
 
 @pytest.mark.parametrize("interleave", [False, True])

@@ -150,6 +150,45 @@ def dot4(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
     return tirx.call_pure_extern("int32", "__dp4a", a, b, c)
 
 
+def table16_bytes(indices, words, perm, mask):
+    """The word whose byte i is entry `indices`' byte i (an index 0-15) of a 16-byte table held in four words (entry
+    j in byte j % 4 of words[j // 4]), by three byte permutes, as llama.cpp's get_int_from_table_16: the indices'
+    nibbles packed into a 16-bit selector, entries 0-7 and 8-15 permuted from their two words each, then each byte
+    taken from the one its index's bit 3 picks. `perm(x, y, s)` is CUDA's __byte_perm (byte i of the result: byte
+    s<4i+2:4i> of y:x); `mask(v)` a constant of the arithmetic's type. Written over operators alone, so that a
+    test runs it on Python ints with an emulated permute."""
+    packed = indices | (indices >> mask(4))  # byte 0: i0 | i1 << 4; byte 2: i2 | i3 << 4
+    selector = (packed & mask(0xFF)) | ((packed >> mask(8)) & mask(0xFF00))
+    low = perm(words[0], words[1], selector)
+    high = perm(words[2], words[3], selector)
+    return perm(low, high, mask(0x3210) | ((selector & mask(0x8888)) >> mask(1)))
+
+
+def lookup16(indices: tirx.Expr, table: list[int]) -> tirx.Expr:
+    """The int32 of four signed bytes table[i] for the four indices 0-15 in the bytes of a uint32 (a codebook type's
+    4-bit quants: IQ4_NL, IQ4_XS). CUDA: three __byte_perm (table16_bytes); ROCm: a select chain per byte."""
+    raw = bytes(v & 0xFF for v in table)
+    words = [tirx.const(int.from_bytes(raw[4 * w:4 * w + 4], "little"), "uint32") for w in range(4)]
+
+    def u32(v: int) -> tirx.Expr:
+        return tirx.const(v, "uint32")
+
+    if is_rocm():
+        out = u32(0)
+        for i in range(4):
+            index = (indices >> u32(8 * i)) & u32(0xF)
+            lo = tirx.Select(index < u32(8), words[0], words[2])
+            hi = tirx.Select(index < u32(8), words[1], words[3])
+            word = tirx.Select((index & u32(4)) == u32(0), lo, hi)
+            out = out | (((word >> ((index & u32(3)) * u32(8))) & u32(0xFF)) << u32(8 * i))
+        return tirx.reinterpret("int32", out)
+
+    def perm(x, y, s):
+        return tirx.call_pure_extern("uint32", "__byte_perm", x, y, s)
+
+    return tirx.reinterpret("int32", table16_bytes(indices, words, perm, u32))
+
+
 def popcount(x: tirx.Expr) -> tirx.Expr:
     """The set bits of an int32."""
     if is_rocm():

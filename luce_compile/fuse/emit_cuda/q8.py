@@ -1,7 +1,8 @@
 """8-bit activations (q8_activations): llama.cpp's vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 (and the K-quants'
-q8_1 forms). The input quantized once per task into blocks of 32 in shared memory (quantize_q8), then a lane per
-granule (_q8_pass) or per 32-value block of a row (_q8_block_pass, q8_by_block) dots 8-bit words with dp4a; the
-block scales (_q8_block_scales, _q8_accumulate) are shared with the tensor-core body (q8_mma.py)."""
+q8_1 forms; with q8_codebooks vec_dot_iq4_nl_q8_1 / iq4_xs_q8_1). The input quantized once per task into blocks of
+32 in shared memory (quantize_q8), then a lane per granule (_q8_pass) or per 32-value block of a row
+(_q8_block_pass, q8_by_block) dots 8-bit words with dp4a; the block scales (_q8_block_scales, _q8_accumulate) are
+shared with the tensor-core body (q8_mma.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from tvm.tirx.script.builder import ir as B
 from luce_compile.fuse import program as P
 from luce_compile.fuse.emit_cuda import intrinsics as ix
 from luce_compile.fuse.emit_cuda.core import F32, f32, i32
-from luce_compile.fuse.options import Q8_ORDER
-from luce_compile.lower.quant_matmul import exact_int_to_float
+from luce_compile.fuse.options import Q8_CODEBOOK_ORDER, Q8_ORDER
+from luce_compile.lower.quant_matmul import CODEBOOKS, exact_int_to_float
 
 Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
 QUANT_AHEAD = 4  # quantize_q8: granules a thread loads before it quantizes any (8 floats each in registers)
@@ -46,6 +47,15 @@ def _sixth_bits(qh: tirx.Expr, shift) -> tuple[tirx.Expr, tirx.Expr]:
             ((v & u(0x3000)) << u(16))
 
     return spread(x), spread(x >> u(2))
+
+
+def _signed_quants(ggml_type: str, word: tirx.Expr) -> tirx.Expr:
+    """Four stored quants (a byte each, uint32) as the int32 of the bytes dp4a dots: a codebook type's indices looked
+    up to its signed values (IQ4_NL, IQ4_XS: kvalues_iq4nl), any other type's bits as they are (its offset, if any,
+    is the sum's start: Q8_OFFSET)."""
+    if ggml_type in Q8_CODEBOOK_ORDER:
+        return ix.lookup16(word, CODEBOOKS[ggml_type])
+    return tirx.reinterpret("int32", word)
 
 
 def dp4a(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
@@ -96,6 +106,9 @@ class Q8Mixin:
             return d, f32(0) - m
         if ggml_type == "Q6_K":  # the int8 scale of each 16 values multiplies the integer sums (the passes)
             return planes["d"][layer, row, blk // 8].astype(F32), None
+        if ggml_type == "IQ4_XS":  # d of the super-block times the block's signed 6-bit scale (ls − 32, exact)
+            return (planes["d"][layer, row, blk // 8].astype(F32)
+                    * exact_int_to_float(planes["sc"][layer, row, blk].astype("int32"))), None
         mw = planes["m"][layer, row, blk].astype(F32) if ggml_type in ("Q4_1", "Q5_1") else None
         return planes["d"][layer, row, blk].astype(F32), mw
 
@@ -110,9 +123,9 @@ class Q8Mixin:
                 self.q8_batch * self._q8_words(k_in) > self.shared_floats - self.shared_floats // Q8_RESERVE:
             return None
         types = {t for unit in st.units for t in self._weight_types(unit)}
-        if self.q8_mma and types & {"Q5_0", "Q5_1", "Q5_K", "Q6_K"}:  # the tensor-core body takes no high bits
+        if self.q8_mma and types & {"Q5_0", "Q5_1", "Q5_K", "Q6_K", *Q8_CODEBOOK_ORDER}:  # nor high bits, nor codebooks
             return None
-        orders = {Q8_ORDER.get(t) for t in types}
+        orders = {Q8_ORDER.get(t, Q8_CODEBOOK_ORDER.get(t) if self.q8_codebooks else None) for t in types}
         return orders.pop() if len(orders) == 1 and None not in orders else None
 
     def quantize_q8(self, order: str, k_in: int, base, norm) -> None:
@@ -217,7 +230,7 @@ class Q8Mixin:
                     elif "qh" in planes:  # Q5: each quant's fifth bit into its byte's bit 4
                         w = [a | e for a, e in zip(w, _fifth_bits(planes["qh"][layer, row, blk], g % 4),
                                                    strict=True)]
-                    w = [tirx.reinterpret("int32", v) for v in w]
+                    w = [_signed_quants(types[m_i], v) for v in w]
                 self.store(wl, 0, w[0])
                 self.store(wl, 1, w[1])
                 dw, mw = self._q8_block_scales(planes, types[m_i], layer, row, blk)
@@ -301,8 +314,8 @@ class Q8Mixin:
                                                        strict=True)]
                         elif "qh" in planes:
                             w = [a | e for a, e in zip(w, _fifth_bits(qh[2 * at], gg), strict=True)]
-                        self.store(wi, 2 * gg, tirx.reinterpret("int32", w[0]))
-                        self.store(wi, 2 * gg + 1, tirx.reinterpret("int32", w[1]))
+                        self.store(wi, 2 * gg, _signed_quants(t, w[0]))
+                        self.store(wi, 2 * gg + 1, _signed_quants(t, w[1]))
                 mw = mws[at] if at in has_min else None
                 off = Q8_OFFSET.get(t)
                 for b in range(nb):
