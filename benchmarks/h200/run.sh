@@ -128,9 +128,10 @@ sys.exit('kernels' not in json.load(open(sys.argv[1])).get('megakernel', {}))" "
     stamp "$w llama-batched-bench rc=$?"
   fi
   if [ -n "${LONG:-}" ]; then  # issue 38: a LONG-token prompt's prefill, then decode at that depth (one sequence)
-    # within the trained context with the 32 decoded tokens (Qwen2.5-Coder's is 32,768: LONG=32768 there is 32,736)
+    # within the trained context with the 32 decoded tokens and bench's warm-up step (Qwen2.5-Coder's is 32,768:
+    # LONG=32768 there is 32,735)
     N=$(python3 -c "import json, sys
-print(min($LONG, int(json.load(open(sys.argv[1]))['config']['n_ctx_train']) - 32))" "$H/$w/artifact/manifest.json")
+print(min($LONG, int(json.load(open(sys.argv[1]))['config']['n_ctx_train']) - 33))" "$H/$w/artifact/manifest.json")
     python3 -m luce_runtime.bench $H/$w/artifact --prompt-len $N --gen-len 32 --batch 1 --repeat 1 \
       > "$O/ours-long.json" 2> "$O/ours-long.err"
     stamp "$w luce-compile at $N tokens rc=$?"

@@ -189,7 +189,12 @@ def bench_artifact(artifact, *, prompt_len: int, gen_len: int, batch: int, repea
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     # a GPU's free memory before the engine loads (the CPU's moves with other processes: not recorded)
     free_before = None if art.manifest["target"]["kind"] == "llvm" else artifact_device(art).available_global_memory
-    engine = Engine(art, EngineOptions(max_batch=max(batch, 1), max_context=longest + gen_len + 8,
+    # the prompt, the timed steps and the warm-up step (_decode_step_seconds), with 7 positions of slack but never
+    # past the trained context: a prompt that fills it less those steps (run.sh's LONG on Qwen2.5's 32,768:
+    # 32,735 + 32 + 1) is a valid bench; one token more is refused by the engine with the reason
+    need = longest + gen_len + 1
+    context = min(need + 7, max(need, int(art.config["n_ctx_train"])))
+    engine = Engine(art, EngineOptions(max_batch=max(batch, 1), max_context=context,
                                             prefill_chunk=max(longest, 16),
                                             megakernel="auto" if megakernel else False))
     load_before = machine_load()

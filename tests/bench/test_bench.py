@@ -206,6 +206,14 @@ def test_bench_artifact_and_its_cli(tmp_path):
     cli = json.loads(out.stdout)
     assert set(cli) == set(d) and cli["schema_version"] == d["schema_version"]
     assert list(cli["extra"]["prefill_tok_s_by_len"]) == ["16"]  # JSON keys are strings
+    # a prompt that fills the trained context less the decoded tokens and the warm-up step is benched (run.sh's
+    # LONG on Qwen2.5's 32,768 asked 32,736 + 32 and the 8 positions of slack took it past); one more is refused
+    trained = int(json.loads((art / "manifest.json").read_text())["config"]["n_ctx_train"])
+    assert bench_artifact(art, prompt_len=trained - 3, gen_len=2, batch=1, repeat=1).prompt_len == trained - 3
+    from luce_runtime.kv_memory import KVMemoryError
+
+    with pytest.raises(KVMemoryError, match="past the model's trained context"):
+        bench_artifact(art, prompt_len=trained - 2, gen_len=2, batch=1, repeat=1)
 
 
 @pytest.mark.unit
