@@ -114,7 +114,7 @@ def prepare(args: argparse.Namespace) -> int:
             # its own reference: the same prompt, the build's rounding emulated. The source's reference emulates the
             # source's (prepare.py's artifact: 8-bit activations), which a float build is not held to: checked
             # against it, a float build's f32 bar failed at 0.043 with a correct kernel (H100, 2026-12-07)
-            if rounded != roundings(source):
+            if rounded != roundings(source) and (src / "reference.npz").is_file():  # (none: prepared --no-reference)
                 from device_check import _oracle_trace
 
                 plain = np.load(src / "reference.npz")
