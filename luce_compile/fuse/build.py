@@ -93,7 +93,7 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
 
     from luce_compile.codegen.gpu_toolchain import gpu_toolchain
     from luce_compile.codegen.kernel_resources import check_megakernels
-    from luce_compile.fuse.emit_cuda import emit_megakernel, intrinsics
+    from luce_compile.fuse.emit_cuda import MegakernelEmitter, emit_megakernel, intrinsics
     from luce_compile.targets import get_target
 
     info = get_target(target_name)
@@ -121,6 +121,11 @@ def compile_megakernels(graph: Graph, target_name: str, out: Path, options: Mega
         return func
 
     with target:  # the intrinsics the emitter calls are the target's
+        if options.q8_activations:  # a stage keeps float inputs at every batch size if one program cannot fit them
+            misfits = frozenset().union(*(MegakernelEmitter(p, name=kernel_name(b), options=options).q8_misfit_stages()
+                                          for b, p in programs.items()))
+            for p in programs.values():
+                p.q8_misfits = misfits
         funcs = {kernel_name(b): emit(b, p) for b, p in programs.items()}
     for b, p in programs.items():  # the argument order callers must follow (the runtime passes them by position)
         func = funcs[kernel_name(b)]

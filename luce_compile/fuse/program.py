@@ -99,6 +99,9 @@ class Program:
     param_names: list[str] = field(default_factory=list)  # the compiled kernel's arguments, in order (fuse/build.py)
     param_dtypes: dict[str, str] = field(default_factory=dict)  # tensor arguments' dtypes (fuse/build.py)
     resources: list = field(default_factory=list)  # the compiled kernel's KernelResources, per arch (fuse/build.py)
+    # q8_activations: the stages whose 8-bit input and tile values do not fit shared memory in some program of the
+    # build (fuse/build.py sets it from all of them, so every batch size decides alike); None: this program's own
+    q8_misfits: frozenset[int] | None = None
 
     @property
     def graph(self) -> Graph:

@@ -85,7 +85,7 @@ class MatvecMixin:
         def x_at(b, k) -> tirx.Expr:  # transposed by granule: xs[(b*8 + j) * G + g] = x[b, 8g + j]
             return (b * 8 + k % 8) * granules + k // 8
 
-        order = self._q8_order(st, k_in)
+        order = self._q8_order(st, k_in, op.stage)
         q8_words = nb * self._q8_words(k_in)
         if order is not None:
             if q8_words + env_need + nb > self.shared_floats:

@@ -112,14 +112,28 @@ class Q8Mixin:
         mw = planes["m"][layer, row, blk].astype(F32) if ggml_type in ("Q4_1", "Q5_1") else None
         return planes["d"][layer, row, blk].astype(F32), mw
 
-    def _q8_order(self, st, k_in: int) -> str | None:
+    def q8_misfit_stages(self) -> frozenset[int]:
+        """The stages of this program whose 8-bit input at its batch size, tile values and 1/rms would not fit the
+        shared memory together (MatvecMixin.matvec's check): they keep float32 inputs (Program.q8_misfits)."""
+        out: set[int] = set()
+        for op in self.p.opcodes:
+            if op.kind != P.TaskKind.MATVEC:
+                continue
+            st = self.p.tg.stages[op.stage]
+            env = max(len(set(self._env_slots(st, u).values())) * rows for u, rows in enumerate(op.max_rows))
+            if self.nb * (self._q8_words(self.p.width(st.input)) + env + 1) > self.shared_floats:
+                out.update(op.stages)
+        return frozenset(out)
+
+    def _q8_order(self, st, k_in: int, stage: int | None = None) -> str | None:
         """The activation order the stage's matmuls take ("nibbles" for Q4/Q5 types, "natural" for Q8_0), or None
         where it keeps float32 activations: the option is off, a weight type has no integer body here, the types
         want different orders, the input is merged from attention partials, or the largest batch's 8-bit input
-        leaves less than Q8_RESERVE of the shared memory for the tile's values. The choice depends on the stage
-        and the build's largest batch only (not on the tiles: the LM head's differ by batch size), so every batch
-        size computes a sequence alike (batched equal to alone)."""
-        if not self.q8 or st.merged >= 0 or \
+        leaves less than Q8_RESERVE of the shared memory, or with the tile's values does not fit it in some program
+        of the build (Program.q8_misfits: a small shared memory, gfx1151's 56 KiB). The choice depends on the stage
+        and the build's programs only, so every batch size computes a sequence alike (batched equal to alone)."""
+        misfits = self.p.q8_misfits if self.p.q8_misfits is not None else self.q8_misfit_stages()
+        if not self.q8 or st.merged >= 0 or stage in misfits or \
                 self.q8_batch * self._q8_words(k_in) > self.shared_floats - self.shared_floats // Q8_RESERVE:
             return None
         types = {t for unit in st.units for t in self._weight_types(unit)}
