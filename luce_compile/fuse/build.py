@@ -21,7 +21,6 @@ from luce_compile.errors import UnsupportedError
 # the options and their tables are fuse/options.py's, re-exported: scripts and benchmarks import them from here
 from luce_compile.fuse.options import (  # noqa: F401
     MMA_FLOAT_TYPES,
-    Q8_CODEBOOK_ORDER,
     Q8_ORDER,
     SHARED_KIB_MAX,
     STATIC_KIB,

@@ -106,7 +106,7 @@ class MegakernelOptions:
     # (measured on the H200: the 1B body 1,199 -> 921 us a step at b=1, 4,329 -> 3,107 at b=8)
     q8_by_block: bool = True
     # with q8_activations: IQ4_NL and IQ4_XS take 8-bit activations too, their indices looked up to int8 values by
-    # three byte permutes a word (intrinsics.lookup16, llama.cpp's get_int_from_table_16) and dotted with dp4a;
+    # three byte permutes a word (intrinsics.table16_bytes, llama.cpp's get_int_from_table_16) and dotted with dp4a;
     # without it they run the float lanes (the 8B IQ4_XS at b=1: 11.3 ms a step on the H100, llama.cpp 3.1).
     # Opt-in until a GPU has checked the body
     q8_codebooks: bool = False

@@ -92,7 +92,7 @@ def _q3(planes: Planes, n: tirx.Expr, k: tirx.Expr) -> tirx.Expr:
     return _q2(planes, n, k) | (_field(planes["qh"][n, k // 32], k % 32, 1) << 2)
 
 
-def _table_u32(values: list[int]) -> list[int]:
+def table_words(values: list[int]) -> list[int]:
     """16 int8 codebook values as four little-endian uint32 words (entry i in byte i % 4 of word i // 4)."""
     raw = bytes(v & 0xFF for v in values)
     return [int.from_bytes(raw[4 * w:4 * w + 4], "little") for w in range(4)]
@@ -106,7 +106,7 @@ CODEBOOKS = {"IQ4_NL": [int(v) for v in KVALUES_IQ4NL], "IQ4_XS": [int(v) for v 
 
 def codebook_value(name: str, index: tirx.Expr) -> tirx.Expr:
     """The signed codebook entry (int32) at a 4-bit index (int32 0..15) of IQ4_NL/IQ4_XS/MXFP4."""
-    words = [_u32(w) for w in _table_u32(CODEBOOKS[name])]
+    words = [_u32(w) for w in table_words(CODEBOOKS[name])]
     half = index >> 3  # the 8 entries of words 0-1 or 2-3
     lo = tirx.Select(half == 0, words[0], words[2])
     hi = tirx.Select(half == 0, words[1], words[3])

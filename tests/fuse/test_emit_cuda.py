@@ -355,11 +355,10 @@ def test_codebook_lookup_permutes_bytes_as_llama_cpp(rng):
     on Python ints with CUDA's documented __byte_perm (byte i of the result: byte s<4i+2:4i> of y:x), it gives
     kvalues_iq4nl[index] in every byte, for every index in every byte position."""
     from luce_compile.fuse.emit_cuda.intrinsics import table16_bytes
-    from luce_compile.lower.quant_matmul import CODEBOOKS
+    from luce_compile.lower.quant_matmul import CODEBOOKS, table_words
 
     table = CODEBOOKS["IQ4_NL"]
-    raw = bytes(v & 0xFF for v in table)
-    words = [int.from_bytes(raw[4 * w:4 * w + 4], "little") for w in range(4)]
+    words = table_words(table)
 
     def byte_perm(x: int, y: int, s: int) -> int:
         both = (y << 32) | x
@@ -377,7 +376,7 @@ def test_codebook_lookup_permutes_bytes_as_llama_cpp(rng):
 def test_codebook_words_are_the_signed_quants(rng, quant):
     """The 8-bit path's IQ4 words (a granule's low nibbles, then its high ones, each looked up by
     emit_cuda.q8._signed_quants) hold the signed values dequant_expr multiplies (quant_matmul.stored_quant), in the
-    order the 8-bit activations take (even elements, then odd): ROCm's select chain, computed on the CPU."""
+    order the 8-bit activations take (even elements, then odd): ROCm's form (a lookup a byte), computed on the CPU."""
     import tvm
 
     from luce_compile.fuse.emit_cuda.q8 import _signed_quants

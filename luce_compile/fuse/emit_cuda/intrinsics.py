@@ -164,29 +164,9 @@ def table16_bytes(indices, words, perm, mask):
     return perm(low, high, mask(0x3210) | ((selector & mask(0x8888)) >> mask(1)))
 
 
-def lookup16(indices: tirx.Expr, table: list[int]) -> tirx.Expr:
-    """The int32 of four signed bytes table[i] for the four indices 0-15 in the bytes of a uint32 (a codebook type's
-    4-bit quants: IQ4_NL, IQ4_XS). CUDA: three __byte_perm (table16_bytes); ROCm: a select chain per byte."""
-    raw = bytes(v & 0xFF for v in table)
-    words = [tirx.const(int.from_bytes(raw[4 * w:4 * w + 4], "little"), "uint32") for w in range(4)]
-
-    def u32(v: int) -> tirx.Expr:
-        return tirx.const(v, "uint32")
-
-    if is_rocm():
-        out = u32(0)
-        for i in range(4):
-            index = (indices >> u32(8 * i)) & u32(0xF)
-            lo = tirx.Select(index < u32(8), words[0], words[2])
-            hi = tirx.Select(index < u32(8), words[1], words[3])
-            word = tirx.Select((index & u32(4)) == u32(0), lo, hi)
-            out = out | (((word >> ((index & u32(3)) * u32(8))) & u32(0xFF)) << u32(8 * i))
-        return tirx.reinterpret("int32", out)
-
-    def perm(x, y, s):
-        return tirx.call_pure_extern("uint32", "__byte_perm", x, y, s)
-
-    return tirx.reinterpret("int32", table16_bytes(indices, words, perm, u32))
+def byte_perm(x: tirx.Expr, y: tirx.Expr, s: tirx.Expr) -> tirx.Expr:
+    """CUDA's __byte_perm of uint32s (table16_bytes' permute; ROCm has no such builtin here)."""
+    return tirx.call_pure_extern("uint32", "__byte_perm", x, y, s)
 
 
 def popcount(x: tirx.Expr) -> tirx.Expr:

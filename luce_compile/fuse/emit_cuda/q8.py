@@ -6,6 +6,8 @@ shared with the tensor-core body (q8_mma.py)."""
 
 from __future__ import annotations
 
+import functools
+
 from tvm import tirx
 from tvm.tirx.script.builder import ir as B
 
@@ -13,7 +15,7 @@ from luce_compile.fuse import program as P
 from luce_compile.fuse.emit_cuda import intrinsics as ix
 from luce_compile.fuse.emit_cuda.core import F32, f32, i32
 from luce_compile.fuse.options import Q8_CODEBOOK_ORDER, Q8_ORDER
-from luce_compile.lower.quant_matmul import CODEBOOKS, exact_int_to_float
+from luce_compile.lower.quant_matmul import CODEBOOKS, codebook_value, exact_int_to_float, table_words
 
 Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
 QUANT_AHEAD = 4  # quantize_q8: granules a thread loads before it quantizes any (8 floats each in registers)
@@ -51,11 +53,22 @@ def _sixth_bits(qh: tirx.Expr, shift) -> tuple[tirx.Expr, tirx.Expr]:
 
 def _signed_quants(ggml_type: str, word: tirx.Expr) -> tirx.Expr:
     """Four stored quants (a byte each, uint32) as the int32 of the bytes dp4a dots: a codebook type's indices looked
-    up to its signed values (IQ4_NL, IQ4_XS: kvalues_iq4nl), any other type's bits as they are (its offset, if any,
-    is the sum's start: Q8_OFFSET)."""
-    if ggml_type in Q8_CODEBOOK_ORDER:
-        return ix.lookup16(word, CODEBOOKS[ggml_type])
-    return tirx.reinterpret("int32", word)
+    up to its signed values (IQ4_NL, IQ4_XS: kvalues_iq4nl; on CUDA by three byte permutes, ix.table16_bytes),
+    any other type's bits as they are (its offset, if any, is the sum's start: Q8_OFFSET)."""
+    if ggml_type not in Q8_CODEBOOK_ORDER:
+        return tirx.reinterpret("int32", word)
+
+    def u32(v: int) -> tirx.Expr:
+        return tirx.const(v, "uint32")
+
+    if ix.is_rocm():  # no byte permute: the dequantizers' lookup a byte
+        out = u32(0)
+        for i in range(4):
+            value = codebook_value(ggml_type, ((word >> u32(8 * i)) & u32(0xF)).astype("int32"))
+            out = out | ((value.astype("uint32") & u32(0xFF)) << u32(8 * i))
+        return tirx.reinterpret("int32", out)
+    words = [u32(w) for w in table_words(CODEBOOKS[ggml_type])]
+    return tirx.reinterpret("int32", ix.table16_bytes(word, words, ix.byte_perm, u32))
 
 
 def dp4a(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
@@ -120,20 +133,24 @@ class Q8Mixin:
             if op.kind != P.TaskKind.MATVEC:
                 continue
             st = self.p.tg.stages[op.stage]
-            env = max(len(set(self._env_slots(st, u).values())) * rows for u, rows in enumerate(op.max_rows))
-            if self.nb * (self._q8_words(self.p.width(st.input)) + env + 1) > self.shared_floats:
+            env = max(self._env_floats(st, u, rows) for u, rows in enumerate(op.max_rows))
+            if self.nb * (self._q8_words(self.p.width(st.input)) + 1) + env > self.shared_floats:
                 out.update(op.stages)
         return frozenset(out)
 
-    def _q8_order(self, st, k_in: int, stage: int | None = None) -> str | None:
+    @functools.cached_property
+    def _q8_misfits(self) -> frozenset[int]:
+        """The build's misfits (Program.q8_misfits), or this program's own where it is emitted alone."""
+        return self.p.q8_misfits if self.p.q8_misfits is not None else self.q8_misfit_stages()
+
+    def _q8_order(self, st, k_in: int, stage: int) -> str | None:
         """The activation order the stage's matmuls take ("nibbles" for Q4/Q5 types, "natural" for Q8_0), or None
         where it keeps float32 activations: the option is off, a weight type has no integer body here, the types
         want different orders, the input is merged from attention partials, or the largest batch's 8-bit input
         leaves less than Q8_RESERVE of the shared memory, or with the tile's values does not fit it in some program
         of the build (Program.q8_misfits: a small shared memory, gfx1151's 56 KiB). The choice depends on the stage
         and the build's programs only, so every batch size computes a sequence alike (batched equal to alone)."""
-        misfits = self.p.q8_misfits if self.p.q8_misfits is not None else self.q8_misfit_stages()
-        if not self.q8 or st.merged >= 0 or stage in misfits or \
+        if not self.q8 or st.merged >= 0 or stage in self._q8_misfits or \
                 self.q8_batch * self._q8_words(k_in) > self.shared_floats - self.shared_floats // Q8_RESERVE:
             return None
         types = {t for unit in st.units for t in self._weight_types(unit)}
