@@ -226,6 +226,9 @@ def build_task_graph(graph: Graph, *, batch: int, n_sms: int, max_context: int, 
     per row (TaskGraph.norm_partials), which the norm's tiles read instead of the whole input's squares."""
     if graph.outputs != (LOGITS,):
         raise UnsupportedError(f"fuse: the megakernel needs a graph whose one output is {LOGITS!r}.")
+    if any(op.kind == OpKind.MOE for op in graph.ops):
+        raise UnsupportedError("fuse: the megakernel has no tasks for mixture-of-experts layers yet (the router's "
+                               "choice would pick the tasks on the device, issue 40); decode runs the per-op kernels.")
     values = graph.values()
     kv_fill = 0
     if kv_splits < 0:  # as many even splits as fill the SMs once: measured on the H200 (benchmarks/README.md,

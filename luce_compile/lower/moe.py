@@ -22,8 +22,9 @@ Under precision int8 the expert matmuls take 8-bit activations with llama.cpp's 
 the same TE stages as every int8 matmul, with gathered weight rows); f32 keeps exact float32.
 
 The expert matmuls carry EXPERT_ATTR for schedules/cpu/moe.py (int8: the int8 GEMV's vector body with gathered rows;
-float32: a parallel schedule of the TE); routing and sorting are small and stay as written. A GPU target is refused
-in `check_target` before any work: the grouped expert GEMMs and the router-driven GEMV are not written.
+float32: a parallel schedule of the TE); routing and sorting are small and stay as written. On a GPU (cuda, rocm) the
+sort is schedules/gpu/moe.expert_sort (a thread per expert, same order), the expert matmuls schedules/gpu/moe.py's
+gathered GEMV and the router dlight's; the megakernel takes no MoE graph (the engine decodes with these).
 """
 
 from __future__ import annotations
@@ -47,12 +48,10 @@ def _i64(*dims: int | tirx.Expr) -> tuple[tirx.Expr, ...]:
 
 
 def check_target(target_kind: str, arch: str) -> None:
-    """MoE lowers for the CPU (llvm) only; anything else is refused with what is missing."""
-    if target_kind != "llvm":
-        raise UnsupportedError(
-            f"lower: {arch} (mixture of experts) has CPU kernels only; the {target_kind} target needs grouped expert "
-            "GEMMs for prefill and a router-driven expert GEMV for decode (and the megakernel's router-driven "
-            "tasks), none of which exist yet (issue 40 item 2). Compile with --target cpu.")
+    """MoE lowers for the CPU (llvm) and GPUs (cuda, rocm: schedules/gpu/moe.py); anything else is refused."""
+    if target_kind not in ("llvm", "cuda", "rocm"):
+        raise UnsupportedError(f"lower: {arch} (mixture of experts) has kernels for the CPU and CUDA/ROCm GPUs only, "
+                               f"not {target_kind}. Compile with --target cpu or a GPU target.")
 
 
 def route_func(n_expert: int, used: int, norm_w: bool, name: str) -> tirx.PrimFunc:
@@ -118,6 +117,13 @@ def sort_func(n_expert: int, used: int, name: str) -> tirx.PrimFunc:
     # fmt: on
 
     return sort
+
+
+def _gpu_sort(n_expert: int, used: int, name: str) -> tirx.PrimFunc:
+    """sort_func's result on a GPU: one block, a thread per expert (schedules/gpu/moe.expert_sort)."""
+    from luce_schedules.gpu.moe import expert_sort
+
+    return expert_sort(n_expert, used, name)
 
 
 def _gathered(n_out: int, experts: te.Tensor, tokens: te.Tensor | None):
@@ -223,7 +229,8 @@ def lower_moe(m, o: Op, ins: list, **_) -> nn.Tensor:
         nn.Tensor.placeholder((b * s, used), "int32"), nn.Tensor.placeholder((b * s, used), F32)])
     rows = b * s * used
     flat = op.reshape(ids, (rows,))  # (P,): row p = token p // used, slot p % used
-    sort = m._kernel(("moe_sort", a["n_expert"], used), lambda: sort_func(
+    sort_kernel = sort_func if m.target.kind.name == "llvm" else _gpu_sort
+    sort = m._kernel(("moe_sort", a["n_expert"], used), lambda: sort_kernel(
         a["n_expert"], used, f"moe_sort_{a['n_expert']}_top{used}"))
     experts, tokens, inverse = op.tensor_ir_op(sort, sort.attrs["global_symbol"], [flat], [
         nn.Tensor.placeholder((rows,), "int32") for _ in range(3)])

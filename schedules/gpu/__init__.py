@@ -6,10 +6,11 @@ come from TVM's TIRPagedKVCache already scheduled.
 """
 
 from luce_schedules.gpu.embedding import QuantEmbedding
+from luce_schedules.gpu.moe import ExpertGEMV
 from luce_schedules.gpu.quant_gemm import QuantGEMM
 from luce_schedules.gpu.quant_gemv import QuantGEMV
 from luce_schedules.gpu.rope import Rope
 
-RULES = (QuantGEMV(), QuantGEMM(), QuantEmbedding(), Rope())
+RULES = (ExpertGEMV(), QuantGEMV(), QuantGEMM(), QuantEmbedding(), Rope())
 
-__all__ = ["RULES", "QuantEmbedding", "QuantGEMM", "QuantGEMV", "Rope"]
+__all__ = ["RULES", "ExpertGEMV", "QuantEmbedding", "QuantGEMM", "QuantGEMV", "Rope"]

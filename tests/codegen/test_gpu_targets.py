@@ -298,6 +298,22 @@ def test_gemma3_artifacts_carry_megakernels_only_when_asked(tmp_path):
 
 
 @pytest.mark.slow
+def test_moe_builds_for_sm_90_with_the_per_op_kernels(tmp_path):
+    """tiny-qwen3moe for sm_90 (issue 40): the expert sort and the gathered GEMVs of schedules/gpu/moe.py in the
+    binary, no megakernel (the section says why). Its numbers are checked on the GPU (device_check on the preset)."""
+    from luce_compile.codegen.compile import compile_model
+    from luce_compile.synthetic import cached_synthetic
+
+    artifact = compile_model(cached_synthetic("tiny-qwen3moe"), "sm_90", tmp_path / "moe")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert "mixture-of-experts" in manifest["megakernel"]["skipped"]
+    (binary,) = check_library(artifact / "model.so", get_target("sm_90")).binaries  # read with the vendor tools
+    kernels = binary.kernels["sm_90"]
+    assert "moe_sort_8_top2_kernel" in kernels
+    assert any(k.startswith("expert_matmul_") for k in kernels)
+
+
+@pytest.mark.slow
 def test_prefill_gemm_q8_builds_the_integer_mma_kernels(tmp_path):
     """--prefill-gemm q8: the tiny llama in Q4_1 (its LM head Q8_0) for sm_90: the manifest records the choice and the
     types it served, and every gemm kernel's SASS above the buckets holds integer tensor-core mma (IMMA.16832) fed by

@@ -1,5 +1,6 @@
 """qwen3moe: its config from the GGUF keys, its graph, the oracle's MOE op against an independent dense formulation,
-the real-shape preset's quant mix, and the GPU refusal. The compiled model's checks are tests/codegen/test_cpu_moe.py.
+the real-shape preset's quant mix, and the targets it lowers for. The compiled model's checks are
+tests/codegen/test_cpu_moe.py.
 
 The oracle computes only the chosen experts, token by token (graph/oracle.Oracle._moe); the check here computes every
 expert for every token and mixes them with a dense weight matrix that is zero outside each token's top k, so a wrong
@@ -92,11 +93,10 @@ def test_qwen3_30b_a3b_preset_is_llama_quantize_q4_k_m():
     assert tensor_type(spec, "output.weight", (151936, 2048)) == T.Q6_K
 
 
-def test_gpu_build_is_refused_naming_what_is_missing(tiny_moe):
-    import tvm
+def test_targets_without_moe_kernels_are_refused_naming_the_ones_that_have_them():
+    from luce_compile.lower.moe import check_target
 
-    from luce_compile.lower.relax_model import lower_graph
-
-    graph = build_graph(read_gguf(tiny_moe))
-    with pytest.raises(UnsupportedError, match="grouped expert GEMMs.*router-driven"):
-        lower_graph(graph, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
+    for kind in ("llvm", "cuda", "rocm"):
+        check_target(kind, "qwen3moe")
+    with pytest.raises(UnsupportedError, match="CPU and CUDA/ROCm GPUs only, not vulkan"):
+        check_target("vulkan", "qwen3moe")
