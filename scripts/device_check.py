@@ -720,7 +720,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     # megakernel=True: every batch size it has a kernel for runs it (the default measures and may keep the per-op
     # path for some), so the checks below cover each kernel
-    engine = Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=True))
+    engine = Engine(artifact, EngineOptions(max_batch=8, max_context=_check_context(artifact), megakernel=True))
     result["load_seconds"] = round(time.perf_counter() - start, 2)
     kernels = engine.artifact.manifest["kernels"]
     result["manifest_kernels"] = kernels.get("device_binaries")
@@ -770,7 +770,12 @@ def _per_op_engine(artifact: Path):
     """The same artifact on the per-op kernels only: what the megakernel's checks compare against."""
     from luce_runtime.engine import Engine, EngineOptions
 
-    return Engine(artifact, EngineOptions(max_batch=8, max_context=4096, megakernel=False))
+    return Engine(artifact, EngineOptions(max_batch=8, max_context=_check_context(artifact), megakernel=False))
+
+
+def _check_context(artifact: Path) -> int:
+    """The checks' context: 4,096, or the model's trained context where shorter (the tiny presets train 2,048)."""
+    return min(4096, int(json.loads((artifact / "manifest.json").read_text())["config"]["n_ctx_train"]))
 
 
 def _report(result: dict, out: str | None) -> int:
