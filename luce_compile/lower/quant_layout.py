@@ -105,6 +105,9 @@ def plane_specs(ggml_type: GGMLQuantizationType | str, n_out: int, n_in: int) ->
     return {"e": ((n_out, n_in // 32), "uint8"), "qs": qs}
 
 
+REPACK_BYTES = 4 << 20  # raw bytes repacked at once (repack): a 128K-vocabulary embedding at ~30x would take GBs
+
+
 def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType | str) -> dict[str, np.ndarray]:
     """Split raw GGUF rows (uint8, (n_out, row_bytes)) into the planes of `plane_specs`, bit for bit."""
     qtype = as_ggml_type(ggml_type)
@@ -116,11 +119,18 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType | str) -> dict[str, 
             f"got {raw.dtype} {raw.shape}"
         )
     n_out, n_blocks = raw.shape[0], raw.shape[1] // type_size
-    blocks = np.ascontiguousarray(raw).reshape(n_out, n_blocks, type_size)
-    planes = _REPACKERS[qtype.name](blocks)
     specs = plane_specs(qtype, n_out, n_blocks * block)
-    assert planes.keys() == specs.keys(), (qtype.name, planes.keys())
-    return {name: np.ascontiguousarray(planes[name], dtype=dt).reshape(shape) for name, (shape, dt) in specs.items()}
+    out = {name: np.empty(shape, dt) for name, (shape, dt) in specs.items()}
+    # every plane is row-major in the weight's rows: repacked REPACK_BYTES of rows at a time, the repackers' wide
+    # temporaries (uint32 per nibble, shifted copies: ~30x the raw bytes) stay that small, whatever the tensor
+    step = max(1, REPACK_BYTES // raw.shape[1])
+    for lo in range(0, n_out, step):
+        rows = np.ascontiguousarray(raw[lo:lo + step])
+        planes = _REPACKERS[qtype.name](rows.reshape(rows.shape[0], n_blocks, type_size))
+        assert planes.keys() == specs.keys(), (qtype.name, planes.keys())
+        for name, plane in planes.items():
+            out[name][lo:lo + rows.shape[0]] = np.asarray(plane).reshape(rows.shape[0], *specs[name][0][1:])
+    return out
 
 
 def weight_planes(raw: np.ndarray, ggml_type: GGMLQuantizationType | str, n_dims: int) -> dict[str, np.ndarray]:

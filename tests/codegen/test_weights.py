@@ -25,6 +25,27 @@ def test_bf16_vectors_are_widened_exactly_and_matrices_keep_their_bits():
     assert matrix.dtype == np.uint16 and np.array_equal(matrix[1], bits[:4])
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_1", "IQ4_XS", "F16"])
+def test_a_tensor_repacked_in_row_chunks_equals_it_repacked_whole(qtype, monkeypatch):
+    """repack takes REPACK_BYTES of rows at a time (its temporaries are ~30x the raw bytes: a 128K-vocabulary
+    embedding whole took ~9 GB); chunks that split the rows unevenly give the planes of one pass, bit for bit."""
+    from gguf import GGML_QUANT_SIZES
+
+    from luce_compile.lower import quant_layout
+
+    kind = GGMLQuantizationType[qtype]
+    block, size = GGML_QUANT_SIZES[kind]
+    raw = np.random.default_rng(3).integers(0, 256, (37, 512 // block * size), dtype=np.uint8)
+    whole = quant_layout.repack(raw, kind)
+    monkeypatch.setattr(quant_layout, "REPACK_BYTES", raw.shape[1] * 5)  # 7 full chunks of 5 rows and one of 2
+    chunked = quant_layout.repack(raw, kind)
+    assert whole.keys() == chunked.keys()
+    for name in whole:
+        assert whole[name].dtype == chunked[name].dtype and whole[name].shape == chunked[name].shape
+        assert whole[name].tobytes() == chunked[name].tobytes(), name
+
+
 def _device_check():
     return load_script("device_check")
 
