@@ -392,8 +392,9 @@ def test_codebook_words_are_the_signed_quants(rng, quant):
 @pytest.mark.parametrize("quant", ["IQ4_NL", "IQ4_XS"])
 def test_q8_codebooks_give_integer_dots_to_iq4_weights(quant):
     """q8_codebooks: IQ4_NL and IQ4_XS matvecs take 8-bit activations, their indices looked up by __byte_perm and
-    dotted with dp4a (llama.cpp's vec_dot_iq4_nl_q8_1 / iq4_xs_q8_1); without it (the default until a GPU checks
-    it) they keep the float32 body, and q8_mma (no codebook body) keeps it too."""
+    dotted with dp4a (llama.cpp's vec_dot_iq4_nl_q8_1 / iq4_xs_q8_1), by default; without it they keep the float32
+    body, and q8_mma (no codebook body) keeps it too. A manifest without the key (older builds) rounds as the float
+    body did."""
     import dataclasses
 
     from luce_compile.fuse.options import MegakernelOptions, q8_types
@@ -402,13 +403,14 @@ def test_q8_codebooks_give_integer_dots_to_iq4_weights(quant):
     spec = in_type(dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=768), quant)
     graph, _ = open_graph(cached_synthetic(spec))
     prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16)
-    on = MegakernelOptions(q8_activations=True, q8_codebooks=True)
+    on = MegakernelOptions(q8_activations=True)
+    assert on.q8_codebooks
     source = cuda_source(emit_megakernel(prog, options=on))
     assert "__byte_perm" in source and divergent_collectives(source) == []
     down = next(o.index for o in prog.opcodes if o.kind.name == "MATVEC" and any("ffn_down" in w for w in o.weights))
     body = source.split(f"_ptr_4[0] == {down})")[-1].split("_ptr_4[0] == ")[0]
     assert "__dp4a" in body and "__byte_perm" in body
-    for off in (MegakernelOptions(q8_activations=True), dataclasses.replace(on, q8_mma=True)):
+    for off in (MegakernelOptions(q8_activations=True, q8_codebooks=False), dataclasses.replace(on, q8_mma=True)):
         body = cuda_source(emit_megakernel(prog, options=off)).split(f"_ptr_4[0] == {down})")[-1]
         assert "__byte_perm" not in body.split("_ptr_4[0] == ")[0]
     assert quant in q8_types(dataclasses.asdict(on)) and quant not in q8_types({"q8_activations": True})
