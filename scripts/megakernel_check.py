@@ -77,6 +77,7 @@ def options(max_context: int, batches: tuple[int, ...], variant: dict | None = N
 def prepare(args: argparse.Namespace) -> int:
     from luce_compile.fuse.build import compile_megakernels, program_fingerprint
     from luce_compile.graph.registry import open_graph
+    from luce_compile.graph.rope_pairs import interleave_rope_pairs
     from luce_compile.synthetic import cached_synthetic
 
     out = Path(args.dir)
@@ -123,7 +124,7 @@ def prepare(args: argparse.Namespace) -> int:
                                             half_kv=True)  # the kernel's float16 pages
                 np.savez(folder / "reference.npz", prompt=plain["prompt"], ids=np.array(ids, np.int32),
                          logits=logits)
-        graph, _ = open_graph(gguf)
+        graph = interleave_rope_pairs(open_graph(gguf)[0])  # as compile builds a GPU artifact's graph
         start = time.perf_counter()
         try:
             programs = compile_megakernels(graph, "sm_90", folder / "megakernel.so",
@@ -198,16 +199,20 @@ class Runner:
 
 
 def stacked_weights(prog, gguf, torch) -> list:
+    from luce_compile.graph.rope_pairs import graph_raw, reorder_rows
     from luce_compile.lower.quant_layout import weight_planes
 
+    pairs = prog.graph.row_pairs  # rows reordered as the program's graph reads them (graph/rope_pairs.py)
     out = []
     for _, o, s in prog.weight_args():
         names = prog.stacked_tensors(o, s)
         info = gguf.tensor(names[0])
         if len(info.shape) == 1:
-            out.append(torch.from_numpy(np.stack([gguf.dequantize(n).astype(np.float32) for n in names])).cuda())
+            vectors = [gguf.dequantize(n).astype(np.float32) for n in names]
+            vectors = [reorder_rows(v, pairs[n]) if n in pairs else v for n, v in zip(names, vectors, strict=True)]
+            out.append(torch.from_numpy(np.stack(vectors)).cuda())
             continue
-        per = [weight_planes(gguf.raw(n), info.ggml_type, 2) for n in names]
+        per = [weight_planes(graph_raw(prog.graph, gguf, n), info.ggml_type, 2) for n in names]
         for plane in per[0]:
             out.append(torch.from_numpy(np.ascontiguousarray(np.stack([p[plane] for p in per]))).cuda())
     return out
@@ -382,6 +387,7 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
     from luce_compile.fuse.build import plan_programs, program_fingerprint
     from luce_compile.gguf.reader import read_gguf
     from luce_compile.graph.registry import open_graph
+    from luce_compile.graph.rope_pairs import interleave_rope_pairs
     from luce_compile.targets import get_target
 
     build = json.loads((folder / "build.json").read_text())
@@ -416,7 +422,7 @@ def run_model(folder: Path, args, torch, tvm_ffi) -> dict:
         shutil.copyfile(data("tokenizer.json"), staging / "artifact" / "tokenizer.json")
         generate_gguf(staging, gguf_path)
     say(f"{folder.name}: GGUF ready")
-    graph, _ = open_graph(gguf_path)
+    graph = interleave_rope_pairs(open_graph(gguf_path)[0])
     variant = {k: v for k, v in build.get("options", {}).items() if k not in ("batches", "max_context")}
     programs = plan_programs(graph, get_target("sm_90").facts,
                              options(build["max_context"], tuple(build["batches"]), variant))

@@ -31,6 +31,7 @@ from luce_compile.fuse.options import SLIDING_MEGAKERNEL
 from luce_compile.gguf.reader import GGUFFile, read_gguf
 from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
+from luce_compile.graph.rope_pairs import interleave_rope_pairs, reorder_raw
 from luce_compile.lower.attention_sinks import kv_head_dim
 from luce_compile.lower.cpu_int8 import resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype, resolve_kv_cache
@@ -156,6 +157,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
             say(f"the cached build went away while it was copied ({e.__class__.__name__}); building it again")
     gguf = read_gguf(gguf_path)
     graph = build_graph(gguf)  # refuses unsupported models before any work
+    if info.kind in GPU_KINDS and megakernel:  # NEOX pairs as neighbours: the megakernel's q/k tiles split heads
+        graph = interleave_rope_pairs(graph)
     # the runtime must load the tokenizer the artifact carries (a pre-tokenizer it lacks, as Kimi K2's kimi-k2, would
     # otherwise be refused only when the finished artifact is loaded): refused here, in ~0.1 s
     Tokenizer.from_metadata(_tokenizer_metadata(gguf))
@@ -245,13 +248,14 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
                         target, options.precision, options.prefill_attention, kv_head or c.head_dim,
                         kv_head or c.head_dim_v, kv_dtype)},
                     "prefill_gemm": prefill_gemm_record(mod, options),
+                    "rope_rows_interleaved": bool(graph.row_pairs),  # graph/rope_pairs.py
                     **({"tuning": tuning.to_manifest()} if tuning else {}),
                     **({"device_binaries": binaries.to_manifest()} if binaries else {})},
         "runtime": contract.to_manifest(),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         **megakernel_fields,
     }
-    return write_artifact(work / "artifact", manifest_fields=manifest, weights=_weights(gguf, params),
+    return write_artifact(work / "artifact", manifest_fields=manifest, weights=_weights(gguf, params, graph.row_pairs),
                           export_fn=lambda path: shutil.copyfile(library, path),
                           tokenizer_metadata=_tokenizer_metadata(gguf), extra_files=extra_files)
 
@@ -283,19 +287,25 @@ def _plain(value):
     return [_plain(v) for v in value]
 
 
-def _weights(gguf: GGUFFile, params: list[tuple[str, tuple[int, ...], str]]) -> Iterator[tuple[str, np.ndarray, dict]]:
-    """Each parameter, in the order the VM functions take them: a plane of a repacked GGUF tensor."""
+def _weights(gguf: GGUFFile, params: list[tuple[str, tuple[int, ...], str]],
+             row_pairs: dict[str, int]) -> Iterator[tuple[str, np.ndarray, dict]]:
+    """Each parameter, in the order the VM functions take them: a plane of a repacked GGUF tensor, its rows
+    reordered where the graph's are (graph/rope_pairs.py; the param's "row_pairs" says so to device_check)."""
     planes_of: dict[str, dict[str, np.ndarray]] = {}
     for name, shape, dtype in params:
         tensor, plane = name.split(PLANE_SEP)
         info = gguf.tensor(tensor)
         if tensor not in planes_of:  # repack once per tensor; the planes of one tensor are consecutive
             planes_of.clear()
-            planes_of[tensor] = weight_planes(gguf.raw(tensor), info.ggml_type, len(info.shape))
+            raw = gguf.raw(tensor)
+            if tensor in row_pairs:
+                raw = reorder_raw(raw, row_pairs[tensor], info.shape)
+            planes_of[tensor] = weight_planes(raw, info.ggml_type, len(info.shape))
         array = planes_of[tensor][plane].reshape(shape)
         if str(array.dtype) != dtype:
             raise AssertionError(f"plane {name} is {array.dtype}, the kernel expects {dtype}")
-        yield name, array, {"source_tensor": tensor, "ggml_type": info.ggml_type.name, "plane": plane}
+        meta = {"source_tensor": tensor, "ggml_type": info.ggml_type.name, "plane": plane}
+        yield name, array, meta | ({"row_pairs": row_pairs[tensor]} if tensor in row_pairs else {})
 
 
 def _tokenizer_metadata(gguf: GGUFFile) -> dict:

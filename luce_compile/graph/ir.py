@@ -120,6 +120,9 @@ class Graph:
     outputs: tuple[str, ...]
     weights: dict[str, TensorInfo]  # every GGUF tensor the ops read
     source: Path | None = None  # the GGUF file it was built from (the oracle and export read weights there)
+    # tensor → head size: rows reordered within each head so NEOX RoPE pairs are neighbours (graph/rope_pairs.py);
+    # every reader of such a weight reorders it (rope_pairs.reorder_rows)
+    row_pairs: dict[str, int] = field(default_factory=dict)
 
     @property
     def n_params(self) -> int:

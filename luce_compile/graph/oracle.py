@@ -18,6 +18,7 @@ from luce_compile.errors import LuceError
 from luce_compile.gguf.reader import GGUFFile
 from luce_compile.graph.ir import LOGITS, POSITIONS, TOKENS, YARN_ATTRS, Graph, Op
 from luce_compile.graph.registry import open_graph
+from luce_compile.graph.rope_pairs import reorder_rows
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,10 @@ class Oracle:
     def weight(self, name: str) -> np.ndarray:
         """A weight dequantized to float64, cached (the models the oracle runs are small)."""
         if name not in self._weights:
-            self._weights[name] = self.gguf.dequantize(name).astype(np.float64)
+            w = self.gguf.dequantize(name).astype(np.float64)
+            if name in self.graph.row_pairs:  # the graph's rows are reordered (graph/rope_pairs.py)
+                w = reorder_rows(w, self.graph.row_pairs[name])
+            self._weights[name] = w
         return self._weights[name]
 
     def reset(self) -> None:

@@ -25,6 +25,7 @@ from luce_compile.gguf.quants import k_quant_minimums
 from luce_compile.gguf.reader import GGUFFile
 from luce_compile.graph.ir import Graph
 from luce_compile.graph.oracle import Oracle, gelu_tanh
+from luce_compile.graph.rope_pairs import graph_raw
 
 
 def f16(a: np.ndarray) -> np.ndarray:
@@ -130,7 +131,7 @@ class GgmlRounding(Oracle):
 
     def _block_minimums(self, name: str) -> np.ndarray:
         info = self.gguf.tensor(name)
-        return block_minimums(self.gguf.raw(name), info.ggml_type.name, info.shape)
+        return block_minimums(graph_raw(self.graph, self.gguf, name), info.ggml_type.name, info.shape)
 
     def _matmul(self, op, x):
         kind = self.gguf.tensor(op.weights["weight"]).ggml_type.name

@@ -73,3 +73,34 @@ def test_device_check_rebuilds_the_compiled_weights_of_a_bf16_model(tmp_path: Pa
     result = _device_check().rebuild_weights(rebuilt, gguf)
     assert (rebuilt / "weights.bin").read_bytes() == (artifact / "weights.bin").read_bytes()
     assert result == {"weights_sha_match": True, "gguf_sha_match": True}
+
+
+@pytest.mark.slow
+def test_a_gpu_build_of_a_neox_model_reorders_q_and_k_rows_and_device_check_does_too(tmp_path: Path):
+    """A GPU build with megakernels writes Qwen2's q and k rows (and biases) with the NEOX pairs interleaved
+    (graph/rope_pairs.py), says so per param, and device_check's rebuild writes the same bytes from the GGUF."""
+    import json
+
+    from luce_compile.codegen.compile import compile_model
+    from luce_compile.graph.rope_pairs import reorder_rows
+    from luce_compile.synthetic import cached_synthetic
+
+    gguf = cached_synthetic("tiny-qwen2")
+    artifact = compile_model(gguf, "sm_90", tmp_path / "artifact", use_cache=False)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["kernels"]["rope_rows_interleaved"]
+    params = manifest["weights"]["params"]
+    reordered = {p["source_tensor"] for p in params if p.get("row_pairs")}
+    assert reordered == {f"blk.{i}.attn_{t}.{w}" for i in range(2) for t in "qk" for w in ("weight", "bias")}
+    bias = next(p for p in params if p["source_tensor"] == "blk.0.attn_q.bias")
+    stored = np.fromfile(artifact / "weights.bin", dtype=np.float32, count=bias["nbytes"] // 4, offset=bias["offset"])
+    from luce_compile.gguf.reader import read_gguf
+
+    original = read_gguf(gguf).dequantize("blk.0.attn_q.bias")
+    assert np.array_equal(stored, reorder_rows(original, bias["row_pairs"]))
+    assert not np.array_equal(stored, original)
+    rebuilt = tmp_path / "rebuilt"
+    shutil.copytree(artifact, rebuilt)
+    (rebuilt / "weights.bin").unlink()
+    _device_check().rebuild_weights(rebuilt, gguf)
+    assert (rebuilt / "weights.bin").read_bytes() == (artifact / "weights.bin").read_bytes()
