@@ -73,8 +73,8 @@ def main() -> int:
     p.add_argument("--no-reference", action="store_true", help="no oracle reference (7B and up: the float64 "
                    "oracle does not fit this machine; device_check prepare --no-reference)")
     p.add_argument("--sliding-megakernel", action="store_true", help="models with sliding-window layers (gemma3-270m) "
-                   "get their megakernels (device_check.py prepare --sliding-megakernel; off by default until a GPU "
-                   "ran them)")
+                   "get their megakernels (device_check.py prepare --sliding-megakernel): the default on GPU targets, "
+                   "kept for old commands")
     p.add_argument("--prefill-gemm", choices=("f16", "q8"), default=None, help="compile's (q8 by default): q8 = "
                    "llama.cpp's 8-bit activations in the GEMMs above 8 rows (schedules/gpu/mmq_gemm.py); the "
                    "references round as the build does")
@@ -96,7 +96,9 @@ def main() -> int:
                         "--precision", args.precision, *bundle,
                         *(["--prefill-gemm", args.prefill_gemm] if args.prefill_gemm else []),
                         *(["--no-megakernel"] if args.no_megakernel else []),
-                        *(["--no-reference"] if args.no_reference else []),
+                        # a 7B and up: not kept in the build cache too (an 8B Q8_0's weights are 8.7 GB, rebuilt on
+                        # the device from the GGUF anyway; the cache's copy ran this disk full, 2026-12-07)
+                        *(["--no-reference", "--no-cache"] if args.no_reference else []),
                         *(["--sliding-megakernel"] if args.sliding_megakernel else []),
                         *(["--megakernel-q8"] if args.megakernel_q8 else []),
                         *(["--megakernel-tf32"] if args.megakernel_tf32 else []),
