@@ -77,7 +77,7 @@ def prepare(args: argparse.Namespace) -> None:
                              precision=args.precision, megakernel=not args.no_megakernel,
                              megakernel_q8=args.megakernel_q8, megakernel_tf32=args.megakernel_tf32,
                              prefill_attention=args.prefill_attention, prefill_gemm=args.prefill_gemm,
-                             sliding_megakernel=args.sliding_megakernel)
+                             sliding_megakernel=args.sliding_megakernel or None)
     build_s = time.perf_counter() - start
     manifest = json.loads((artifact / "manifest.json").read_text())
     precision = manifest["kernels"]["precision"]
@@ -1093,7 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=("auto", "f16", "f32"), default="auto",
                    help="as compile's: auto is f16 (tensor-core prefill) on CUDA; the reference emulates it")
     p.add_argument("--sliding-megakernel", action="store_true", help="a model with sliding-window layers (Gemma 3) "
-                   "gets its megakernels (compile_model's sliding_megakernel, off by default until a GPU ran it)")
+                   "gets its megakernels (compile_model's sliding_megakernel: the default on GPU targets; kept for old commands)")
     p.add_argument("--prefill-gemm", choices=("f16", "q8"), default=None,
                    help="as compile's (q8 by default on CUDA with precision f16): q8 = 8-bit activations in the "
                    "GEMMs of more than 8 rows; the reference rounds those matmuls' inputs as the manifest's "

@@ -104,7 +104,7 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     "wmma" the earlier kernel), recorded per kernel as the manifest's kernels.prefill_attention.
     `sliding_megakernel`: a model with sliding-window layers (Gemma 3) gets decode megakernels too, and on every
     target the cache layout through which the runtime hands them TVM's pages (lower/kv_layers.py; a CPU build with
-    it is how that layout is checked here); None: fuse/options.SLIDING_MEGAKERNEL (off until a GPU has run it).
+    it is how that layout is checked here); None: fuse/options.SLIDING_MEGAKERNEL on GPU targets with megakernels.
     `prefill_gemm`: the matmuls of more than 8 rows on CUDA with precision f16 (--prefill-gemm,
     LowerOptions.prefill_gemm): "q8" (llama.cpp's 8-bit activations on integer tensor cores, lower/q8_gemm.py, for
     the weight types it takes; other types keep float16) or "f16" (float16 operands for every type); None: q8 where
@@ -134,7 +134,8 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
     kv_cache_dtype(kv_cache)  # refuses a KV cache type that is not built, before work
     megakernel_q8 = fast if megakernel_q8 is None else megakernel_q8
     megakernel_tf32 = (fast and info.kind == "cuda") if megakernel_tf32 is None else megakernel_tf32
-    sliding_megakernel = SLIDING_MEGAKERNEL if sliding_megakernel is None else sliding_megakernel
+    if sliding_megakernel is None:  # GPU builds by default; a CPU build asks for the layout (how it is checked here)
+        sliding_megakernel = SLIDING_MEGAKERNEL and info.kind in GPU_KINDS and megakernel
     tuning = load_tuning(info, tune_logs, use_tune_logs)
     # the records are part of the key: new records (or --no-tune-logs) make a new build, never a stale reuse
     key = (f"{gguf_sha[:24]}-{info.name}-{precision}-{compiler_fingerprint()}-{tuning.digest()}"

@@ -184,12 +184,12 @@ def artifact_megakernels(graph: Graph, target_name: str, work: Path, kv_dtype: s
     and its per-op kernels read a window's suffix of them; the megakernel reads the whole page table and applies
     each row's window itself (emit_cuda/attention.py _visible, by the row's position), so both read the same pages.
     The runtime learns those pages through its probe only with the cache layout `sliding` asks the lowering for
-    (LowerOptions.probe_sliding_pages): without it (the default until a GPU has run it: SLIDING_MEGAKERNEL), none."""
+    (LowerOptions.probe_sliding_pages): without it (compile_model(sliding_megakernel=False)), none."""
     from luce_compile.lower.relax_model import param_name
 
     if graph.config.sliding_window and any(graph.config.sliding or ()) and not sliding:
-        return {"skipped": "sliding-window layers: built only with compile_model(sliding_megakernel=True) until "
-                           "a GPU has run them (fuse/options.SLIDING_MEGAKERNEL)"}, {}
+        return {"skipped": "sliding-window layers: built without their cache layout (compile_model("
+                           "sliding_megakernel=False)); the default GPU build has both"}, {}
     from luce_compile.targets import get_target
 
     # the model's whole trained context (issue 38; was capped at 4,096): nothing in the kernel grows with it but the

@@ -141,7 +141,7 @@ def refuse_sliding_window(engine: Engine, role: str) -> None:
         raise SpecError(f"speculative: the {role} {engine.artifact.root} has sliding-window layers and verifies "
                         f"one token a call: its per-op prefill takes one token a call past the first chunk "
                         f"(Engine.chunk_limit) and no megakernel verifies rows ({engine.decode_path}). Run it "
-                        "without speculation, or build it with its megakernels (compile_model sliding_megakernel).")
+                        "without speculation, or build it with its megakernels (a GPU build without --no-megakernel).")
 
 
 class DraftModel:
