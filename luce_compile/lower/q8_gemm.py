@@ -38,7 +38,8 @@ Q8_GEMM_ATTR = "luce.q8_gemm"
 # the weight types the kernel takes, and the activations each dots: with the block sums (Q8_1) where the weight has a
 # minimum per 32 values, else without (Q8_0)
 Q8_GEMM_ACTIVATIONS: dict[str, str] = {"Q4_0": "Q8_0", "Q4_1": "Q8_1", "Q5_0": "Q8_0", "Q5_1": "Q8_1",
-                                       "Q8_0": "Q8_0", "Q4_K": "Q8_1", "Q5_K": "Q8_1", "Q6_K": "Q8_0"}
+                                       "Q8_0": "Q8_0", "Q4_K": "Q8_1", "Q5_K": "Q8_1", "Q6_K": "Q8_0",
+                                       "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}  # codebooks: their int8 values
 # what the kernel subtracts from a stored quant before the integer dot (ggml's centring of the signed types)
 Q8_GEMM_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
 

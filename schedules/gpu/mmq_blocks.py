@@ -17,7 +17,7 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as B
 
 from luce_compile.lower.q8_gemm import Q8_GEMM_OFFSET
-from luce_compile.lower.quant_matmul import exact_int_to_float
+from luce_compile.lower.quant_matmul import CODEBOOKS, codebook_value, exact_int_to_float
 
 BLOCK = 32  # values per activation scale, per weight block, per m16n8k32
 NIBBLES = 0x0F0F0F0F
@@ -72,8 +72,10 @@ class WeightBlock:
             self._reg("qh", 1, "uint32", n * nb + b)
         if t == "Q6_K":
             self._reg("qh", 2, "uint32", n * (k // 16) + 2 * b)
-        k_quant = t.endswith("_K")
+        k_quant = t.endswith("_K") or t == "IQ4_XS"  # a d per 256-value super-block
         self._reg("d:flat", 1, "float16", n * (k // 256) + sb if k_quant else n * nb + b)
+        if t == "IQ4_XS":
+            self._reg("sc:flat", 1, "int8", n * nb + b)  # ls − 32 of the block
         if t in ("Q4_1", "Q5_1"):
             self._reg("m:flat", 1, "float16", n * nb + b)
         if t in ("Q4_K", "Q5_K"):
@@ -99,6 +101,9 @@ class WeightBlock:
             lo = [lo[j] | _spread6(high[j]) for j in range(4)]
             hi = [hi[j] | _spread6(high[j] >> u32(2)) for j in range(4)]
         words = lo + hi  # nibbles order: the 16 even elements, then the 16 odd ones
+        if t in CODEBOOKS:  # each byte's index → its signed codebook value (kvalues_iq4nl)
+            words = [_bytes([codebook_value(t, ((w >> u32(8 * i)) & u32(0xFF)).astype("int32")) for i in range(4)])
+                     for w in words]
         if t in Q8_GEMM_OFFSET:
             words = [_centred(w, Q8_GEMM_OFFSET[t]) for w in words]
         return [words[Q6_SLOTS[s]] for s in range(8)] if t == "Q6_K" else words
@@ -111,6 +116,8 @@ class WeightBlock:
             return [d * itof(r["sc:flat"][0])], -(r["dmin:flat"][0].astype("float32") * itof(r["mn:flat"][0]))
         if self.qtype == "Q6_K":
             return [d * itof(r["sc:flat"][h]) for h in range(2)], None
+        if self.qtype == "IQ4_XS":
+            return [d * itof(r["sc:flat"][0])], None
         return [d], (r["m:flat"][0].astype("float32") if "m:flat" in r else None)
 
 
@@ -202,6 +209,8 @@ def weight_integers(qtype: str, planes: dict[str, np.ndarray]) -> tuple[np.ndarr
     f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
     if qtype == "Q8_0":
         q = planes["qs"].astype(np.int32)
+    elif qtype in CODEBOOKS:
+        q = np.array(CODEBOOKS[qtype], np.int32)[_fields(planes["qs"], 4)]
     else:
         q = _fields(planes["qs"], 4)
         if qtype in ("Q5_0", "Q5_1", "Q5_K"):
@@ -215,6 +224,8 @@ def weight_integers(qtype: str, planes: dict[str, np.ndarray]) -> tuple[np.ndarr
         return q, per * f32(planes["sc"]), -(np.repeat(f32(planes["dmin"]), 8, axis=1) * f32(planes["mn"]))
     if qtype == "Q6_K":
         return q, np.repeat(d, 16, axis=1) * f32(planes["sc"]), None
+    if qtype == "IQ4_XS":
+        return q, np.repeat(d, 8, axis=1) * f32(planes["sc"]), None
     return q, d, (f32(planes["m"]) if "m" in planes else None)
 
 

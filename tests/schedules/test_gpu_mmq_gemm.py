@@ -214,7 +214,7 @@ def _stager(qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], rows:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_XS"])
 def test_a_step_leaves_each_row_and_scale_where_the_mma_reads_it(qtype, rng):
     """The second K step of the tile at rows 64.. of 100 (rows past the batch clamped to its last) and features
     128.. of 200 (clamped to 199), into stage 1: each x row's and weight row's 8 words a block in their slots (Q6_K's
