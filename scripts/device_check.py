@@ -1093,7 +1093,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=("auto", "f16", "f32"), default="auto",
                    help="as compile's: auto is f16 (tensor-core prefill) on CUDA; the reference emulates it")
     p.add_argument("--sliding-megakernel", action="store_true", help="a model with sliding-window layers (Gemma 3) "
-                   "gets its megakernels (compile_model's sliding_megakernel: the default on GPU targets; kept for old commands)")
+                   "gets its megakernels (compile_model's sliding_megakernel: the default on GPU targets; kept for "
+                   "old commands)")
     p.add_argument("--prefill-gemm", choices=("f16", "q8"), default=None,
                    help="as compile's (q8 by default on CUDA with precision f16): q8 = 8-bit activations in the "
                    "GEMMs of more than 8 rows; the reference rounds those matmuls' inputs as the manifest's "
