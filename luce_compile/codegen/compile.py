@@ -167,10 +167,12 @@ def compile_model(gguf_path: str | Path, target: str, out_dir: str | Path, *, us
                          prefill_gemm=prefill_gemm, probe_sliding_pages=sliding_megakernel)
     built = _build(gguf, graph, info, gguf_sha, say, lower, tuning, megakernel, megakernel_q8, megakernel_tf32)
     try:
+        # out_dir's copy first, from the private build (a concurrent compile may prune the cache at any time);
+        # then the build itself moves into the cache (ours: a stale entry is replaced): written twice, not three times
+        _copy_tree(built, out_dir, overwrite, move=not use_cache)
         if use_cache:
-            _copy_tree(built, cached, overwrite=True)  # the cache is ours: a stale entry is replaced
+            _copy_tree(built, cached, overwrite=True, move=True)
             _prune(cached.parent, keep=KEEP_CACHED)
-        _copy_tree(built, out_dir, overwrite)
     finally:
         shutil.rmtree(built.parent, ignore_errors=True)  # the mkdtemp work folder _build made
     return out_dir
@@ -326,14 +328,19 @@ def _prune(folder: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _copy_tree(src: Path, dst: Path, overwrite: bool) -> None:
+def _copy_tree(src: Path, dst: Path, overwrite: bool, move: bool = False) -> None:
     """Copy an artifact to dst through a fresh sibling folder swapped into place: an interrupted copy never leaves
-    half an artifact at dst, and nothing at dst is deleted unless the guard allows it."""
+    half an artifact at dst, and nothing at dst is deleted unless the guard allows it. `move`: src is not needed
+    after, so it is renamed there where both share a file system (a 17 GB artifact is not written twice), and
+    copied only across file systems."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
         tmp = staging / dst.name
-        shutil.copytree(src, tmp)
+        if move:
+            shutil.move(src, tmp)
+        else:
+            shutil.copytree(src, tmp)
         move_into_place(tmp, dst, overwrite)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -136,14 +136,38 @@ def test_a_cached_build_pruned_while_it_is_copied_is_built_again(gguf, tmp_path,
     monkeypatch.setenv("LUCE_CACHE", str(tmp_path / "cache"))  # a cache of this test's own
     compile_module.compile_model(gguf, "cpu", tmp_path / "first")
 
-    def pruned_meanwhile(src: Path, dst: Path, overwrite: bool) -> None:
+    def pruned_meanwhile(src: Path, dst: Path, overwrite: bool, move: bool = False) -> None:
         if "artifacts" in src.parts:  # the reuse: the other compile removes the entry under it
             shutil.rmtree(src)
             raise FileNotFoundError(src)
-        real(src, dst, overwrite)
+        real(src, dst, overwrite, move=move)
 
     monkeypatch.setattr(compile_module, "_copy_tree", pruned_meanwhile)
     messages: list[str] = []
     out = compile_module.compile_model(gguf, "cpu", tmp_path / "second", progress=messages.append)
     assert json.loads((out / "manifest.json").read_text())["target"]["name"] == "cpu"
     assert any("went away" in m for m in messages)
+
+
+def test_a_build_is_written_once_without_the_cache_and_twice_with_it(gguf, tmp_path, monkeypatch):
+    """compile moves the finished build to -o (no cache) or into the cache after copying it to -o: a 17 GB artifact
+    takes one or two times its size on disk, not two or three."""
+    import shutil
+
+    import luce_compile.codegen.compile as compile_module
+
+    monkeypatch.setenv("LUCE_CACHE", str(tmp_path / "cache"))
+    copies: list[Path] = []
+    real = shutil.copytree
+    def counted(src, dst, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202  (shutil's signature)
+        copies.append(Path(dst))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "copytree", counted)
+    compile_module.compile_model(gguf, "cpu", tmp_path / "alone", use_cache=False)
+    assert copies == []
+    compile_module.compile_model(gguf, "cpu", tmp_path / "cached", use_cache=True, overwrite=True)
+    assert len(copies) == 1 and copies[0].name == "cached"
+    cached = list((tmp_path / "cache" / "artifacts").iterdir())
+    assert [p.name for p in cached if (p / "manifest.json").is_file()]  # the build itself, moved there
+    assert (tmp_path / "alone" / "weights.bin").read_bytes() == (tmp_path / "cached" / "weights.bin").read_bytes()
