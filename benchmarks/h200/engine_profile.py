@@ -30,14 +30,29 @@ def _span_us(clocks: np.ndarray) -> float:
     return float(stamped[:, :, 2].max() - stamped[stamped > 0].min()) / 1e3
 
 
+def planned_programs(manifest: dict, gguf: Path) -> dict:
+    """The megakernel programs an artifact was compiled from, planned again here from its GGUF and manifest (the
+    graph as compile built it: its NEOX rows interleaved where the manifest says so, graph/rope_pairs.py)."""
+    from luce_compile.fuse.build import MegakernelOptions, plan_programs
+    from luce_compile.graph.registry import open_graph
+    from luce_compile.graph.rope_pairs import interleave_rope_pairs
+    from luce_compile.targets import get_target
+
+    graph, _ = open_graph(gguf)
+    if manifest["kernels"].get("rope_rows_interleaved"):
+        graph = interleave_rope_pairs(graph)
+    section = manifest["megakernel"]
+    return plan_programs(graph, get_target(manifest["target"]["name"]).facts,
+                         MegakernelOptions(**{k: (tuple(v) if isinstance(v, list) else v)
+                                              for k, v in section["options"].items()}))
+
+
 def profile_engine(workload: Path, gguf: Path, context: int, steps: int) -> dict:
     from luce_runtime.engine import Engine, EngineOptions
     from luce_runtime.timing import call_times
 
-    from luce_compile.fuse.build import MegakernelOptions, plan_programs, program_fingerprint
+    from luce_compile.fuse.build import program_fingerprint
     from luce_compile.fuse.program import profile_summary
-    from luce_compile.graph.registry import open_graph
-    from luce_compile.targets import get_target
 
     engine = Engine(workload / "artifact", EngineOptions(max_batch=8, max_context=context + steps + 16,
                                                          megakernel=True))  # every kernel, whichever is faster
@@ -45,10 +60,7 @@ def profile_engine(workload: Path, gguf: Path, context: int, steps: int) -> dict
     if mk is None:
         raise SystemExit(f"engine_profile: {workload} decodes without a megakernel: {engine.decode_path}")
     section = engine.artifact.manifest["megakernel"]
-    graph, _ = open_graph(gguf)
-    programs = plan_programs(graph, get_target(engine.artifact.manifest["target"]["name"]).facts,
-                             MegakernelOptions(**{k: (tuple(v) if isinstance(v, list) else v)
-                                                  for k, v in section["options"].items()}))
+    programs = planned_programs(engine.artifact.manifest, gguf)
     rng = np.random.default_rng(0)
     vocab = int(engine.config["n_vocab"])
     out: dict = {"context": context, "steps": steps, "batches": {}}

@@ -67,6 +67,8 @@ def program_fingerprint(prog: Program) -> str:
     types = [prog.graph.weights[w].ggml_type.name for o in prog.opcodes for w in o.weights]
     h.update(repr((prog.arena_size, prog.n_counters, prog.lm_tiles, prog.page_size, sorted(prog.kv.items()),
                    prog.weight_args(), types)).encode())
+    if prog.graph.row_pairs:  # its q/k rows reordered, its RoPE interleaved (graph/rope_pairs.py): other code
+        h.update(repr(sorted(prog.graph.row_pairs.items())).encode())
     return h.hexdigest()[:16]
 
 

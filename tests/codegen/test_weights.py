@@ -104,3 +104,11 @@ def test_a_gpu_build_of_a_neox_model_reorders_q_and_k_rows_and_device_check_does
     (rebuilt / "weights.bin").unlink()
     _device_check().rebuild_weights(rebuilt, gguf)
     assert (rebuilt / "weights.bin").read_bytes() == (artifact / "weights.bin").read_bytes()
+    # the device scripts that plan the megakernels again (engine_profile.py) plan the graph compile built
+    from luce_compile.fuse.build import program_fingerprint
+    from tests.bench._load import load_benchmark_module
+
+    programs = load_benchmark_module("h200/engine_profile").planned_programs(manifest, gguf)
+    kernels = manifest["megakernel"]["kernels"]
+    assert {str(b): program_fingerprint(p) for b, p in programs.items()} == {
+        b: k["fingerprint"] for b, k in kernels.items()}
