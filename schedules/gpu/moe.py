@@ -14,11 +14,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from luce_schedules.cpu.quant_matmul import MatmulBlocks
-from luce_schedules.gpu.base import GPURule, fit, max_threads, root_blocks, warp_size
-from luce_schedules.gpu.quant_gemv import _final_sum, _per_thread_sums, _vector_loads
+from luce_schedules.gpu.base import fit, max_threads, root_blocks, warp_size
+from luce_schedules.gpu.quant_gemv import QuantGEMV, _final_sum, _per_thread_sums, _vector_loads
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
@@ -92,15 +90,10 @@ def expert_sort(n_expert: int, used: int, name: str) -> tirx.PrimFunc:
     return ib.get()
 
 
-class ExpertGEMV(GPURule):
+class ExpertGEMV(QuantGEMV):
+    """quant_gemv.py's schedule and knobs, over the sorted rows of an expert matmul (module docstring)."""
+
     name = "gpu.moe_expert"
-    DEFAULTS: ClassVar[dict[str, int]] = {"rows_per_block": 4, "threads": 32, "vector": 8, "unroll": 4}
-    SPACE: ClassVar[dict[str, tuple[int, ...]]] = {
-        "rows_per_block": (1, 2, 4, 8),
-        "threads": (32, 64, 128),
-        "vector": (8, 16, 32),
-        "unroll": (1, 2, 4),
-    }
 
     def apply(self, func: tirx.PrimFunc, target: Target, knobs=None) -> s_tir.Schedule | None:  # noqa: ANN001
         if not isinstance(func, tirx.PrimFunc) or not func.attrs or EXPERT_ATTR not in func.attrs:
