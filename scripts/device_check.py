@@ -293,9 +293,8 @@ def _load_runtime() -> None:
 
 def rebuild_weights(artifact: Path, gguf_path: Path) -> dict:
     """weights.bin from the GGUF: each plane made by the function the build wrote it with (quant_layout.weight_planes,
-    BF16 vectors widened included), at the manifest's offsets."""
+    BF16 vectors widened and rows reordered as the param says included), at the manifest's offsets."""
     from luce_compile.gguf.reader import read_gguf
-    from luce_compile.graph.rope_pairs import reorder_raw
     from luce_compile.lower.quant_layout import weight_planes
 
     manifest = json.loads((artifact / "manifest.json").read_text())
@@ -306,10 +305,7 @@ def rebuild_weights(artifact: Path, gguf_path: Path) -> dict:
             if p["source_tensor"] != current:
                 current = p["source_tensor"]
                 info = gguf.tensor(current)
-                raw = gguf.raw(current)
-                if p.get("row_pairs"):  # rows reordered as the build's graph reads them (graph/rope_pairs.py)
-                    raw = reorder_raw(raw, p["row_pairs"], info.shape)
-                planes = weight_planes(raw, info.ggml_type, len(info.shape))
+                planes = weight_planes(gguf.raw(current), info.ggml_type, len(info.shape), p.get("row_pairs", 0))
             f.seek(p["offset"])
             f.write(np.ascontiguousarray(planes[p["plane"]]).tobytes())
     return weights_status(artifact, gguf_path)

@@ -199,7 +199,7 @@ class Runner:
 
 
 def stacked_weights(prog, gguf, torch) -> list:
-    from luce_compile.graph.rope_pairs import graph_raw, reorder_rows
+    from luce_compile.graph.rope_pairs import reorder_rows
     from luce_compile.lower.quant_layout import weight_planes
 
     pairs = prog.graph.row_pairs  # rows reordered as the program's graph reads them (graph/rope_pairs.py)
@@ -212,7 +212,7 @@ def stacked_weights(prog, gguf, torch) -> list:
             vectors = [reorder_rows(v, pairs[n]) if n in pairs else v for n, v in zip(names, vectors, strict=True)]
             out.append(torch.from_numpy(np.stack(vectors)).cuda())
             continue
-        per = [weight_planes(graph_raw(prog.graph, gguf, n), info.ggml_type, 2) for n in names]
+        per = [weight_planes(gguf.raw(n), info.ggml_type, 2, pairs.get(n, 0)) for n in names]
         for plane in per[0]:
             out.append(torch.from_numpy(np.ascontiguousarray(np.stack([p[plane] for p in per]))).cuda())
     return out

@@ -31,7 +31,7 @@ from luce_compile.fuse.options import SLIDING_MEGAKERNEL
 from luce_compile.gguf.reader import GGUFFile, read_gguf
 from luce_compile.graph import build_graph
 from luce_compile.graph.ir import Graph
-from luce_compile.graph.rope_pairs import interleave_rope_pairs, reorder_raw
+from luce_compile.graph.rope_pairs import interleave_rope_pairs
 from luce_compile.lower.attention_sinks import kv_head_dim
 from luce_compile.lower.cpu_int8 import resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype, resolve_kv_cache
@@ -300,10 +300,8 @@ def _weights(gguf: GGUFFile, params: list[tuple[str, tuple[int, ...], str]],
         info = gguf.tensor(tensor)
         if tensor not in planes_of:  # repack once per tensor; the planes of one tensor are consecutive
             planes_of.clear()
-            raw = gguf.raw(tensor)
-            if tensor in row_pairs:
-                raw = reorder_raw(raw, row_pairs[tensor], info.shape)
-            planes_of[tensor] = weight_planes(raw, info.ggml_type, len(info.shape))
+            planes_of[tensor] = weight_planes(gguf.raw(tensor), info.ggml_type, len(info.shape),
+                                              row_pairs.get(tensor, 0))
         array = planes_of[tensor][plane].reshape(shape)
         if str(array.dtype) != dtype:
             raise AssertionError(f"plane {name} is {array.dtype}, the kernel expects {dtype}")

@@ -12,8 +12,8 @@ head, so the tiles keep whole heads (Qwen2.5-7B's QKV stage: 47 tiles on 132 SMs
 interleaved pairs are neighbours, and the tiles split heads as Llama's do (fuse/taskgraph.py rope_pairs).
 
 `Graph.row_pairs` names the reordered tensors and their head size; whoever reads a weight for such a graph reorders
-it the same way (`reorder_rows`: the compiler's weights.bin, the oracle, device_check's rebuild), so the graph is
-self-consistent wherever it is evaluated.
+it the same way (`reorder_rows`: quant_layout.weight_planes for weights.bin and device_check's rebuild, the oracle,
+the rounding oracle's raw rows through `graph_raw`), so the graph is self-consistent wherever it is evaluated.
 """
 
 from __future__ import annotations
@@ -69,15 +69,8 @@ def interleave_rope_pairs(graph: Graph) -> Graph:
     return dataclasses.replace(graph, ops=ops, row_pairs={**graph.row_pairs, **row_pairs})
 
 
-def reorder_raw(raw: np.ndarray, d: int, shape: tuple[int, ...]) -> np.ndarray:
-    """reorder_rows on a tensor of `shape`'s raw GGUF bytes (GGUFFile.raw): a matrix's rows of blocks, or a vector's
-    elements (a 1-D tensor's raw is one row of bytes: its F32/F16/BF16 values are reordered whole)."""
-    if len(shape) == 1:
-        return reorder_rows(raw.reshape(shape[0], -1), d).reshape(raw.shape)
-    return reorder_rows(raw, d)
-
-
 def graph_raw(graph: Graph, gguf, name: str) -> np.ndarray:  # noqa: ANN001  (a GGUFFile)
-    """A weight's raw GGUF rows as `graph` reads them: reordered where graph.row_pairs names it."""
+    """A matrix's raw GGUF rows as `graph` reads them: reordered where graph.row_pairs names it (vectors: see
+    quant_layout.weight_planes)."""
     raw = gguf.raw(name)
-    return reorder_raw(raw, graph.row_pairs[name], gguf.tensor(name).shape) if name in graph.row_pairs else raw
+    return reorder_rows(raw, graph.row_pairs[name]) if name in graph.row_pairs else raw

@@ -28,6 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from luce_compile.errors import GGUFError, UnsupportedError
 from luce_compile.gguf.quants import iq4_xs_scales, q3_k_scales
+from luce_compile.graph.rope_pairs import reorder_rows
 
 QK_K = 256  # elements per K-quant super-block
 PlaneSpecs = dict[str, tuple[tuple[int, ...], str]]
@@ -133,13 +134,18 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType | str) -> dict[str, 
     return out
 
 
-def weight_planes(raw: np.ndarray, ggml_type: GGMLQuantizationType | str, n_dims: int) -> dict[str, np.ndarray]:
+def weight_planes(raw: np.ndarray, ggml_type: GGMLQuantizationType | str, n_dims: int,
+                  row_pairs: int = 0) -> dict[str, np.ndarray]:
     """One GGUF tensor's raw bytes (GGUFFile.raw) → the arrays the compiled model takes for it, as weights.bin holds
     them: the planes of `repack`, except that a BF16 vector (a norm or bias, n_dims 1) is widened to float32, exactly
     (bf16 is the top half of a float32), because the graph uses vectors as activation-dtype values
-    (relax_model.weight_specs). The compiler's writer and scripts/device_check.py both call this, so the weights a
-    GPU machine rebuilds are the bytes the build wrote."""
+    (relax_model.weight_specs). `row_pairs`: the head size within which the graph reorders the tensor's rows (a
+    vector's values), Graph.row_pairs (graph/rope_pairs.py); 0: as stored. The compiler's writer and
+    scripts/device_check.py both call this, so the weights a GPU machine rebuilds are the bytes the build wrote."""
     planes = repack(np.asarray(raw).reshape(-1, raw.shape[-1]), ggml_type)
+    if row_pairs:  # every plane is row-major in the rows; a vector's one row holds its values
+        planes = {name: reorder_rows(p.reshape(-1) if n_dims == 1 else p, row_pairs).reshape(p.shape)
+                  for name, p in planes.items()}
     if n_dims == 1 and as_ggml_type(ggml_type).name == "BF16":
         return {"w": (planes["w"].astype(np.uint32) << 16).view(np.float32)}
     return planes
