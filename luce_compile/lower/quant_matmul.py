@@ -115,6 +115,16 @@ def codebook_value(name: str, index: tirx.Expr) -> tirx.Expr:
     return byte.astype("uint8").astype("int8").astype("int32")
 
 
+def codebook_word(name: str, word: tirx.Expr) -> tirx.Expr:
+    """Four 4-bit indices, one in the low bits of each byte of a uint32, as the uint32 of their four signed codebook
+    entries (a byte each, the first lowest): codebook_value a byte, where no byte permute does it at once."""
+    out = _u32(0)
+    for i in range(4):
+        value = codebook_value(name, ((word >> _u32(8 * i)) & _u32(0xF)).astype("int32"))
+        out = out | ((value.astype("uint32") & _u32(0xFF)) << _u32(8 * i))
+    return out
+
+
 def e8m0_half(e: tirx.Expr) -> tirx.Expr:
     """GGML_E8M0_TO_FP32_HALF of a uint8 exponent: 2^(e − 128) as float32 (subnormal for e < 2), by its bits."""
     e32 = e.astype("uint32")

@@ -17,7 +17,7 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as B
 
 from luce_compile.lower.q8_gemm import Q8_GEMM_OFFSET
-from luce_compile.lower.quant_matmul import CODEBOOKS, codebook_value, exact_int_to_float
+from luce_compile.lower.quant_matmul import CODEBOOKS, codebook_word, exact_int_to_float
 
 BLOCK = 32  # values per activation scale, per weight block, per m16n8k32
 NIBBLES = 0x0F0F0F0F
@@ -102,8 +102,7 @@ class WeightBlock:
             hi = [hi[j] | _spread6(high[j] >> u32(2)) for j in range(4)]
         words = lo + hi  # nibbles order: the 16 even elements, then the 16 odd ones
         if t in CODEBOOKS:  # each byte's index → its signed codebook value (kvalues_iq4nl)
-            words = [_bytes([codebook_value(t, ((w >> u32(8 * i)) & u32(0xFF)).astype("int32")) for i in range(4)])
-                     for w in words]
+            words = [codebook_word(t, w) for w in words]
         if t in Q8_GEMM_OFFSET:
             words = [_centred(w, Q8_GEMM_OFFSET[t]) for w in words]
         return [words[Q6_SLOTS[s]] for s in range(8)] if t == "Q6_K" else words

@@ -15,7 +15,7 @@ from luce_compile.fuse import program as P
 from luce_compile.fuse.emit_cuda import intrinsics as ix
 from luce_compile.fuse.emit_cuda.core import F32, f32, i32
 from luce_compile.fuse.options import Q8_CODEBOOK_ORDER, Q8_ORDER
-from luce_compile.lower.quant_matmul import CODEBOOKS, codebook_value, exact_int_to_float, table_words
+from luce_compile.lower.quant_matmul import CODEBOOKS, codebook_word, exact_int_to_float, table_words
 
 Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
 QUANT_AHEAD = 4  # quantize_q8: granules a thread loads before it quantizes any (8 floats each in registers)
@@ -62,11 +62,7 @@ def _signed_quants(ggml_type: str, word: tirx.Expr) -> tirx.Expr:
         return tirx.const(v, "uint32")
 
     if ix.is_rocm():  # no byte permute: the dequantizers' lookup a byte
-        out = u32(0)
-        for i in range(4):
-            value = codebook_value(ggml_type, ((word >> u32(8 * i)) & u32(0xF)).astype("int32"))
-            out = out | ((value.astype("uint32") & u32(0xFF)) << u32(8 * i))
-        return tirx.reinterpret("int32", out)
+        return tirx.reinterpret("int32", codebook_word(ggml_type, word))
     words = [u32(w) for w in table_words(CODEBOOKS[ggml_type])]
     return tirx.reinterpret("int32", ix.table16_bytes(word, words, ix.byte_perm, u32))
 
