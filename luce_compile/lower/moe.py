@@ -40,7 +40,7 @@ from luce_compile.lower.cpu_int8 import checked_int8_type, int8_dot, int8_format
 from luce_compile.lower.quant_matmul import dequant_expr, weight_planes
 
 F32 = "float32"
-EXPERT_ATTR = "luce.moe_expert"  # marks the expert matmuls for schedules/cpu/moe.py (value: the weight type)
+EXPERT_ATTR = "luce.moe_expert"  # marks the expert matmuls for schedules/{cpu,gpu}/moe.py (value: the weight type)
 
 
 def _i64(*dims: int | tirx.Expr) -> tuple[tirx.Expr, ...]:

@@ -36,8 +36,7 @@ from tvm.target import Target
 from tvm.tirx.script.builder import ir as T
 
 from luce_compile.lower.cpu_int8 import QK8, QK_K, int8_isa, superblocked
-
-EXPERT_ATTR = "luce.moe_expert"  # set by lower/moe.py on its expert matmuls (value: the weight type's name)
+from luce_compile.lower.moe import EXPERT_ATTR
 
 
 class ExpertMatmul(KnobbedRule):

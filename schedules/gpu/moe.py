@@ -15,15 +15,16 @@
 from __future__ import annotations
 
 from luce_schedules.cpu.quant_matmul import MatmulBlocks
-from luce_schedules.gpu.base import fit, max_threads, root_blocks, warp_size
-from luce_schedules.gpu.quant_gemv import QuantGEMV, _final_sum, _per_thread_sums, _vector_loads
+from luce_schedules.gpu.base import root_blocks
+from luce_schedules.gpu.quant_gemv import QuantGEMV, gemv
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as B
 from tvm.target import Target
 
-EXPERT_ATTR = "luce.moe_expert"  # set by lower/moe.py on its expert matmuls (value: the weight type's name)
+from luce_compile.lower.moe import EXPERT_ATTR
+
 SORT_TILE = 1024  # ids staged in shared memory per pass (4 KiB)
 
 
@@ -110,13 +111,5 @@ class ExpertGEMV(QuantGEMV):
         if len(block.iter_vars) != 3:
             return False
         batch, n_out, n_in = (iv.dom.extent for iv in block.iter_vars)
-        n_out, n_in = int(n_out), int(n_in)
-        threads = min(knobs["threads"], max_threads(target))
-        threads -= threads % warp_size(target) or 0
-        rows = fit(n_out, max(1, min(knobs["rows_per_block"], max_threads(target) // threads)))
-        vector = fit(n_in, knobs["vector"])
-        matmul = MatmulBlocks(blocks[0], None, None, batch, n_out, n_in)
-        rf = _per_thread_sums(sch, matmul, threads, vector, rows, knobs["unroll"])
-        _vector_loads(sch, rf, vector)
-        _final_sum(sch, matmul, rows)
+        gemv(sch, MatmulBlocks(blocks[0], None, None, batch, int(n_out), int(n_in)), target, knobs)
         return True

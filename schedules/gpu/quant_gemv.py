@@ -40,16 +40,21 @@ class QuantGEMV(GPURule):
         blocks = match_matmul(sch)
         if blocks is None or not (isinstance(blocks.batch, int) and blocks.batch == 1):
             return False
-        threads = min(knobs["threads"], max_threads(target))
-        threads -= threads % warp_size(target) or 0
-        rows = fit(blocks.n_out, max(1, min(knobs["rows_per_block"], max_threads(target) // threads)))
-        vector = fit(blocks.n_in, knobs["vector"])
-        if blocks.dequant is not None:
-            sch.compute_inline(blocks.dequant)
-        rf = _per_thread_sums(sch, blocks, threads, vector, rows, knobs["unroll"])
-        _vector_loads(sch, rf, vector)
-        _final_sum(sch, blocks, rows)
+        gemv(sch, blocks, target, knobs)
         return True
+
+
+def gemv(sch: s_tir.Schedule, blocks: MatmulBlocks, target: Target, knobs: dict[str, int]) -> None:
+    """The schedule of the module docstring on a matmul's blocks, over every (row, output) of its batch loop."""
+    threads = min(knobs["threads"], max_threads(target))
+    threads -= threads % warp_size(target) or 0
+    rows = fit(blocks.n_out, max(1, min(knobs["rows_per_block"], max_threads(target) // threads)))
+    vector = fit(blocks.n_in, knobs["vector"])
+    if blocks.dequant is not None:
+        sch.compute_inline(blocks.dequant)
+    rf = _per_thread_sums(sch, blocks, threads, vector, rows, knobs["unroll"])
+    _vector_loads(sch, rf, vector)
+    _final_sum(sch, blocks, rows)
 
 
 def _per_thread_sums(sch: s_tir.Schedule, blocks: MatmulBlocks, threads: int, vector: int, rows: int,
