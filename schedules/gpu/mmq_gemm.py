@@ -138,6 +138,19 @@ class GemmKernel:
         self.warp_m, self.warp_n = self.tile_m // WARPS_M, self.tile_n // WARPS_N
         self.frags_m, self.frags_n = self.warp_m // 16, self.warp_n // 8
 
+    def x_row(self, r: tirx.Expr) -> tirx.Expr:
+        """The row of the quantized input that tile row r reads: rows past the batch clamped to its last (never
+        stored)."""
+        return tirx.min(self.m0 + r, self.rows - 1)
+
+    def weight_row(self, f: tirx.Expr) -> tirx.Expr:
+        """The weight row of tile feature f: features past n_out clamped to the last (never stored)."""
+        return tirx.min(self.n0 + f, self.n_out - 1)
+
+    def stored(self, y_row: tirx.Expr, feat: tirx.Expr) -> tirx.Expr:
+        """Whether output (y_row, feat) of the tile is written: inside the batch and n_out."""
+        return (y_row < self.rows) if self.n_out % self.tile_n == 0 else (y_row < self.rows) & (feat < self.n_out)
+
     def alloc_shared(self) -> None:
         """The two stages' int8 tiles (padded rows) and scales (shared_bytes)."""
         (tile_words, scale_words), dynamic = _shared_words(self.qtype, (self.tile_m, self.tile_n, self.tile_k))
@@ -156,7 +169,7 @@ class GemmKernel:
         chunks = self.tile_k // 16  # 16-byte words of an x row a step
         xs, scales, blocks = [], [], []
         for idx, always in self._slots(self.tile_m * chunks):
-            x_row = tirx.min(self.m0 + idx // chunks, self.rows - 1)  # rows past the batch: clamped, never stored
+            x_row = self.x_row(idx // chunks)
             reg = B.alloc_buffer((4,), "uint32", scope="local")
             with _guard(idx < self.tile_m * chunks, always):
                 at = x_row * (self.n_in // 4) + step * (self.tile_k // 4) + (idx % chunks) * 4
@@ -164,7 +177,7 @@ class GemmKernel:
             xs.append(reg)
         planes = ["xd", "xs"] if self.sums else ["xd"]
         for idx, always in self._slots(self.tile_m * len(planes)):
-            x_row = tirx.min(self.m0 + idx % self.tile_m, self.rows - 1)
+            x_row = self.x_row(idx % self.tile_m)
             reg = B.alloc_buffer((self.nblk,), "float32", scope="local")
             with _guard(idx < self.tile_m * len(planes), always):
                 for p, name in enumerate(planes):
@@ -173,8 +186,8 @@ class GemmKernel:
                         _copy(reg, 0, self.views[f"{name}:flat"], at, self.nblk)
             scales.append(reg)
         for idx, always in self._slots(self.tile_n * self.nblk):
-            n = tirx.min(self.n0 + idx // self.nblk, self.n_out - 1)  # features past n_out: clamped, never stored
-            unit = WeightBlock(self.qtype, self.views, n, step * self.nblk + idx % self.nblk, self.n_in)
+            unit = WeightBlock(self.qtype, self.views, self.weight_row(idx // self.nblk),
+                               step * self.nblk + idx % self.nblk, self.n_in)
             with _guard(idx < self.tile_n * self.nblk, always):
                 unit.load()
             blocks.append(unit)
@@ -302,6 +315,39 @@ class GemmKernel:
                 slot = (fm * self.frags_n + fn) * 4 + i
                 B.buffer_store(acc, _fma(mw[fn * 2 + c], sx[fm * 2 + h], acc[slot]), [i32(slot)])
 
+    def registers(self) -> tuple[tirx.Buffer, tirx.Buffer]:
+        """The thread's accumulators and the mma's starting sums (MAGIC's bits)."""
+        acc = B.alloc_buffer((self.frags_m * self.frags_n * 4,), "float32", scope="local")
+        magic = B.alloc_buffer((4,), "uint32", scope="local")
+        for i in range(4):
+            B.buffer_store(magic, u32(MAGIC), [i32(i)])
+        return acc, magic
+
+    def accumulate(self, acc: tirx.Buffer, magic: tirx.Buffer, pairs: tirx.Expr | None = None) -> None:
+        """acc = the tile's sums over K, in steps of tile_k: each step's loads in flight while the previous step's
+        mma.sync run, two stages of shared memory, one barrier a step. `pairs`: how many pairs of middle steps run
+        (all by default; a grouped tile with no row of an expert runs none, and its sums are never stored)."""
+        for i in range(self.frags_m * self.frags_n * 4):
+            B.buffer_store(acc, tirx.const(0.0, "float32"), [i32(i)])
+        steps = self.n_in // self.tile_k
+        sync = lambda: B.evaluate(T.tvm_storage_sync("shared"))  # noqa: E731
+
+        def step(s: tirx.Expr, cur: int) -> None:
+            staged = self.load_step(s + 1)  # in flight while this step's mma.sync run
+            self.compute_step(cur, acc, magic)
+            self.store_step(1 - cur, staged)
+            sync()
+
+        self.store_step(0, self.load_step(i32(0)))
+        sync()
+        # steps in pairs, so that each names its stage by a constant (the scales' buffers are a Python list)
+        with B.serial(0, (steps - 1) // 2 if pairs is None else pairs) as pair:
+            step(2 * pair, 0)
+            step(2 * pair + 1, 1)
+        if (steps - 1) % 2:
+            step(i32(steps - 2), 0)
+        self.compute_step((steps - 1) % 2, acc, magic)
+
     def epilogue(self, acc: tirx.Buffer, y: tirx.Buffer) -> None:
         """y: each fragment's c0, c1 (row group) and c2, c3 (row group + 8), adjacent features (mma_gemm's)."""
         for fm in range(self.frags_m):
@@ -310,9 +356,7 @@ class GemmKernel:
                 for half in range(2):
                     y_row = self.m0 + self.wm * self.warp_m + fm * 16 + self.group + 8 * half
                     for c in range(2):
-                        inside = (y_row < self.rows) if self.n_out % self.tile_n == 0 else \
-                            (y_row < self.rows) & (feat + c < self.n_out)
-                        with B.If(inside), B.Then():
+                        with B.If(self.stored(y_row, feat + c)), B.Then():
                             B.buffer_store(y, acc[(fm * self.frags_n + fn) * 4 + 2 * half + c],
                                            [y_row * self.n_out + feat + c])
 
@@ -370,34 +414,12 @@ def _flat_views(planes: dict, scratch: dict, rows: tirx.Expr, n_in: int) -> dict
 def _gemm_kernel(qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], views: dict, rows: tirx.Expr,
                  y: tirx.Buffer, sums: bool) -> None:
     """Kernel 2: a block per tile_m × tile_n tile of y, K in steps of tile_k, two shared buffers, one barrier a step."""
-    tile_m, tile_n, tile_k = tile
+    tile_m, tile_n, _ = tile
     bx, by, tx = B.env_thread("blockIdx.x"), B.env_thread("blockIdx.y"), B.env_thread("threadIdx.x")
     with B.launch_thread(bx, -(-n_out // tile_n)), B.launch_thread(by, (rows + (tile_m - 1)) // tile_m), \
             B.launch_thread(tx, THREADS):
         k = GemmKernel(qtype, n_out, n_in, tile, views, rows, tx, by * tile_m, bx * tile_n, sums)
         k.alloc_shared()
-        acc = B.alloc_buffer((k.frags_m * k.frags_n * 4,), "float32", scope="local")
-        for i in range(k.frags_m * k.frags_n * 4):
-            B.buffer_store(acc, tirx.const(0.0, "float32"), [i32(i)])
-        magic = B.alloc_buffer((4,), "uint32", scope="local")
-        for i in range(4):
-            B.buffer_store(magic, u32(MAGIC), [i32(i)])
-        steps = n_in // tile_k
-        sync = lambda: B.evaluate(T.tvm_storage_sync("shared"))  # noqa: E731
-
-        def step(s: tirx.Expr, cur: int) -> None:
-            staged = k.load_step(s + 1)  # in flight while this step's mma.sync run
-            k.compute_step(cur, acc, magic)
-            k.store_step(1 - cur, staged)
-            sync()
-
-        k.store_step(0, k.load_step(i32(0)))
-        sync()
-        # steps in pairs, so that each names its stage by a constant (the scales' buffers are a Python list)
-        with B.serial(0, (steps - 1) // 2) as pair:
-            step(2 * pair, 0)
-            step(2 * pair + 1, 1)
-        if (steps - 1) % 2:
-            step(i32(steps - 2), 0)
-        k.compute_step((steps - 1) % 2, acc, magic)
+        acc, magic = k.registers()
+        k.accumulate(acc, magic)
         k.epilogue(acc, y)
