@@ -101,6 +101,10 @@ def prepare(args: argparse.Namespace) -> None:
         q8_prefill = tuple(manifest["kernels"].get("prefill_gemm", {}).get("q8_types", ()))
         if q8_prefill:
             rounding["q8_above"] = q8_prefill
+        moe_q8 = tuple(manifest["kernels"].get("prefill_gemm", {}).get("moe_q8_types", ()))
+        if moe_q8:  # a prompt's expert matmuls on the grouped 8-bit GEMM
+            rounding["moe_q8"] = moe_q8
+            rounding["moe_above"] = manifest["kernels"]["prefill_gemm"]["moe_above_rows"]
         if manifest["kernels"].get("kv_cache") == "f16":  # compile's auto on a GPU: keys and values rounded
             rounding["half_kv"] = True
         ids, logits = _cached_oracle_trace(gguf, prompt, args.steps, **rounding)
@@ -198,7 +202,8 @@ def _oracle_trace(gguf: Path, prompt: list[int], steps: int, **rounding) -> tupl
 
 
 def _rounding_oracle(gguf: Path, half_above: int | None = None, q8_types: tuple[str, ...] = (), half_kv: bool = False,
-                     q8_decode_only: bool = False, tf32_types: tuple[str, ...] = (), q8_above: tuple[str, ...] = ()):
+                     q8_decode_only: bool = False, tf32_types: tuple[str, ...] = (), q8_above: tuple[str, ...] = (),
+                     moe_q8: tuple[str, ...] = (), moe_above: int | None = None):
     """The float64 oracle with the build's roundings emulated (its `decoding` set by the caller after a prefill);
     half_above=N rounds both operands of the matmuls of more than N rows to float16
     (precision f16's tensor-core GEMMs; the logits rows asked of the LM head stay float32, as in the build);
@@ -209,7 +214,9 @@ def _rounding_oracle(gguf: Path, half_above: int | None = None, q8_types: tuple[
     --megakernel-q8: the megakernel decodes, the per-op kernels prefill); tf32_types: the weight types whose matmul
     inputs are rounded to tf32 (the megakernel's float_mma), in decode steps only as well with q8_decode_only;
     q8_above: the weight types whose matmuls of more than half_above rows take 8-bit activations instead of float16
-    operands (--prefill-gemm q8: lower/q8_gemm.py's forms, those of the megakernel's matvecs)."""
+    operands (--prefill-gemm q8: lower/q8_gemm.py's forms, those of the megakernel's matvecs); moe_q8: the expert
+    weight types whose MoE calls of more than moe_above sorted rows (tokens x experts used) take 8-bit activations
+    (the grouped expert GEMM, schedules/gpu/moe.py), the same forms."""
     from luce_compile.graph.oracle import Oracle
     from luce_compile.graph.rounding import GgmlRounding
 
@@ -219,8 +226,19 @@ def _rounding_oracle(gguf: Path, half_above: int | None = None, q8_types: tuple[
             super().__init__(source, types=q8_types, gelu_table=False, tf32_types=tf32_types, gpu_q8_1=True)
 
     # 2-D operands: numpy's BLAS path (the same formula, ~20x faster)
-    class FastOracle(Base if q8_types or tf32_types or q8_above else Oracle):
+    class FastOracle(Base if q8_types or tf32_types or q8_above or moe_q8 else Oracle):
         decoding = False
+        moe_rows = 0
+
+        def _moe(self, op, x):
+            self.moe_rows = x.reshape(-1, x.shape[-1]).shape[0] * op.attrs["n_expert_used"]
+            return super()._moe(op, x)
+
+        def _moe_matmul(self, tensor, x, w, expert=None):
+            kind = self.gguf.tensor(tensor).ggml_type.name
+            if expert is not None and moe_above is not None and self.moe_rows > moe_above and kind in moe_q8:
+                return self._rounded_moe_matmul(tensor, x, w, expert)
+            return super()._moe_matmul(tensor, x, w, expert)
 
         def _plain_or_rounded(self, op, x2):
             if q8_decode_only and not self.decoding:

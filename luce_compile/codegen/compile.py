@@ -35,6 +35,7 @@ from luce_compile.graph.rope_pairs import interleave_rope_pairs
 from luce_compile.lower.attention_sinks import kv_head_dim
 from luce_compile.lower.cpu_int8 import resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype, resolve_kv_cache
+from luce_compile.lower.moe import EXPERT_ATTR, GROUPED_ATTR, grouped_above
 from luce_compile.lower.q8_gemm import check_prefill_gemm, is_q8_gemm
 from luce_compile.lower.quant_layout import weight_planes
 from luce_compile.lower.quant_matmul import GGML_TYPE_ATTR, TENSOR_CORE_TWIN
@@ -267,9 +268,19 @@ def prefill_gemm_record(mod, options: LowerOptions) -> dict:  # noqa: ANN001  (t
     """The manifest's kernels.prefill_gemm: the choice, and the weight types whose matmuls of more than 8 rows take
     the 8-bit GEMM, read from the lowered module (the others keep the float16 one): what an oracle reference for the
     build must emulate (scripts/device_check.py prepare)."""
+    from tvm.tirx import PrimFunc
+
     q8 = sorted({str(f.attrs[TENSOR_CORE_TWIN].attrs[GGML_TYPE_ATTR]) for _, f in mod.functions_items()
                  if is_q8_gemm(f)})
-    return {"choice": options.prefill_gemm, "q8_types": q8}
+    record = {"choice": options.prefill_gemm, "q8_types": q8}
+    # mixture of experts: the expert matmuls with the grouped 8-bit GEMM, which takes their calls of more than
+    # moe_above_rows sorted rows (lower/moe.grouped_above)
+    grouped = [f for _, f in mod.functions_items() if isinstance(f, PrimFunc) and f.attrs
+               and GROUPED_ATTR in f.attrs]
+    if grouped:
+        record["moe_q8_types"] = sorted({str(f.attrs[EXPERT_ATTR]) for f in grouped})
+        record["moe_above_rows"] = grouped_above(int(grouped[0].attrs[GROUPED_ATTR][0]))
+    return record
 
 
 def _target_fields(info: TargetInfo, target) -> dict:

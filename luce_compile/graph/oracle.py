@@ -254,8 +254,9 @@ class Oracle:
         cap = op.attrs["cap"]
         return cap * np.tanh(x / cap)
 
-    def _moe_matmul(self, tensor: str, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """x (T,K) @ w.T for one expert's rows w (N,K) of `tensor` (or the router): GgmlRounding rounds x here."""
+    def _moe_matmul(self, tensor: str, x: np.ndarray, w: np.ndarray, expert: int | None = None) -> np.ndarray:
+        """x (T,K) @ w.T for expert `expert`'s rows w (N,K) of `tensor` (or the router's, expert None): GgmlRounding
+        rounds x here."""
         return x @ w.T
 
     def _bias(self, op: Op, role: str, expert: int | None = None) -> np.ndarray | float:
@@ -277,9 +278,9 @@ class Oracle:
         for t, experts in enumerate(chosen):
             row = xs[t:t + 1]
             for j, e in enumerate(experts):
-                g = self._moe_matmul(names["gate_exps"], row, gate[e]) + self._bias(op, "gate_exps_b", e)
-                u = self._moe_matmul(names["up_exps"], row, up[e]) + self._bias(op, "up_exps_b", e)
-                y = self._moe_matmul(names["down_exps"], expert_glu(a, g, u), down[e])
+                g = self._moe_matmul(names["gate_exps"], row, gate[e], e) + self._bias(op, "gate_exps_b", e)
+                u = self._moe_matmul(names["up_exps"], row, up[e], e) + self._bias(op, "up_exps_b", e)
+                y = self._moe_matmul(names["down_exps"], expert_glu(a, g, u), down[e], e)
                 out[t] += weights[t, j] * (y[0] + self._bias(op, "down_exps_b", e))
         return out.reshape(x.shape)
 

@@ -154,17 +154,26 @@ class GgmlRounding(Oracle):
 
     _lm_head = _matmul
 
-    def _moe_matmul(self, tensor, x, w):
+    def _moe_matmul(self, tensor, x, w, expert=None):
         """An expert's (or the router's) matmul: x rounded as for a plain matmul with that weight type."""
         kind = self.gguf.tensor(tensor).ggml_type.name
         if kind in self.tf32_types:
-            return super()._moe_matmul(tensor, tf32(x), w)
+            return super()._moe_matmul(tensor, tf32(x), w, expert)
         if self.types is not None and kind not in self.types:
-            return super()._moe_matmul(tensor, x, w)
+            return super()._moe_matmul(tensor, x, w, expert)
+        return self._rounded_moe_matmul(tensor, x, w, expert)
+
+    def _rounded_moe_matmul(self, tensor, x, w, expert=None):
+        """_moe_matmul with x rounded for the weight's type, whatever `types` says (as _rounded_matmul; the grouped
+        expert GEMM's rows, scripts/device_check.py): q8_1 types dot their minimums apart (the expert's rows of the
+        stacked tensor's)."""
+        kind = self.gguf.tensor(tensor).ggml_type.name
         if kind in self.q8_1_types:
-            raise NotImplementedError(f"rounding: {kind} experts (q8_1 activations) are not emulated yet.")
+            minimums = self._block_minimums(tensor).reshape(-1, w.shape[1] // 32)
+            rows = minimums[expert * w.shape[0]:(expert + 1) * w.shape[0]] if expert is not None else minimums
+            return q8_1_matmul(x, w, rows)
         rounding = q8_0 if self.gpu_q8_1 and kind in GPU_Q8_0_TYPES else ACTIVATION_ROUNDING.get(kind)
-        return super()._moe_matmul(tensor, rounding(x) if rounding else x, w)
+        return super()._moe_matmul(tensor, rounding(x) if rounding else x, w, expert)
 
     def _glu(self, op, gate, up):
         if not self.gelu_table or op.attrs["activation"] != "gelu_tanh":

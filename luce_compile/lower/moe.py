@@ -24,7 +24,9 @@ the same TE stages as every int8 matmul, with gathered weight rows); f32 keeps e
 The expert matmuls carry EXPERT_ATTR for schedules/cpu/moe.py (int8: the int8 GEMV's vector body with gathered rows;
 float32: a parallel schedule of the TE); routing and sorting are small and stay as written. On a GPU (cuda, rocm) the
 sort is schedules/gpu/moe.expert_sort (a thread per expert, same order), the expert matmuls schedules/gpu/moe.py's
-gathered GEMV and the router dlight's; the megakernel takes no MoE graph (the engine decodes with these).
+gathered GEMV and the router dlight's; the megakernel takes no MoE graph (the engine decodes with these). On CUDA with
+the 8-bit prefill GEMM (precision f16, --prefill-gemm q8) the expert matmuls of a dynamic row count also carry the
+grouped 8-bit GEMM (GROUPED_ATTR), which takes calls of more than grouped_above(n_expert) sorted rows: a prompt's.
 """
 
 from __future__ import annotations
@@ -37,10 +39,23 @@ from tvm.script import tirx as T
 from luce_compile.errors import UnsupportedError
 from luce_compile.graph.ir import Op
 from luce_compile.lower.cpu_int8 import checked_int8_type, int8_dot, int8_format, quantize_q8
+from luce_compile.lower.q8_gemm import q8_gemm_format, scratch_specs
 from luce_compile.lower.quant_matmul import dequant_expr, weight_planes
 
 F32 = "float32"
 EXPERT_ATTR = "luce.moe_expert"  # marks the expert matmuls for schedules/{cpu,gpu}/moe.py (value: the weight type)
+# an expert matmul that also has the grouped 8-bit GEMM form (schedules/gpu/moe.grouped_mmq_gemm), value (n_expert,
+# gather): its quantized input is scratch after y, as q8_gemm_matmul's, written only by the grouped form
+GROUPED_ATTR = "luce.moe_grouped"
+# the grouped GEMM takes a call's rows where they average more than this an expert (grouped_above); fewer, and its
+# tiles would hold mostly other experts' rows: the gathered GEMV reads each chosen row once
+GROUPED_ROWS_PER_EXPERT = 4
+
+
+def grouped_above(n_expert: int) -> int:
+    """The most sorted rows an expert matmul with the grouped form runs on the gathered GEMV (float32 activations);
+    above it, the grouped 8-bit GEMM (8-bit activations, lower/q8_gemm.py's forms): what an oracle emulates."""
+    return GROUPED_ROWS_PER_EXPERT * n_expert
 
 
 def _i64(*dims: int | tirx.Expr) -> tuple[tirx.Expr, ...]:
@@ -140,9 +155,12 @@ def _row_inputs(gather: bool) -> tuple[tirx.Var, tirx.Var, te.Tensor, te.Tensor 
     return p_rows, x_rows, experts, tokens
 
 
-def expert_matmul(qtype, n_expert: int, n_out: int, n_in: int, gather: bool, name: str) -> tirx.PrimFunc:
+def expert_matmul(qtype, n_expert: int, n_out: int, n_in: int, gather: bool, name: str,
+                  grouped: bool = False) -> tirx.PrimFunc:
     """float32: (x (X, n_in), experts (P,) int32, [tokens (P,) int32], *planes (n_expert·n_out, …)) → y (P, n_out),
-    y[q] = x[tokens[q] if gather else q] @ W[experts[q]].T, W dequantized in the kernel (quant_matmul.dequant_expr)."""
+    y[q] = x[tokens[q] if gather else q] @ W[experts[q]].T, W dequantized in the kernel (quant_matmul.dequant_expr).
+    `grouped`: also the grouped 8-bit GEMM's form above grouped_above rows (GROUPED_ATTR): the quantized input's
+    scratch (lower/q8_gemm.scratch_specs, X rows) as more outputs after y, unused by this computation."""
     p_rows, x_rows, experts, tokens = _row_inputs(gather)
     x = te.placeholder(_i64(x_rows, n_in), F32, name="x")
     planes = weight_planes(qtype, n_expert * n_out, n_in)
@@ -151,8 +169,23 @@ def expert_matmul(qtype, n_expert: int, n_out: int, n_in: int, gather: bool, nam
     y = te.compute(_i64(p_rows, n_out), lambda p, n: te.sum(
         x[xrow(p), k] * dequant_expr(qtype, planes, wrow(p, n), k), axis=k), name="expert_matmul")
     rows = [experts] if tokens is None else [experts, tokens]
-    func = te.create_prim_func([x, *rows, *planes.values(), y]).with_attr("global_symbol", name)
-    return func.with_attr(EXPERT_ATTR, qtype.name)
+    scratch = []
+    if grouped:
+        fmt = q8_gemm_format(qtype)
+        scratch = [te.placeholder(_i64(x_rows, shape[1]), dtype, name=arg)
+                   for arg, (shape, dtype) in scratch_specs(fmt, n_in).items()]
+    func = te.create_prim_func([x, *rows, *planes.values(), y, *scratch]).with_attr("global_symbol", name)
+    func = func.with_attr(EXPERT_ATTR, qtype.name)
+    return func.with_attr(GROUPED_ATTR, [n_expert, int(gather)]) if grouped else func
+
+
+def takes_grouped_gemm(m, qtype, n_in: int, n_rows) -> bool:  # noqa: ANN001  (the GraphModule)
+    """Whether an expert matmul gets the grouped 8-bit GEMM form: CUDA with precision f16 and --prefill-gemm q8 (the
+    dense matmuls' rule, relax_model._matmul_func), a weight type and K the 8-bit GEMM takes, rows known only at
+    run time (a prompt; decode1's few rows are static)."""
+    return (m.target.kind.name == "cuda" and m.precision == "f16" and m.options.prefill_gemm == "q8"
+            and m.options.dtype == F32 and not isinstance(n_rows, int) and q8_gemm_format(qtype) is not None
+            and n_in % 32 == 0)
 
 
 def int8_expert_matmul(qtype, n_expert: int, n_out: int, n_in: int, gather: bool, name: str) -> tirx.PrimFunc:
@@ -180,9 +213,15 @@ def _experts(m, x: nn.Tensor, tensor: str, rows: list[nn.Tensor], n_rows) -> nn.
     suffix = f"{qname}_{n_expert}x{n}x{k}{'_gather' if gather else ''}"
     out = nn.Tensor.placeholder((n_rows, n), F32)
     if fmt is None:
-        func = m._kernel(("moe_mm", info.ggml_type, n_expert, n, k, gather), lambda: expert_matmul(
-            info.ggml_type, n_expert, n, k, gather, f"expert_matmul_{suffix}"))
-        return op.tensor_ir_op(func, func.attrs["global_symbol"], [x, *rows, *m._planes(tensor)], out)
+        grouped = takes_grouped_gemm(m, info.ggml_type, k, n_rows)
+        func = m._kernel(("moe_mm", info.ggml_type, n_expert, n, k, gather, grouped), lambda: expert_matmul(
+            info.ggml_type, n_expert, n, k, gather, f"expert_matmul_{suffix}{'_grouped' if grouped else ''}",
+            grouped))
+        if not grouped:
+            return op.tensor_ir_op(func, func.attrs["global_symbol"], [x, *rows, *m._planes(tensor)], out)
+        scratch = [nn.Tensor.placeholder(shape, dtype)
+                   for shape, dtype in scratch_specs(q8_gemm_format(info.ggml_type), k, x.shape[0]).values()]
+        return op.tensor_ir_op(func, func.attrs["global_symbol"], [x, *rows, *m._planes(tensor)], [out, *scratch])[0]
     key = (id(x), fmt)
     if key not in m._quantized:  # gate and up quantize their shared input once (cpu_int8.int8_linear's cache)
         quantize = m._kernel(("q8", fmt, k, "dynamic"), lambda: quantize_q8(k, fmt, batch="dynamic"))

@@ -9,13 +9,25 @@
   (quant_gemv.py) over every sorted row: a warp reduces one (row, output) pair over K, `rows_per_block` pairs a
   block, the row's expert weights dequantized in registers. A decode step reads only the chosen experts' rows
   (rows that share an expert read it again, from L2). Prompts run the same kernel, one weight row per (row, output)
-  from L2: correct, not a grouped GEMM (issue 40's prefill kernel is still to write).
+  from L2: the decode kernel, and a prompt's below GROUPED_ROWS_PER_EXPERT rows an expert.
+- `grouped_mmq_gemm`: a prompt's expert matmuls as one grouped GEMM, mmq_gemm.py's 8-bit kernel (llama.cpp's
+  mul_mat_id over MMQ) over the sorted rows: a block per tile_m sorted rows × tile_n features; the tile's rows are
+  one expert's or a few consecutive experts' (the sort groups them), and the block runs the K loop once per expert
+  its rows hold, with that expert's weight rows, storing only that expert's rows (ExpertTile). Each row reads its
+  token's quantized input (gate, up: the tokens quantized once) or its own (down). Where the rows average fewer than
+  GROUPED_ROWS_PER_EXPERT an expert, the tiles would be mostly other experts' rows: ExpertGEMV takes them.
+  ExpertGEMV.apply dispatches between the two on the row count at run time (quant_gemm.dispatch_on_batch).
 """
 
 from __future__ import annotations
 
+import tvm
 from luce_schedules.cpu.quant_matmul import MatmulBlocks
-from luce_schedules.gpu.base import root_blocks
+from luce_schedules.gpu.base import root_blocks, sm_count
+from luce_schedules.gpu.mma_gemm import THREADS, step_for
+from luce_schedules.gpu.mmq_blocks import quantize_rows
+from luce_schedules.gpu.mmq_gemm import TILE_K, GemmKernel, _flat_views, default_tile
+from luce_schedules.gpu.quant_gemm import Dispatched, _rebound, dispatch_on_batch
 from luce_schedules.gpu.quant_gemv import QuantGEMV, gemv
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
@@ -23,7 +35,9 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as B
 from tvm.target import Target
 
-from luce_compile.lower.moe import EXPERT_ATTR
+from luce_compile.lower.moe import EXPERT_ATTR, GROUPED_ATTR, grouped_above
+from luce_compile.lower.q8_gemm import q8_gemm_format, scratch_specs
+from luce_compile.lower.quant_layout import as_ggml_type, plane_specs
 
 SORT_TILE = 1024  # ids staged in shared memory per pass (4 KiB)
 
@@ -96,12 +110,27 @@ class ExpertGEMV(QuantGEMV):
 
     name = "gpu.moe_expert"
 
-    def apply(self, func: tirx.PrimFunc, target: Target, knobs=None) -> s_tir.Schedule | None:  # noqa: ANN001
+    def apply(self, func: tirx.PrimFunc, target: Target, knobs=None) -> s_tir.Schedule | list | None:  # noqa: ANN001
         if not isinstance(func, tirx.PrimFunc) or not func.attrs or EXPERT_ATTR not in func.attrs:
             return None
         if target.kind.name == "rocm":  # its warp sums over the rows' int64 index fail LLVM's verifier (ds.bpermute
             return None  # takes an i32 lane): dlight's rules take the function there
-        return super().apply(func, target, knobs)
+        if GROUPED_ATTR not in func.attrs:
+            return super().apply(func, target, knobs)
+        # the GEMV (the TE computation, its scratch arguments unused) up to grouped_above rows, the grouped GEMM above
+        plain = func.without_attr(GROUPED_ATTR)
+        gemv_sch = super().apply(plain, target, knobs)
+        if gemv_sch is None:
+            return None
+        n_expert, gather = (int(v) for v in func.attrs[GROUPED_ATTR])
+        qtype = str(func.attrs[EXPERT_ATTR])
+        x, y = (func.params[i] for i in (0, -1 - len(q8_gemm_format(qtype).specs(32))))
+        n_in, n_out = int(x.shape[1]), int(y.shape[1])
+        _, tile_n, tile_k = default_tile(n_out, sm_count(target, 132))
+        kernel = grouped_mmq_gemm(qtype, n_expert, n_out, n_in, bool(gather), tile_n=tile_n, tile_k=tile_k)
+        grouped = Dispatched(tvm.IRModule({"main": plain.with_body(_rebound(kernel, plain))}))
+        main = dispatch_on_batch(plain, y.shape[0], {grouped_above(n_expert): gemv_sch}, grouped)
+        return [Dispatched(tvm.IRModule({"main": main}))]
 
     def schedule(self, sch: s_tir.Schedule, target: Target, knobs: dict[str, int]) -> bool:
         blocks = root_blocks(sch)
@@ -113,3 +142,103 @@ class ExpertGEMV(QuantGEMV):
         batch, n_out, n_in = (iv.dom.extent for iv in block.iter_vars)
         gemv(sch, MatmulBlocks(blocks[0], None, None, batch, int(n_out), int(n_in)), target, knobs)
         return True
+
+
+# rows a tile of the grouped GEMM takes: the smallest of mma_gemm's, since a tile holding several experts' rows runs
+# its K loop once per expert (a prompt's rows average a few dozen an expert: 512 tokens x 8 of 128 experts, 32)
+GROUPED_TILE_M = 32
+
+
+class ExpertTile(GemmKernel):
+    """GemmKernel over the sorted rows of an expert matmul: tile row r reads its token's quantized row (`tokens`,
+    gate and up) or its own (down); the weight rows are expert `expert`'s; only the rows [lo, hi) of the tile, that
+    expert's, are stored."""
+
+    tokens: tirx.Buffer | None
+    expert: tirx.Expr
+    lo: tirx.Expr
+    hi: tirx.Expr
+
+    def x_row(self, r: tirx.Expr) -> tirx.Expr:
+        q = tirx.min(self.m0 + r, self.rows - 1)
+        return q if self.tokens is None else self.tokens[q]
+
+    def weight_row(self, f: tirx.Expr) -> tirx.Expr:
+        return self.expert * self.n_out + tirx.min(self.n0 + f, self.n_out - 1)
+
+    def stored(self, y_row: tirx.Expr, feat: tirx.Expr) -> tirx.Expr:
+        inside = (self.lo <= y_row) & (y_row < self.hi)
+        return inside if self.n_out % self.tile_n == 0 else inside & (feat < self.n_out)
+
+
+def grouped_mmq_gemm(ggml_type: str, n_expert: int, n_out: int, n_in: int, gather: bool, *,
+                     tile_m: int = GROUPED_TILE_M, tile_n: int = 128, tile_k: int = max(TILE_K),
+                     name: str = "grouped_mmq_gemm") -> tirx.PrimFunc:
+    """PrimFunc(x (X, n_in) float32, experts (P,) int32, [tokens (P,) int32], *planes (n_expert·n_out, …),
+    y (P, n_out) float32, xq, xd [, xs] (X rows)) with the signature of lower/moe.expert_matmul's grouped form: x
+    quantized into the scratch (mmq_gemm's kernel 1), then y[q] = x[tokens[q] if gather else q] @ W[experts[q]].T
+    on integer tensor cores (module docstring). The experts are sorted ascending, as the sort leaves them."""
+    qtype = as_ggml_type(ggml_type).name
+    fmt = q8_gemm_format(qtype)
+    tile_k = step_for(n_in, tile_k)
+    if fmt is None or not tile_k:
+        raise ValueError(f"grouped_mmq_gemm: {qtype} with K={n_in} is not supported (types of lower/q8_gemm.py, K a "
+                         f"multiple of {min(TILE_K)})")
+    i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731
+    with IRBuilder() as ib, B.prim_func():
+        B.func_name(name)
+        p_rows = tirx.Var("rows", "int64")
+        x_rows = tirx.Var("tokens", "int64") if gather else p_rows
+        x = B.arg("x", B.buffer((x_rows, i64(n_in)), "float32"))
+        experts = B.arg("experts", B.buffer((p_rows,), "int32"))
+        tokens = B.arg("tokens", B.buffer((p_rows,), "int32")) if gather else None
+        planes = {pl: B.arg(pl, B.buffer(tuple(i64(d) for d in shape), dt))
+                  for pl, (shape, dt) in plane_specs(qtype, n_expert * n_out, n_in).items()}
+        y = B.arg("y", B.buffer((p_rows, i64(n_out)), "float32"))
+        scratch = {arg: B.arg(arg, B.buffer((x_rows, i64(shape[1])), dt))
+                   for arg, (shape, dt) in scratch_specs(fmt, n_in).items()}
+        B.func_attr({"tirx.noalias": True})
+        rows, xr = p_rows.astype("int32"), x_rows.astype("int32")
+        views = _flat_views(planes, scratch, xr, n_in)
+        quantize_rows(B.decl_buffer((xr * n_in,), "float32", data=x.data), views["q8"], xr, n_in, fmt.order)
+        y_flat = B.decl_buffer((rows * n_out,), "float32", data=y.data)
+        _grouped_kernel(qtype, n_out, n_in, (tile_m, tile_n, tile_k), views, rows, experts, tokens, y_flat,
+                        fmt.with_sum)
+    return ib.get()
+
+
+def _grouped_kernel(qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], views: dict, rows: tirx.Expr,
+                    experts: tirx.Buffer, tokens: tirx.Buffer | None, y: tirx.Buffer, sums: bool) -> None:
+    """Kernel 2 of grouped_mmq_gemm: a block per tile; per expert from its first row's to its last row's, the rows
+    of that expert in the tile (contiguous: sorted), the K loop (none where it has no row), their outputs."""
+    tile_m, tile_n, _ = tile
+    steps = n_in // tile[2]
+    bx, by, tx = B.env_thread("blockIdx.x"), B.env_thread("blockIdx.y"), B.env_thread("threadIdx.x")
+    with B.launch_thread(bx, -(-n_out // tile_n)), B.launch_thread(by, (rows + (tile_m - 1)) // tile_m), \
+            B.launch_thread(tx, THREADS):
+        m0 = by * tile_m
+        k = ExpertTile(qtype, n_out, n_in, tile, views, rows, tx, m0, bx * tile_n, sums)
+        k.tokens = tokens
+        k.alloc_shared()
+        acc, magic = k.registers()
+        span = B.alloc_buffer((2,), "int32", scope="local")  # the experts of the tile's first and last rows
+        B.buffer_store(span, experts[m0], [_i32(0)])
+        B.buffer_store(span, experts[tirx.min(m0 + tile_m, rows) - 1], [_i32(1)])
+        count = B.alloc_buffer((2,), "int32", scope="local")  # the tile's rows of an expert before it, and up to it
+        with B.serial(0, span[1] - span[0] + 1) as seg:
+            e = span[0] + seg
+            for i in range(2):
+                B.buffer_store(count, _i32(0), [_i32(i)])
+            with B.serial(0, tile_m) as i:
+                row = m0 + i
+                seen = B.alloc_buffer((1,), "int32", scope="local")
+                B.buffer_store(seen, experts[tirx.min(row, rows - 1)], [_i32(0)])
+                B.buffer_store(count, count[0] + tirx.Select((row < rows) & (seen[0] < e), _i32(1), _i32(0)),
+                               [_i32(0)])
+                B.buffer_store(count, count[1] + tirx.Select((row < rows) & (seen[0] <= e), _i32(1), _i32(0)),
+                               [_i32(1)])
+            k.expert, k.lo, k.hi = e, m0 + count[0], m0 + count[1]
+            # the previous expert's last step read a stage that this one's first step overwrites
+            B.evaluate(T.tvm_storage_sync("shared"))
+            k.accumulate(acc, magic, pairs=tirx.Select(count[1] > count[0], _i32((steps - 1) // 2), _i32(0)))
+            k.epilogue(acc, y)

@@ -299,8 +299,9 @@ def test_gemma3_gpu_artifacts_carry_megakernels_unless_asked_not_to(tmp_path):
 
 @pytest.mark.slow
 def test_moe_builds_for_sm_90_with_the_per_op_kernels(tmp_path):
-    """tiny-qwen3moe for sm_90 (issue 40): the expert sort and the gathered GEMVs of schedules/gpu/moe.py in the
-    binary, no megakernel (the section says why). Its numbers are checked on the GPU (device_check on the preset)."""
+    """tiny-qwen3moe for sm_90 (issue 40): the expert sort, the gathered GEMVs and the grouped 8-bit GEMMs of
+    schedules/gpu/moe.py in the binary, the grouped GEMM's types and row threshold in the manifest (what an oracle
+    emulates), no megakernel (the section says why). Its numbers are checked on the GPU (device_check on the preset)."""
     from luce_compile.codegen.compile import compile_model
     from luce_compile.synthetic import cached_synthetic
 
@@ -311,6 +312,11 @@ def test_moe_builds_for_sm_90_with_the_per_op_kernels(tmp_path):
     kernels = binary.kernels["sm_90"]
     assert "moe_sort_8_top2_kernel" in kernels
     assert any(k.startswith("expert_matmul_") for k in kernels)
+    # gate/up (gathered) and down, each with its grouped form: 8 experts x 4 rows before the GEMM takes a call
+    assert {"expert_matmul_q8_0_8x64x64_gather_grouped_kernel_2", "expert_matmul_q8_0_8x64x64_grouped_kernel_2"} <= \
+        set(kernels)
+    prefill = manifest["kernels"]["prefill_gemm"]
+    assert (prefill["moe_q8_types"], prefill["moe_above_rows"]) == (["Q8_0"], 32)
 
 
 @pytest.mark.slow

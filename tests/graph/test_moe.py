@@ -100,3 +100,24 @@ def test_targets_without_moe_kernels_are_refused_naming_the_ones_that_have_them(
         check_target(kind, "qwen3moe")
     with pytest.raises(UnsupportedError, match="CPU and CUDA/ROCm GPUs only, not vulkan"):
         check_target("vulkan", "qwen3moe")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_an_experts_8_bit_rows_round_as_a_plain_matmul_of_its_rows(qtype, rng):
+    """The grouped expert GEMM's rounding in the oracle (GgmlRounding._rounded_moe_matmul, the GPU's forms): expert
+    e's matmul is gpu_q8_matmul of its own weight rows and raw blocks; for a type with block minimums (Q4_1: q8_1
+    activations), those of its rows of the stacked tensor, not the first expert's."""
+    from luce_compile.graph.rounding import GgmlRounding, gpu_q8_matmul
+
+    oracle = GgmlRounding(cached_synthetic(f"tiny-qwen3moe@{qtype}"), types=(), gpu_q8_1=True)
+    name = "blk.1.ffn_gate_exps.weight"
+    assert oracle.gguf.tensor(name).ggml_type.name == qtype
+    w = oracle.weight(name)  # (n_expert, F, E)
+    raw = oracle.gguf.raw(name).reshape(w.shape[0], w.shape[1], -1)
+    x = rng.standard_normal((3, w.shape[2]))
+    for e in (0, 5):
+        got = oracle._rounded_moe_matmul(name, x, w[e], e)
+        assert np.array_equal(got, gpu_q8_matmul(x, w[e], qtype, raw[e]))
+        assert np.abs(got - x @ w[e].T).max() > 1e-6  # the rounding is there
+    # types=(): the plain path leaves x as it is
+    assert np.array_equal(oracle._moe_matmul(name, x, w[5], 5), x @ w[5].T)

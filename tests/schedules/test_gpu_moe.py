@@ -12,15 +12,23 @@ import numpy as np
 import pytest
 import tvm
 from gguf import GGMLQuantizationType
-from luce_schedules.gpu.moe import SORT_TILE, ExpertGEMV, expert_sort
+from luce_schedules.gpu import mmq_blocks, mmq_gemm
+from luce_schedules.gpu.mma_gemm import THREADS
+from luce_schedules.gpu.moe import SORT_TILE, ExpertGEMV, ExpertTile, expert_sort, grouped_mmq_gemm
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as B
 from tvm.target import Target
 
 from luce_compile.codegen.device_binaries import device_sources
 from luce_compile.codegen.gpu_toolchain import gpu_toolchain
-from luce_compile.lower.moe import expert_matmul
+from luce_compile.lower.moe import GROUPED_ATTR, expert_matmul, grouped_above
+from luce_compile.lower.q8_gemm import q8_gemm_format
+from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import quant_matmul
 from luce_compile.targets import get_target
 from tests.codegen.test_gpu_device import cuda_device_count
+from tests.schedules.test_gpu_mmq_gemm import _run_cpu, activations, random_weights
 
 CUDA = get_target("sm_90").tvm_target()
 ROCM = get_target("gfx1201").tvm_target()
@@ -129,3 +137,138 @@ def test_expert_gemv_on_the_gpu_equals_the_dequantized_rows(qtype):
     lib["main"](*args)
     want = np.einsum("pk,pnk->pn", x[rows].astype(np.float64), w[experts])
     np.testing.assert_allclose(args[-1].numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+# ---- the grouped expert GEMM (a prompt's expert matmuls) -------------------------------------------------------------
+def _stacked(qtype: str, n_expert: int, n_out: int, n_in: int, rng: np.random.Generator):
+    """Random stacked expert weights: (raw rows, repacked planes of n_expert·n_out rows)."""
+    raw, planes, _ = random_weights(qtype, n_expert * n_out, n_in, rng)
+    return raw, planes
+
+
+def _expert_planes(planes: dict, e: int, n_out: int) -> dict:
+    return {name: plane[e * n_out:(e + 1) * n_out] for name, plane in planes.items()}
+
+
+def _tile_stager(qtype: str, n_expert: int, n_out: int, n_in: int, tile: tuple[int, int, int], rows: int,
+                 x_rows: int, origin: tuple[int, int], expert: int, step: int) -> tirx.PrimFunc:
+    """ExpertTile's load_step then store_step of K step `step` into stage 0, for every thread in turn on the CPU (the
+    mmq stager's harness, with the rows' tokens and an expert)."""
+    fmt = q8_gemm_format(qtype)
+    (tiles, scales), _ = mmq_gemm._shared_words(qtype, tile)
+    with IRBuilder() as ib, B.prim_func():
+        B.func_name("stage")
+        planes = {pl: B.arg(pl, B.buffer(tuple(tirx.IntImm("int64", d) for d in shape), dt))
+                  for pl, (shape, dt) in plane_specs(qtype, n_expert * n_out, n_in).items()}
+        tokens = B.arg("tokens", B.buffer((rows,), "int32"))
+        x = {"xq": B.arg("xq", B.buffer((x_rows * n_in // 4,), "uint32"))}
+        for name in ("xd", "xs") if fmt.with_sum else ("xd",):
+            x[f"{name}:flat"] = B.arg(name, B.buffer((x_rows * n_in // 32,), "float32"))
+        smem = {name: B.arg(name, B.buffer((n,), "uint32")) for name, n in tiles.items()}
+        stages = {name: [B.arg(f"{name}{i}", B.buffer((n,), "float32")) for i in range(2)]
+                  for name, n in scales.items()}
+        views = mmq_blocks.plane_views(planes) | x
+        with B.serial(0, THREADS) as tx:
+            k = ExpertTile(qtype, n_out, n_in, tile, views, rows, tx, origin[0], origin[1], fmt.with_sum)
+            k.tokens, k.expert = tokens, tirx.const(expert, "int32")
+            k.smem, k.stage = smem, stages
+            k.store_step(0, k.load_step(tirx.const(step, "int32")))
+    return ib.get()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_an_expert_tile_stages_its_tokens_rows_and_its_experts_weight_rows(qtype, rng):
+    """Sorted rows 32.. of 50 (past the end: clamped to the last) read the quantized rows of their tokens (of 20), and
+    the tile's features 64.. of 100 (clamped to 99) read expert 2's weight rows of the stacked tensor, in the mmq
+    kernel's slots: what the mma.sync multiply for that expert."""
+    n_expert, n_out, n_in, tile, rows, x_rows, origin, expert, step = 4, 100, 512, (32, 64, 128), 50, 20, (32, 64), 2, 1
+    _, planes = _stacked(qtype, n_expert, n_out, n_in, rng)
+    fmt = q8_gemm_format(qtype)
+    tokens = rng.integers(0, x_rows, rows).astype(np.int32)
+    xq = rng.integers(0, 2**32, x_rows * n_in // 4, dtype=np.uint32)
+    xs = [rng.standard_normal(x_rows * n_in // 32).astype(np.float32) for _ in range(2 if fmt.with_sum else 1)]
+    (tiles, scales), _ = mmq_gemm._shared_words(qtype, tile)
+    outs = [np.zeros(n, np.uint32) for n in tiles.values()] + \
+        [np.zeros(n, np.float32) for n in scales.values() for _ in range(2)]
+    func = _tile_stager(qtype, n_expert, n_out, n_in, tile, rows, x_rows, origin, expert, step)
+    got = _run_cpu(func, *planes.values(), tokens, xq, *xs, *outs)[len(planes) + 2 + len(xs):]
+    tile_m, tile_n, tile_k = tile
+    nblk, row = tile_k // 32, mmq_gemm.row_words(tile_k)
+    slots = list(mmq_blocks.Q6_SLOTS if qtype == "Q6_K" else range(8))
+    blocks = step * nblk + np.arange(nblk)
+    x_rows_read = tokens[np.minimum(origin[0] + np.arange(tile_m), rows - 1)]
+    want_x = xq.reshape(x_rows, -1, 8)[x_rows_read][:, blocks][..., slots]
+    assert np.array_equal(got[0].reshape(2, tile_m, row)[0][:, :nblk * 8].reshape(tile_m, nblk, 8), want_x)
+    sx = got[2].reshape(nblk, tile_m, len(xs))  # stage 0's x scales
+    for p, plane in enumerate(xs):
+        assert np.array_equal(sx[..., p], plane.reshape(x_rows, -1)[x_rows_read][:, blocks].T)
+    q, _, _ = mmq_blocks.weight_integers(qtype, planes)
+    feats = expert * n_out + np.minimum(origin[1] + np.arange(tile_n), n_out - 1)
+    positions = [fmt.position_element(p) for p in range(32)]
+    in_position = np.ascontiguousarray(q.reshape(n_expert * n_out, -1, 32)[..., positions].astype(np.int8))
+    want_w = in_position.view(np.uint32).reshape(n_expert * n_out, -1, 8)[feats][:, blocks][..., slots]
+    assert np.array_equal(got[1].reshape(2, tile_n, row)[0][:, :nblk * 8].reshape(tile_n, nblk, 8), want_w)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("gather", [True, False])
+def test_the_grouped_form_runs_the_gemv_up_to_grouped_above_rows_and_the_mma_gemm_above(gather):
+    n_expert = 8
+    func = expert_matmul(T.Q4_K, n_expert, 64, 256, gather, "em", grouped=True)
+    assert [str(p.name) for p in func.params][-3:] == ["xq", "xd", "xs"]  # the quantized input: scratch after y
+    with CUDA:
+        (dispatched,) = ExpertGEMV().apply(func, CUDA)
+    main = dispatched.mod["main"]
+    assert GROUPED_ATTR not in main.attrs
+    assert f"tvm_thread_invariant(rows <= T.int64({grouped_above(n_expert)}))" in main.script()
+    source = _source(main, CUDA)
+    assert "__shfl" in source  # the GEMV
+    assert "mma_int_sync_aligned_m16n8k32_row_col_s32_s8_s8_s32" in source  # the grouped GEMM
+    assert ("tokens_ptr[" in source) == gather
+
+
+@pytest.mark.unit
+def test_grouped_gemm_refuses_types_the_8_bit_gemm_does_not_take():
+    with pytest.raises(ValueError, match="not supported"):
+        grouped_mmq_gemm("MXFP4", 8, 64, 256, True)
+
+
+def _routed_rows(rng: np.random.Generator, tokens: int, used: int, n_expert: int, absent: int):
+    """The sort's result for random routing that never picks expert `absent`: experts (P,) ascending, tokens (P,)."""
+    choices = [e for e in range(n_expert) if e != absent]
+    ids = np.stack([rng.choice(choices, used, replace=False) for _ in range(tokens)]).reshape(-1).astype(np.int32)
+    order = np.argsort(ids, kind="stable")
+    return ids[order], (order // used).astype(np.int32)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"])
+@pytest.mark.parametrize("gather", [True, False])
+def test_grouped_gemm_on_the_gpu_is_the_emulation_bit_for_bit(qtype, gather):
+    """40 tokens x 3 of 8 experts (expert 5 never chosen: a tile's absent expert), 120 sorted rows in tiles of 32,
+    most holding two or three experts' rows; 192 features (a partial tile of 128): every output is mmq_blocks.emulate's
+    for its expert's rows, bit for bit (the mmq kernel's arithmetic, exact int32 dots and float32 scales in order)."""
+    n_expert, n_out, n_in, tokens, used = 8, 192, 512, 40, 3
+    rng = np.random.default_rng(11)
+    _, planes = _stacked(qtype, n_expert, n_out, n_in, rng)
+    experts, rows_token = _routed_rows(rng, tokens, used, n_expert, absent=5)
+    p_rows = len(experts)
+    x = activations(rng, tokens if gather else p_rows, n_in)
+    func = grouped_mmq_gemm(qtype, n_expert, n_out, n_in, gather, tile_n=128)
+    with gpu_toolchain("cuda", ("sm_90",), "sm_90"), CUDA:
+        lib = tvm.compile(tvm.IRModule({"main": func}), target=CUDA)
+    dev = tvm.cuda(0)
+    fmt = q8_gemm_format(qtype)
+    scratch = [np.zeros((x.shape[0], shape[1]), dtype) for shape, dtype in fmt.specs(n_in).values()]
+    args = [x, experts, *([rows_token] if gather else []), *planes.values(), np.zeros((p_rows, n_out), np.float32),
+            *scratch]
+    args = [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in args]
+    lib["main"](*args)
+    got = args[-1 - len(scratch)].numpy()
+    rows_x = x[rows_token] if gather else x
+    for e in set(experts.tolist()):
+        mine = experts == e
+        want = mmq_blocks.emulate(qtype, _expert_planes(planes, e, n_out), rows_x[mine])
+        np.testing.assert_array_equal(got[mine], want)
