@@ -22,12 +22,23 @@ benchmarks/plot.py draws the PNG.
 On a GPU machine (benchmarks/h200/serve.sh runs it there): `--artifact DIR --model THE.gguf --llama-server PATH --gpu`
 serves a prebuilt artifact with the runtime alone against a given (CUDA) llama-server with every layer offloaded;
 neither server gets a thread count, and the record names the GPU.
+
+Speculation (issue 39): `--draft-artifact DRAFT` (luce-compile serve --draft) and `--draft-model DRAFT.gguf`
+(llama-server -md) add, per level, rows "luce-compile+draft" and "llama-server+draft": the same server restarted with
+the draft model, next to its rows without it (`--speculation off on`, the default once a draft is given). With a draft
+every row's requests are code completions, the first `--requests` HumanEval prompts in file order (benchmarks/spec.py's
+source: speculation pays on code; the file's last prompt warms up), the same for every row, greedy. The record adds
+per speculating row the draft tokens proposed and accepted during the timed requests, and per request its prompt's
+index and a digest of its text: `speculation` in the JSON gives each +draft row's aggregate tok/s over the same
+server's without a draft at that N, and how many requests streamed the same text as without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
+import hashlib
 import json
 import os
 import platform
@@ -51,9 +62,12 @@ from report import write_results  # noqa: E402
 
 OURS = "luce-compile"
 PEER = "llama-server"
+DRAFT = "+draft"  # a row's server with this suffix speculated with the draft model
 PROMPT = ("The history of the lighthouse keepers of the northern coast is a long one. In the winter of that year, "
           "the storms came early, and the keeper wrote in his journal that")
 READY_TIMEOUT_S = 900  # the first `luce-compile serve` of a GGUF compiles it (minutes on 2 cores); cached after
+# luce-compile serve's /metrics series of speculation (runtime/luce_runtime/serve/metrics.py)
+SPEC_METRICS = {"drafted": "luce_spec_drafted_tokens_total", "accepted": "luce_spec_accepted_tokens_total"}
 REQUEST_TIMEOUT_S = 600.0  # one streamed request; a level of 32 × 64 tokens takes ~1.5 min here at worst
 
 
@@ -70,6 +84,11 @@ class RequestTiming:
     # gaps between consecutive streamed text chunks (both servers send one chunk a token): the inter-token latency a
     # client sees; summarize pools them over the level and keeps only each request's mean in the record
     itl_ms: list[float] = field(default_factory=list)
+    text: str = ""  # what it streamed; the record keeps its sha1 (text_sha1) to compare rows with and without a draft
+    prompt: int | None = None  # which code prompt it was (their index), where the prompts differ per request
+    # llama-server's timings.draft_n and draft_n_accepted (sent where it drafted); luce-compile's are per level
+    drafted: int | None = None
+    accepted: int | None = None
 
 
 def free_port() -> int:
@@ -79,28 +98,52 @@ def free_port() -> int:
 
 
 def server_command(server: str, gguf: Path, *, port: int, threads: int | None, clients: int, ctx: int,
-                   artifact: Path | None = None, binary: Path | None = None, gpu: bool = False) -> list[str]:
+                   artifact: Path | None = None, binary: Path | None = None, gpu: bool = False,
+                   draft: Path | None = None, draft_max: int = 8) -> list[str]:
     """The command line of `server` sized for `clients` concurrent sequences of `ctx` tokens each.
 
     artifact: luce-compile serves this prebuilt artifact (the runtime alone loads it: no compiler needed), else it
     compiles the GGUF through its cache. binary: this llama-server, else the cached CPU build. gpu: llama-server
-    offloads every layer (-ngl 99); threads None leaves each server's thread count at its own default."""
+    offloads every layer (-ngl 99); threads None leaves each server's thread count at its own default. draft: the
+    server speculates with this draft model (luce-compile: an artifact or a GGUF; llama-server: a GGUF), at most
+    draft_max tokens a step."""
     if server == OURS:
         # threads: TVM_NUM_THREADS in the environment (start_server); --ctx is per sequence
-        return [sys.executable, "-m", "luce_compile.cli", "serve", str(artifact or gguf), "--host", "127.0.0.1",
-                "--port", str(port), "--max-batch", str(clients), "--ctx", str(ctx)]
+        cmd = [sys.executable, "-m", "luce_compile.cli", "serve", str(artifact or gguf), "--host", "127.0.0.1",
+               "--port", str(port), "--max-batch", str(clients), "--ctx", str(ctx)]
+        return cmd + (["--draft", str(draft), "--draft-max", str(draft_max)] if draft else [])
     if server == PEER:
         from peers.llama_server import llama_server_binary
         from peers.llama_server import server_command as llama_server_command
 
-        return llama_server_command(binary or llama_server_binary(), gguf, port=port, threads=threads,
-                                    parallel=clients, ctx_per_slot=ctx, gpu_layers=99 if gpu else 0)
+        cmd = llama_server_command(binary or llama_server_binary(), gguf, port=port, threads=threads,
+                                   parallel=clients, ctx_per_slot=ctx, gpu_layers=99 if gpu else 0)
+        return cmd + (peer_draft_flags(draft, draft_max, gpu) if draft else [])
     raise ValueError(f"serve bench: unknown server {server!r}; expected {OURS!r} or {PEER!r}")
+
+
+def peer_draft_flags(draft: Path, draft_max: int, gpu: bool) -> list[str]:
+    """llama-server's flags to speculate with a draft model, as this llama.cpp (0c1e57098) spells them in
+    common/arg.cpp: `-md` alone loads the draft and speculates with nothing (the speculative types default to none,
+    and a plain model's GGUF infers none: common_speculative_init then returns no drafter), hence `--spec-type
+    draft-simple`; `--spec-draft-n-max` is ours' --draft-max (the old --draft-max is removed there); its other
+    defaults stay (n_min 0, p_min 0.0: it drafts n_max tokens a step). gpu: `-ngld 99` puts the draft's layers on
+    the GPU too."""
+    flags = ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
+    return flags + (["-ngld", "99"] if gpu else [])
+
+
+def split_server(name: str) -> tuple[str, bool]:
+    """A row's server name → (the server, whether it speculated with the draft model)."""
+    return (name.removesuffix(DRAFT), True) if name.endswith(DRAFT) else (name, False)
 
 
 def given(server: str, clients: int) -> str:
     """What each server was given at a level, for the table's server column."""
-    return f"--max-batch {clients}" if server == OURS else f"-np {clients}"
+    base, spec = split_server(server)
+    if base == OURS:
+        return f"--max-batch {clients}" + (" --draft" if spec else "")
+    return f"-np {clients}" + (" -md" if spec else "")
 
 
 def start_server(cmd: list[str], port: int, threads: int | None, log: Path) -> subprocess.Popen:
@@ -200,10 +243,11 @@ def request_tokens(usage: dict | None, timings: dict | None, chunks: int) -> tup
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
-    """Stream one completion; time to the first text and the tokens generated."""
+    """Stream one completion; time to the first text, the tokens generated, the text and (llama-server with a draft)
+    the draft tokens proposed and accepted."""
     start = time.perf_counter()
     arrivals: list[float] = []  # when each non-empty text chunk came, since start
-    usage, timings = None, None
+    usage, timings, text = None, None, []
     async with client.stream("POST", url, json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -212,11 +256,14 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
             event = json.loads(line[6:])
             usage = event.get("usage") or usage
             timings = event.get("timings") or timings
-            if any(c.get("text") for c in event.get("choices", [])):
+            if pieces := [c["text"] for c in event.get("choices", []) if c.get("text")]:
                 arrivals.append(time.perf_counter() - start)
+                text += pieces
     tokens, source = request_tokens(usage, timings, len(arrivals))
+    drafts = timings or {}
     return RequestTiming(ttft_s=arrivals[0] if arrivals else float("nan"), tokens=tokens,
-                         seconds=time.perf_counter() - start, source=source, itl_ms=inter_token_ms(arrivals))
+                         seconds=time.perf_counter() - start, source=source, itl_ms=inter_token_ms(arrivals),
+                         text="".join(text), drafted=drafts.get("draft_n"), accepted=drafts.get("draft_n_accepted"))
 
 
 def inter_token_ms(arrivals: list[float]) -> list[float]:
@@ -224,10 +271,12 @@ def inter_token_ms(arrivals: list[float]) -> list[float]:
     return [1e3 * (b - a) for a, b in zip(arrivals, arrivals[1:], strict=False)]
 
 
-async def run_level(port: int, clients: int, requests: int, body: dict, tag: str) -> tuple[list[RequestTiming], float]:
+async def run_level(port: int, clients: int, requests: int, body: dict, tag: str,
+                    prompts: list[str] | None = None) -> tuple[list[RequestTiming], float]:
     """`requests` requests drawn by `clients` concurrent workers; returns their timings and the wall time.
 
-    Each prompt starts with its own number so no server reuses another request's cached prefix (both keep one)."""
+    Each prompt starts with its own number so no server reuses another request's cached prefix (both keep one).
+    prompts: request i sends prompts[i] as it is instead (code prompts, each its own)."""
     url = f"http://127.0.0.1:{port}/v1/completions"
     todo = list(range(requests))
     timings: list[RequestTiming] = []
@@ -235,7 +284,10 @@ async def run_level(port: int, clients: int, requests: int, body: dict, tag: str
     async def worker(client: httpx.AsyncClient) -> None:
         while todo:
             i = todo.pop()
-            timings.append(await one_request(client, url, body | {"prompt": f"Log {tag}-{i}. {body['prompt']}"}))
+            prompt = prompts[i] if prompts else f"Log {tag}-{i}. {body['prompt']}"
+            timing = await one_request(client, url, body | {"prompt": prompt})
+            timing.prompt = i if prompts else None
+            timings.append(timing)
 
     # a new loopback connection per request, for both servers: llama-server (cpp-httplib) now and then closes a
     # kept-alive connection after a streamed response, and the next request on it fails at once (RemoteProtocolError)
@@ -268,32 +320,84 @@ def summarize(server: str, clients: int, timings: list[RequestTiming], wall_s: f
 
 
 def request_record(t: RequestTiming) -> dict:
-    """One request in the JSON: its timing with the mean gap (the gaps themselves would be most of the file)."""
-    d = asdict(t)
-    gaps = d.pop("itl_ms")
-    return d | ({"itl_mean_ms": sum(gaps) / len(gaps), "chunks": len(gaps) + 1} if gaps else {})
+    """One request in the JSON: its timing with the mean gap (the gaps themselves would be most of the file) and its
+    text's sha1; a prompt index and draft counts where there are."""
+    d = {k: v for k, v in asdict(t).items() if v is not None}
+    gaps, text = d.pop("itl_ms"), d.pop("text")
+    return (d | ({"itl_mean_ms": sum(gaps) / len(gaps), "chunks": len(gaps) + 1} if gaps else {})
+            | ({"text_sha1": hashlib.sha1(text.encode()).hexdigest()} if text else {}))
 
 
 def ratios(rows: list[dict]) -> dict[str, dict[int, float]]:
-    """peer → clients → luce-compile's aggregate tok/s over the peer's at the same N (where both ran)."""
-    ours = {r["clients"]: r["aggregate_tok_s"] for r in rows if r["server"] == OURS}
+    """peer → clients → luce-compile's aggregate tok/s over the peer's at the same N (where both ran), each with a
+    draft where the peer had one (llama-server+draft against luce-compile+draft)."""
+    ours = {(r["server"], r["clients"]): r["aggregate_tok_s"] for r in rows if split_server(r["server"])[0] == OURS}
     out: dict[str, dict[int, float]] = {}
     for r in rows:
-        if r["server"] != OURS and r["clients"] in ours and r["aggregate_tok_s"]:
-            out.setdefault(r["server"], {})[r["clients"]] = ours[r["clients"]] / r["aggregate_tok_s"]
+        base, spec = split_server(r["server"])
+        mine = ours.get((OURS + DRAFT if spec else OURS, r["clients"]))
+        if base != OURS and mine is not None and r["aggregate_tok_s"]:
+            out.setdefault(r["server"], {})[r["clients"]] = mine / r["aggregate_tok_s"]
     return out
 
 
+def speculation(rows: list[dict]) -> dict[str, dict[str, dict[int, object]]]:
+    """Per +draft row name and N, against the same server's row without a draft at that N: "speedup", its aggregate
+    tok/s over that row's; "same_text", [requests that streamed the same text for the same prompt, requests
+    compared] (greedy: speculation should not change the text, but for near ties that a verify's rounding flips)."""
+    plain = {(r["server"], r["clients"]): r for r in rows if not split_server(r["server"])[1]}
+    out: dict[str, dict[str, dict[int, object]]] = {"speedup": {}, "same_text": {}}
+    for r in rows:
+        base, spec = split_server(r["server"])
+        if not spec or (p := plain.get((base, r["clients"]))) is None:
+            continue
+        if p["aggregate_tok_s"]:
+            out["speedup"].setdefault(r["server"], {})[r["clients"]] = r["aggregate_tok_s"] / p["aggregate_tok_s"]
+        texts = {q["prompt"]: q["text_sha1"] for q in p["per_request"] if "prompt" in q and "text_sha1" in q}
+        pairs = [(texts[q["prompt"]], q["text_sha1"]) for q in r["per_request"]
+                 if q.get("prompt") in texts and "text_sha1" in q]
+        if pairs:
+            out["same_text"].setdefault(r["server"], {})[r["clients"]] = [sum(a == b for a, b in pairs), len(pairs)]
+    return {k: v for k, v in out.items() if v}
+
+
 def results_doc(meta: dict, rows: list[dict]) -> dict:
-    """The JSON document: meta, one row per (server, N) in run order, and the ratios (JSON keys are strings)."""
-    return {"meta": meta, "rows": rows,
-            "ratios": {peer: {str(n): v for n, v in by_n.items()} for peer, by_n in ratios(rows).items()}}
+    """The JSON document: meta, one row per (server, N) in run order, the ratios and, with +draft rows, what
+    speculation changed (JSON keys are strings)."""
+    doc = {"meta": meta, "rows": rows,
+           "ratios": {peer: {str(n): v for n, v in by_n.items()} for peer, by_n in ratios(rows).items()}}
+    if spec := speculation(rows):
+        doc["speculation"] = {key: {name: {str(n): v for n, v in by_n.items()} for name, by_n in by_name.items()}
+                              for key, by_name in spec.items()}
+    return doc
 
 
 def request_body(server: str, gguf: Path, max_tokens: int) -> dict:
     body = {"model": gguf.stem, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     return body | {"ignore_eos": True} if server == PEER else body
+
+
+def draft_of(server: str, args: argparse.Namespace) -> Path | None:
+    """The draft model `server` speculates with: luce-compile's --draft-artifact, llama-server's --draft-model."""
+    return args.draft_artifact if server == OURS else args.draft_model
+
+
+def spec_metrics(port: int) -> dict[str, int]:
+    """luce-compile's speculation counters from its /metrics (Prometheus text; a missing series reads 0)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return {key: int(float(m[1])) if (m := re.search(rf"^{name} (\S+)$", text, re.M)) else 0
+            for key, name in SPEC_METRICS.items()}
+
+
+def draft_counts(timings: list[RequestTiming], before: dict | None, after: dict | None) -> dict:
+    """A +draft row's draft tokens proposed and accepted during its timed requests: luce-compile's /metrics counters
+    after the level less before it (the warm-up's left out), else llama-server's per-request timings summed."""
+    if before is not None and after is not None:
+        return {"spec_drafted": after["drafted"] - before["drafted"],
+                "spec_accepted": after["accepted"] - before["accepted"], "spec_source": "metrics"}
+    return {"spec_drafted": sum(t.drafted or 0 for t in timings),
+            "spec_accepted": sum(t.accepted or 0 for t in timings), "spec_source": "timings"}
 
 
 def bench_level(server: str, clients: int, gguf: Path, args: argparse.Namespace, logdir: Path) -> dict:
@@ -315,31 +419,41 @@ def bench_level(server: str, clients: int, gguf: Path, args: argparse.Namespace,
         if row["foreign_cpu_pct"] <= args.max_foreign_pct:
             break
     if best is None:
+        base, spec = split_server(server)
         raise LevelError(f"serve bench: {server} N={clients} failed {args.retries + 1} times; each attempt's error "
-                         f"and server log tail are printed above; rerun with --servers {server} --clients {clients}")
+                         f"and server log tail are printed above; rerun with --servers {base} --clients {clients}"
+                         + (" --speculation on" if spec else ""))
     return best | {"attempts": attempt}
 
 
 def run_level_once(server: str, clients: int, gguf: Path, args: argparse.Namespace, logdir: Path) -> dict:
-    """Start `server` sized for `clients`, warm it up, time one level, stop it; returns the row."""
+    """Start `server` (a +draft name: with its draft model) sized for `clients`, warm it up, time one level, stop
+    it; returns the row."""
     from luce_runtime.bench import machine_load
 
+    base, spec = split_server(server)
     port = free_port()
     threads = None if args.gpu else args.threads
-    cmd = server_command(server, gguf, port=port, threads=threads, clients=clients, ctx=args.ctx,
-                         artifact=args.artifact, binary=args.llama_server, gpu=args.gpu)
+    cmd = server_command(base, gguf, port=port, threads=threads, clients=clients, ctx=args.ctx,
+                         artifact=args.artifact, binary=args.llama_server, gpu=args.gpu,
+                         draft=draft_of(base, args) if spec else None, draft_max=args.draft_max)
     log = logdir / f"{server}-n{clients}.log"
     try:
         proc = start_server(cmd, port, threads, log)
     except RuntimeError as e:  # it exited or never answered: a failed level, rerun like one
         raise LevelError(str(e)) from e
-    body = request_body(server, gguf, args.max_tokens)
+    body = request_body(base, gguf, args.max_tokens)
+    prompts = args.prompts  # code prompts: the last warms up, the first --requests are timed
+    counters = spec_metrics if spec and base == OURS else None  # ours counts drafts per server, not per request
     try:
-        asyncio.run(run_level(port, 1, 1, body, "warm"))  # warm-up: first-call allocations, caches, thread pools
+        # warm-up: first-call allocations, caches, thread pools
+        asyncio.run(run_level(port, 1, 1, body, "warm", prompts[-1:] if prompts else None))
         load = machine_load()  # a busy 2-core machine stalls llama.cpp's spinning threads: keep it visible
+        before = counters(port) if counters else None
         (busy0, total0), own0 = cpu_jiffies(), own_jiffies(proc.pid)
-        timings, wall = asyncio.run(run_level(port, clients, args.requests, body, f"n{clients}"))
+        timings, wall = asyncio.run(run_level(port, clients, args.requests, body, f"n{clients}", prompts))
         (busy1, total1), own1 = cpu_jiffies(), own_jiffies(proc.pid)
+        after = counters(port) if counters else None
     except (httpx.HTTPError, OSError) as e:  # a dropped stream or a server that died mid-level
         raise LevelError(f"{type(e).__name__}: {e}; server exit code {proc.poll()}; its log ends: "
                          f"{log.read_text(errors='replace')[-1500:]}") from e
@@ -350,35 +464,66 @@ def run_level_once(server: str, clients: int, gguf: Path, args: argparse.Namespa
     row = summarize(server, clients, timings, wall, args.max_tokens) | {
         "load_avg_1m": load, "foreign_cpu_pct": round(foreign, 1), "given": given(server, clients),
         "server_command": " ".join(cmd)}
+    if spec:
+        row |= draft_counts(timings, before, after)
     if m := re.search(r"n_ctx_slot = (\d+)", log.read_text(errors="replace")):
         row["ctx_per_slot"] = int(m[1])  # llama-server's own report: -c was split over the -np slots as intended
     return row
 
 
 def serve_table(rows: list[dict], meta: dict) -> str:
-    """One row per (server, N), grouped by server; the ratio is luce-compile's aggregate tok/s over the peer's."""
+    """One row per (server, N), grouped by server; the ratio is luce-compile's aggregate tok/s over the peer's (each
+    with a draft where the peer had one). With +draft rows, three more columns (speculation_cells)."""
     ratio = ratios(rows)
     order = list(dict.fromkeys(r["server"] for r in rows))
     ordered = sorted(rows, key=lambda r: (order.index(r["server"]), r["clients"]))
     # records from before inter-token latency was measured keep their table as it was
     itl = bool(rows) and all("itl_p50_ms" in r for r in rows)
+    spec = speculation(rows) if any(split_server(r["server"])[1] for r in rows) else None
     lines = [f"# Serving on loopback: luce-compile vs {meta.get('peer', PEER)} ({meta['date']})", "",
              f"{machine_text(meta)}, load before {meta['load_avg_1m']:.2f}; model "
              f"{meta['model']}; {meta['requests']} streamed /v1/completions requests per level (greedy, max_tokens "
-             f"{meta['max_tokens']}, {meta['prompt_chars']}-character prompt). " + meta.get("setup", ""), "",
+             f"{meta['max_tokens']}, {prompt_text(meta)}). " + meta.get("setup", ""), "",
              f"Command: `{meta['command']}`", "",
              "| server | clients | requests | tokens | aggregate tok/s | TTFT p50 ms | TTFT p99 ms | "
              + ("ITL p50 ms | ITL p99 ms | " if itl else "")
-             + "luce-compile / peer | load before (others' CPU during) |",
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if itl else "")]
+             + "luce-compile / peer | "
+             + ("with draft / without | drafts accepted | same text as without | " if spec is not None else "")
+             + "load before (others' CPU during) |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if itl else "")
+             + ("---|---|---|" if spec is not None else "")]
     for r in ordered:
         name = f"{r['server']} `{r['given']}`" if "given" in r else r["server"]
         value = ratio.get(r["server"], {}).get(r["clients"])
         lines.append(f"| {name} | {r['clients']} | {r['requests']} | {r['tokens']} | "
                      f"{r['aggregate_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
                      + (f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | " if itl else "")
-                     + f"{'' if value is None else f'{value:.2f}×'} | {load_text(r)} |")
+                     + f"{'' if value is None else f'{value:.2f}×'} | "
+                     + ("".join(f"{c} | " for c in speculation_cells(r, spec)) if spec is not None else "")
+                     + f"{load_text(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def speculation_cells(row: dict, spec: dict) -> tuple[str, str, str]:
+    """A row's speculation columns: its aggregate tok/s over the same server's without a draft at that N, the draft
+    tokens accepted of those proposed (%), and the requests whose text equals the same prompt's without a draft;
+    empty for a row without a draft."""
+    speedup = spec.get("speedup", {}).get(row["server"], {}).get(row["clients"])
+    same = spec.get("same_text", {}).get(row["server"], {}).get(row["clients"])
+    accepted = ""
+    if "spec_drafted" in row:
+        share = f" ({100 * row['spec_accepted'] / row['spec_drafted']:.0f}%)" if row["spec_drafted"] else ""
+        accepted = f"{row['spec_accepted']}/{row['spec_drafted']}{share}"
+    return ("" if speedup is None else f"{speedup:.2f}×", accepted, "" if same is None else f"{same[0]}/{same[1]}")
+
+
+def prompt_text(meta: dict) -> str:
+    """The table's words on the prompts: the one text every request repeats, or the code prompts."""
+    prompts = meta.get("prompts")
+    if not prompts:
+        return f"{meta['prompt_chars']}-character prompt"
+    return (f"{prompts['kind']} prompts 1-{prompts['count']} in file order as code completions, "
+            f"{meta['prompt_chars']} characters on average, the same for every row")
 
 
 def machine_text(meta: dict) -> str:
@@ -395,9 +540,11 @@ def load_text(row: dict) -> str:
 
 
 def setup_text(args: argparse.Namespace, peer_version: str) -> str:
-    """The table's sentence on what each server was given and how tokens were counted."""
-    if args.gpu:
-        return gpu_setup_text(args, peer_version)
+    """The table's sentences on what each server was given and how tokens were counted."""
+    return (gpu_setup_text(args, peer_version) if args.gpu else cpu_setup_text(args, peer_version)) + draft_text(args)
+
+
+def cpu_setup_text(args: argparse.Namespace, peer_version: str) -> str:
     return (f"Each level restarts each server sized for N sequences of {args.ctx} tokens: luce-compile serve "
             f"`--max-batch N --ctx {args.ctx}` (TVM_NUM_THREADS={args.threads}); llama-server {peer_version} "
             f"`-np N -c N×{args.ctx} --cont-batching -t {args.threads} -tb {args.threads}` (CPU backend, native build "
@@ -418,6 +565,26 @@ def gpu_setup_text(args: argparse.Namespace, peer_version: str) -> str:
             "Tokens are each server's streamed usage.completion_tokens; ITL: the gaps between streamed text chunks "
             "(one a token), pooled over the level's requests; ratio = luce-compile aggregate tok/s over "
             "llama-server's at the same N.")
+
+
+def draft_text(args: argparse.Namespace) -> str:
+    """The table's sentences on the +draft rows: each server's draft flags and the speculation columns (empty
+    without +draft rows)."""
+    if "on" not in args.speculation:
+        return ""
+    flags = []
+    if OURS in args.servers:
+        flags.append(f"luce-compile serve `--draft {args.draft_artifact.name} --draft-max {args.draft_max}`")
+    if PEER in args.servers:
+        peer = " ".join(peer_draft_flags(Path(args.draft_model.name), args.draft_max, args.gpu))
+        flags.append(f"llama-server `{peer}` (its other speculative defaults: n_min 0, p_min 0.0)")
+    return (" Rows +draft: the same server restarted to speculate with a draft model, " + "; ".join(flags)
+            + ". With draft / without: a row's aggregate tok/s over the same server's without a draft at that N; "
+            "drafts accepted: draft tokens the target accepted of those proposed during the timed requests "
+            "(luce-compile's /metrics, llama-server's timings.draft_n_accepted of draft_n); same text as without: "
+            "requests whose streamed text equals the same prompt's without a draft (greedy: speculation changes "
+            "no text but where a verify's rounding flips a near tie). Tokens a step accepts are streamed together, "
+            "so a speculating server's ITL gaps are between those bursts.")
 
 
 def artifact_summary(artifact: Path) -> str:
@@ -475,11 +642,36 @@ def meta_for(args: argparse.Namespace, gguf: Path, servers: list[str]) -> dict:
                                 "source": f"llama-cpp-python {llama_server.LLAMA_CPP_PYTHON_VERSION} sdist, "
                                           "vendor/llama.cpp", "cmake_flags": llama_server.CMAKE_FLAGS,
                                 "build_seconds": llama_server.build_seconds()}
+    if "on" in args.speculation:
+        meta |= {"speculation": args.speculation, "draft_max": args.draft_max, "draft": drafts_meta(args, servers)}
+    if args.prompts:
+        timed = args.prompts[:args.requests]
+        meta |= {"prompt_chars": round(sum(map(len, timed)) / len(timed)),
+                 "prompts": {"kind": "HumanEval", "count": len(timed), "source": str(args.code_prompts or "cache"),
+                             "warm_up_index": len(args.prompts) - 1}}
     meta["setup"] = setup_text(args, meta.get("llama_server", {}).get("version", ""))
     return meta
 
 
-def main() -> int:
+def drafts_meta(args: argparse.Namespace, servers: list[str]) -> dict:
+    """Which draft model each server speculated with: luce-compile's artifact (with its manifest's target and source
+    GGUF) or GGUF, llama-server's GGUF and its draft flags."""
+    out: dict[str, dict] = {}
+    if OURS in servers:
+        manifest = args.draft_artifact / "manifest.json"
+        out[OURS] = {"path": str(args.draft_artifact), "flags": f"--draft {args.draft_artifact} --draft-max "
+                                                                  f"{args.draft_max}"}
+        if manifest.is_file():
+            m = json.loads(manifest.read_text())
+            out[OURS] |= {"target": m["target"]["name"], "source": m["source"]["file_name"]}
+    if PEER in servers:
+        out[PEER] = {"path": str(args.draft_model), "source": args.draft_model.name,
+                     "flags": " ".join(peer_draft_flags(args.draft_model, args.draft_max, args.gpu))}
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked (check_args), with the speculation modes resolved and the code prompts loaded."""
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2-135m", help="a known model name or a .gguf path")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
@@ -501,8 +693,36 @@ def main() -> int:
     p.add_argument("--llama-server", type=Path, help="this llama-server binary instead of the cached CPU build")
     p.add_argument("--gpu", action="store_true", help="llama-server gets -ngl 99, neither server a thread count; "
                    "the record names the GPU (nvidia-smi)")
-    args = p.parse_args()
+    # speculation (issue 39): rows with a draft model beside the rows without, on code prompts
+    p.add_argument("--draft-artifact", type=Path, help="luce-compile serve speculates with this draft (--draft): an "
+                   "artifact directory, or a GGUF it compiles; its vocabulary must be the target's")
+    p.add_argument("--draft-model", type=Path, help="llama-server speculates with this draft GGUF (-md, "
+                   "--spec-type draft-simple)")
+    p.add_argument("--draft-max", type=int, default=8, help="most tokens drafted a step, both servers (luce-compile's "
+                   "--draft-max, llama-server's --spec-draft-n-max; default 8, luce-compile serve's)")
+    p.add_argument("--speculation", nargs="+", choices=("off", "on"), help="per server and N, a row without the "
+                   "draft model (off) and one with it (on, named SERVER+draft); default: off on where a draft is "
+                   "given, else off")
+    p.add_argument("--code-prompts", type=Path, help="HumanEval's problems (HumanEval.jsonl[.gz]) for the code "
+                   "prompts that a draft brings, instead of the cache's copy (fetched with pip): for a machine "
+                   "without PyPI. Given alone, the rows without a draft use code prompts too")
+    p.add_argument("--check", action="store_true", help="check the arguments and the prompts, then exit "
+                   "(serve.sh's first step: a mistake shows before minutes of setup)")
+    args = p.parse_args(argv)
+    drafts = args.draft_artifact is not None or args.draft_model is not None
+    args.speculation = args.speculation or (["off", "on"] if drafts else ["off"])
     check_args(args)
+    args.prompts = code_prompts(args.code_prompts) if drafts or args.code_prompts else None
+    if args.prompts and args.requests >= len(args.prompts):
+        raise SystemExit(f"serve bench: --requests {args.requests} code prompts, and the last is the warm-up's: "
+                         f"at most {len(args.prompts) - 1} (each request its own prompt)")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.check:
+        return 0
     # a SIGTERM (serve.sh's `timeout`) ends the run as Ctrl-C does, so the level's server is stopped on the way out:
     # it runs in its own session, which a device machine leaves running after the call
     signal.signal(signal.SIGTERM, _interrupt)
@@ -519,8 +739,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         logdir = args.logdir or Path(tmp)
         logdir.mkdir(parents=True, exist_ok=True)
+        # per N: each server without a draft, then each with one (alternating, so a drift in load hits both)
+        names = [server + (DRAFT if mode == "on" else "") for mode in args.speculation for server in args.servers]
         for n in args.clients:
-            for server in args.servers:
+            for server in names:
                 try:
                     rows.append(bench_level(server, n, gguf, args, logdir))
                 except LevelError as e:  # the other levels still run: one call on a GPU machine gets them all
@@ -541,6 +763,50 @@ def check_args(args: argparse.Namespace) -> None:
                          "serves that file and the requests name it)")
     if args.llama_server and not os.access(args.llama_server, os.X_OK):
         raise SystemExit(f"serve bench: --llama-server {args.llama_server} is not an executable file")
+    check_draft_args(args)
+
+
+def check_draft_args(args: argparse.Namespace) -> None:
+    """check_args for speculation: a draft for every server that speculates, of the kind it takes, and (both being
+    artifacts) luce-compile's draft with the target's vocabulary, which its server requires before it starts."""
+    if "on" in args.speculation:
+        flags = {OURS: ("--draft-artifact", args.draft_artifact), PEER: ("--draft-model", args.draft_model)}
+        if missing := [f"{flag} for {s}" for s, (flag, path) in flags.items() if s in args.servers and path is None]:
+            raise SystemExit(f"serve bench: --speculation on needs a draft model for every server: give "
+                             f"{' and '.join(missing)}, or leave that server out (--servers)")
+    if args.code_prompts and not args.code_prompts.is_file():
+        raise SystemExit(f"serve bench: --code-prompts {args.code_prompts} is not a file; copy HumanEval.jsonl.gz from "
+                         "the luce cache's data/ there (benchmarks/spec.py fetches it)")
+    if args.draft_model and args.draft_model.suffix != ".gguf":
+        raise SystemExit(f"serve bench: --draft-model {args.draft_model} is not a .gguf: llama-server loads a GGUF")
+    draft = args.draft_artifact
+    if draft is None or draft.suffix == ".gguf":  # a GGUF: luce-compile serve compiles it for the target's target
+        return
+    if not (draft / "manifest.json").is_file():
+        raise SystemExit(f"serve bench: --draft-artifact {draft} has no manifest.json; pass an artifact directory "
+                         "(or a GGUF)")
+    if args.artifact:
+        theirs, mine = (json.loads((a / "manifest.json").read_text())["config"]["n_vocab"]
+                        for a in (draft, args.artifact))
+        if theirs != mine:  # runtime/luce_runtime/speculative.py check_same_vocabulary; llama.cpp allows 128 rows
+            raise SystemExit(f"serve bench: --draft-artifact {draft} has {theirs} vocabulary rows and --artifact "
+                             f"{args.artifact} {mine}: luce-compile serve refuses a draft whose vocabulary is not "
+                             "the target's (speculative.check_same_vocabulary); pick a draft of the target's "
+                             "vocabulary")
+
+
+def code_prompts(path: Path | None) -> list[str]:
+    """HumanEval's prompts in file order, raw (the model completes each function body, as HumanEval is scored): the
+    source benchmarks/spec.py draws its code prompts from; from `path` (HumanEval.jsonl or .jsonl.gz) if given, else
+    spec.py's cached copy, fetched with pip the first time."""
+    if path is None:
+        from spec import humaneval_problems
+
+        problems = humaneval_problems()
+    else:
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
+            problems = [json.loads(line) for line in f if line.strip()]
+    return [p["prompt"] for p in problems]
 
 
 if __name__ == "__main__":

@@ -337,7 +337,9 @@ def gpu_args(tmp_path: Path, **kw) -> argparse.Namespace:
                                                         "source": {"file_name": "llama-30x576.gguf"}}))
     binary = executable(tmp_path / "llama-server", "echo 'version: 1 (abc1234)' >&2\n")
     base = {"model": str(tmp_path / "llama-30x576.gguf"), "artifact": artifact, "llama_server": binary, "gpu": True,
-            "threads": 2, "requests": 64, "max_tokens": 64, "ctx": 512, "clients": [1, 8, 32]}
+            "threads": 2, "requests": 64, "max_tokens": 64, "ctx": 512, "clients": [1, 8, 32],
+            "servers": ["luce-compile", "llama-server"], "speculation": ["off"], "draft_artifact": None,
+            "draft_model": None, "draft_max": 8, "code_prompts": None, "prompts": None}
     return argparse.Namespace(**(base | kw))
 
 
