@@ -8,6 +8,8 @@ weights in float64; the whole model is checked there by scripts/device_check.py 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import tvm
@@ -272,3 +274,28 @@ def test_grouped_gemm_on_the_gpu_is_the_emulation_bit_for_bit(qtype, gather):
         mine = experts == e
         want = mmq_blocks.emulate(qtype, _expert_planes(planes, e, n_out), rows_x[mine])
         np.testing.assert_array_equal(got[mine], want)
+
+
+@pytest.mark.unit
+def test_the_device_check_prepares_each_case_with_its_branch_and_expected_rows(tmp_path, monkeypatch):
+    """scripts/moe_gemm_check.py prepare (what the GPU machine runs): a case above grouped_above takes the grouped
+    GEMM and expects mmq_blocks.emulate's rows of each expert, one at or below it the GEMV and float64; the routing
+    is sorted and leaves an expert out."""
+    from tests.bench._load import load_script
+
+    check = load_script("moe_gemm_check")
+    cases = (("g", "Q8_0", 8, 64, 256, True, 40, 2), ("d", "Q8_0", 8, 64, 256, True, 6, 2))
+    monkeypatch.setattr(check, "CHECKED", cases)
+    monkeypatch.setattr(check, "TIMED", ())
+    assert check.prepare(check.argparse.Namespace(dir=str(tmp_path), target="sm_90", seed=0)) == 0
+    cases = {c["case"]: c for c in json.loads((tmp_path / "index.json").read_text())["cases"]}
+    assert (cases["g"]["grouped"], cases["d"]["grouped"]) == (True, False)
+    npz = np.load(tmp_path / "g.npz")
+    experts, tokens = npz["experts"], npz["tokens"]
+    assert np.all(np.diff(experts) >= 0) and 1 not in experts and len(experts) == 80 and tokens.max() < 40
+    planes = {str(k): npz[f"plane_{k}"] for k in npz["plane_names"]}
+    e = int(experts[0])
+    mine = experts == e
+    sub = {k: v[e * 64:(e + 1) * 64] for k, v in planes.items()}
+    assert np.array_equal(npz["want"][mine], mmq_blocks.emulate("Q8_0", sub, npz["x"][tokens[mine]]))
+    assert (tmp_path / "g.so").is_file() and (tmp_path / "d.so").is_file()
