@@ -102,8 +102,9 @@ def gguf_bytes_per_token(preset: str) -> int | None:
     if preset not in PRESETS:  # not a synthetic workload: llama-bench's model_size (every tensor) stands in
         return None
     tensors = read_gguf(cached_synthetic(preset)).tensors.values()
-    return weight_bytes_per_token([{"source_tensor": t.name, "nbytes": t.nbytes} for t in tensors],
-                                  PRESETS[preset].tied_output)
+    spec = PRESETS[preset]
+    return weight_bytes_per_token([{"source_tensor": t.name, "nbytes": t.nbytes} for t in tensors], spec.tied_output,
+                                  spec.n_expert, spec.n_expert_used)
 
 
 def collect(*runs: Path) -> dict[str, Any]:

@@ -99,14 +99,19 @@ def device_bandwidth_gb_s(device, n_bytes: int = 1 << 31, copies: int = 4, repea
     return 2 * n_bytes * copies / seconds / 1e9
 
 
-def weight_bytes_per_token(params: list[dict[str, Any]], tied_output: bool) -> int:
-    """Bytes of weights one decode step reads: all of them, except an untied embedding table (one row is read)."""
-    total = 0
+def weight_bytes_per_token(params: list[dict[str, Any]], tied_output: bool, n_expert: int = 0,
+                           n_expert_used: int = 0) -> int:
+    """Bytes of weights one decode step of one sequence reads: all of them, except an untied embedding table (one row
+    is read) and, in a mixture of experts, the experts its router does not choose (n_expert_used of n_expert: the
+    stacked `*_exps` tensors count that share)."""
+    total = 0.0
     for p in params:
-        if p.get("source_tensor") == "token_embd.weight" and not tied_output:
+        name = p.get("source_tensor") or ""
+        if name == "token_embd.weight" and not tied_output:
             continue
-        total += int(p["nbytes"])
-    return total
+        share = n_expert_used / n_expert if n_expert and "_exps." in name else 1.0
+        total += int(p["nbytes"]) * share
+    return round(total)
 
 
 def machine_load() -> float:
@@ -216,7 +221,9 @@ def bench_artifact(artifact, *, prompt_len: int, gen_len: int, batch: int, repea
         name="luce-compile", model=manifest["source"]["file_name"], target=manifest["target"]["name"],
         prompt_len=prompt_len, gen_len=gen_len, batch=batch, **timings,
         weight_bytes_per_token=weight_bytes_per_token(manifest["weights"]["params"],
-                                                      bool(manifest["config"]["tied_output"])),
+                                                      bool(manifest["config"]["tied_output"]),
+                                                      int(manifest["config"].get("n_expert") or 0),
+                                                      int(manifest["config"].get("n_expert_used") or 0)),
         bandwidth_gb_s=bandwidth, extra=extra)
 
 

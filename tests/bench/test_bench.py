@@ -73,6 +73,14 @@ def test_weight_bytes_tied_counts_the_embedding_as_lm_head():
 
 
 @pytest.mark.unit
+def test_weight_bytes_of_a_mixture_of_experts_count_the_chosen_experts_only():
+    moe = [*PARAMS, {"source_tensor": "blk.0.ffn_up_exps.weight", "nbytes": 12800},
+           {"source_tensor": "blk.0.ffn_gate_inp.weight", "nbytes": 64}]  # the router is read whole
+    assert weight_bytes_per_token(moe, tied_output=True, n_expert=128, n_expert_used=8) == 1234 + 800 + 64
+    assert weight_bytes_per_token(moe, tied_output=True) == 1234 + 12800 + 64
+
+
+@pytest.mark.unit
 def test_weight_bytes_untied_skips_the_embedding_table():
     untied = [*PARAMS, {"source_tensor": "output.weight", "nbytes": 900}]
     # decode reads one embedding row (not counted) and the whole separate output matrix
