@@ -786,13 +786,15 @@ def check_draft_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"serve bench: --draft-artifact {draft} has no manifest.json; pass an artifact directory "
                          "(or a GGUF)")
     if args.artifact:
+        from luce_runtime.speculative import VOCAB_SLACK
+
         theirs, mine = (json.loads((a / "manifest.json").read_text())["config"]["n_vocab"]
                         for a in (draft, args.artifact))
-        if theirs != mine:  # runtime/luce_runtime/speculative.py check_same_vocabulary; llama.cpp allows 128 rows
+        if not 0 <= mine - theirs <= VOCAB_SLACK:  # the runtime's rule (speculative.check_same_vocabulary)
             raise SystemExit(f"serve bench: --draft-artifact {draft} has {theirs} vocabulary rows and --artifact "
                              f"{args.artifact} {mine}: luce-compile serve refuses a draft whose vocabulary is not "
-                             "the target's (speculative.check_same_vocabulary); pick a draft of the target's "
-                             "vocabulary")
+                             f"the target's or at most {VOCAB_SLACK} rows shorter (speculative."
+                             "check_same_vocabulary); pick a draft of the target's vocabulary")
 
 
 def code_prompts(path: Path | None) -> list[str]:

@@ -15,10 +15,11 @@ A step emits between 1 and k + 1 tokens. p_i is the Sampler's distribution (pena
 with the accepted drafts in the history, so speculation changes speed, never what is sampled.
 
 Drafters: NgramDrafter (prompt lookup over prompt + output, as llama.cpp's lookup decoding: no model) and DraftModel
-(a second Engine on a smaller artifact with the same vocabulary; with branch > 0 at temperature 0, a token tree: its
-runner-up token as a sibling wherever its distribution is flat, verified in the same forward by Engine.verify_tree
-on the megakernel's verify rows or the per-op kernels). The draft length adapts to the acceptance history, and
-drafting stops where the measured costs of verify rows and drafts say it does not pay (DraftLength). The steps
+(a second Engine on a smaller artifact with the same vocabulary, or the target's short of its padded ids; with
+branch > 0 at temperature 0, a token tree: its runner-up token as a sibling wherever its distribution is flat,
+verified in the same forward by Engine.verify_tree on the megakernel's verify rows or the per-op kernels). The draft
+length adapts to the acceptance history, and drafting stops where the measured costs of verify rows and drafts say
+it does not pay (DraftLength). The steps
 themselves are the one generation loop's (luce_runtime/generation.py). Above temperature 0 drafts are chains
 (multi-draft rejection sampling for trees, SpecInfer's, is not built).
 """
@@ -115,16 +116,24 @@ class NgramDrafter:
         pass
 
 
+# a draft may have up to this many fewer logits than its target, the same tokens below (llama.cpp's
+# SPEC_VOCAB_MAX_SIZE_DIFFERENCE): Qwen2.5-7B pads its 151,936 tokens to 152,064 rows, its 0.5B drafts have 151,936
+VOCAB_SLACK = 128
+
+
 def check_same_vocabulary(target: Engine, draft: Engine) -> None:
-    """Refuse a draft model whose token ids mean other texts than the target's (its drafts would be noise)."""
+    """Refuse a draft model whose token ids mean other texts than the target's (its drafts would be noise). The draft's
+    vocabulary may stop up to VOCAB_SLACK ids short of the target's (a family's padded rows: the target's extra ids
+    are never drafted), never go past it."""
     hint = ("compile a draft model of the target's family, which shares its tokenizer (for Qwen2.5-Coder-1.5B: "
             "Qwen2.5-Coder-0.5B), or use --spec ngram, which needs no model")
-    if target.vocab_size != draft.vocab_size:
+    if not 0 <= target.vocab_size - draft.vocab_size <= VOCAB_SLACK:
         raise SpecError(f"speculative: the draft model {draft.artifact.root} has {draft.vocab_size} logits, the "
-                        f"target {target.artifact.root} {target.vocab_size}; {hint}.")
+                        f"target {target.artifact.root} {target.vocab_size} (a draft may have at most {VOCAB_SLACK} "
+                        f"fewer, never more); {hint}.")
     mine = target.artifact.tokenizer_metadata().get("tokenizer.ggml.tokens") or []
     theirs = draft.artifact.tokenizer_metadata().get("tokenizer.ggml.tokens") or []
-    if mine != theirs:
+    if len(theirs) > len(mine) or mine[:len(theirs)] != theirs:
         where = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine),
                                                                                                     len(theirs)))
         raise SpecError(f"speculative: the draft model {draft.artifact.root} has another vocabulary than the target "
@@ -158,12 +167,15 @@ class DraftModel:
         if not checked:  # the server checks its one draft engine once, not per request (152k token strings)
             check_same_vocabulary(target, engine)
         self.engine, self.branch = engine, branch
+        self.target_vocab = target.vocab_size  # the draft's distributions are padded to it (check_same_vocabulary)
         self._seq: int | None = None
         self._fed = 0  # tokens the last proposal fed to catch up (Draft.fed)
         self._tokens: list[int] = []  # what the draft sequence's cache holds
         self._committed = 0  # history[:_committed] was committed at the last proposal: never changes after
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> Draft:
+        if max(history, default=0) >= self.engine.vocab_size:  # a target-only id (its padded rows): nothing to feed
+            return Draft([])
         logits = self._sync(history)
         tokens: list[int] = []
         probs: list[np.ndarray] = []
@@ -179,7 +191,8 @@ class DraftModel:
                 if tree and (second := self._runner_up(sampler.penalized(logits, hist), token)) is not None:
                     siblings.append((i, second))
             else:
-                probs.append(sampler.distribution(logits, hist))
+                q = sampler.distribution(logits, hist)
+                probs.append(np.pad(q, (0, self.target_vocab - q.shape[0])))  # the target's rows past the draft's: 0
                 token = draw(probs[-1], sampler.rng)
             tokens.append(token)
             hist.append(token)

@@ -159,6 +159,12 @@ def test_parse_args_refuses_what_would_not_speculate_as_asked(tmp_path):
     with pytest.raises(SystemExit, match="151936 vocabulary rows and --artifact .* 49152: .*check_same_vocabulary"):
         parse(tmp_path, "--servers", "luce-compile", "--draft-artifact",
               str(artifact_dir(tmp_path / "d7", n_vocab=151936)), "--requests", "3")
+    with pytest.raises(SystemExit, match="49153 vocabulary rows"):  # a draft never has more rows than its target
+        parse(tmp_path, "--servers", "luce-compile", "--draft-artifact",
+              str(artifact_dir(tmp_path / "d8", n_vocab=49153)), "--requests", "3")
+    # up to 128 rows fewer: a family's padded target (Qwen2.5-7B's 152,064 over its 0.5B's 151,936)
+    parse(tmp_path, "--servers", "luce-compile", "--draft-artifact", str(artifact_dir(tmp_path / "d9", n_vocab=49024)),
+          "--requests", "3")
     with pytest.raises(SystemExit, match="is not a .gguf"):
         parse(tmp_path, "--servers", "llama-server", "--draft-model", str(tmp_path / "d"), "--requests", "3")
     with pytest.raises(SystemExit, match="is not a file; copy HumanEval.jsonl.gz"):

@@ -13,6 +13,7 @@ import json
 import shutil
 from collections import Counter
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from luce_runtime.speculative import (
     SpecError,
     SpeculativeDecoder,
     accept,
+    check_same_vocabulary,
 )
 
 TOL = 1e-5
@@ -510,3 +512,67 @@ def test_bench_compares_plain_and_speculative_decoding_in_one_run(tiny, capsys):
         assert d["identical"] and d["tokens"] > 0 and d["plain_tok_s"] > 0 and d["spec_tok_s"] > 0
         assert d["speedup"] == pytest.approx(d["spec_tok_s"] / d["plain_tok_s"])
         assert d["tokens_per_step"] == pytest.approx((d["accepted"] + d["steps"]) / d["steps"])
+
+
+# ---- a draft short of the target's padded ids (Qwen2.5-7B's 152,064 rows over its 0.5B's 151,936) --------------------
+class _Vocab:
+    """What check_same_vocabulary and DraftModel read of an engine: its logits, its tokenizer's tokens, and (as a
+    draft) decode steps whose logits favour token 3."""
+
+    def __init__(self, tokens: list[str], rows: int | None = None):
+        self.vocab_size = rows or len(tokens)
+        self.verify_rows_at_decode_cost = 2
+        self.fed: list[int] = []
+        self.artifact = SimpleNamespace(root=f"art{self.vocab_size}",
+                                        tokenizer_metadata=lambda: {"tokenizer.ggml.tokens": tokens})
+
+    def add_sequence(self) -> int:
+        return 0
+
+    def rollback(self, seq: int, n: int) -> None:
+        del self.fed[len(self.fed) - n:]
+
+    def _logits(self, toks) -> list[np.ndarray]:  # noqa: ANN001
+        self.fed += list(toks)
+        logits = np.zeros(self.vocab_size, np.float32)
+        logits[3] = 2.0
+        return [logits]
+
+    def decode(self, seqs, toks):  # noqa: ANN001
+        return self._logits(toks)
+
+    def verify(self, seqs, rows):  # noqa: ANN001
+        return [np.stack(self._logits(rows[0]) * len(rows[0]))]
+
+    prefill = decode
+
+
+@pytest.mark.unit
+def test_a_draft_may_stop_short_of_the_targets_padded_ids_never_go_past_them():
+    words = [f"t{i}" for i in range(300)]
+    target = _Vocab(words + [f"<pad{i}>" for i in range(128)])  # 428 ids
+    check_same_vocabulary(target, _Vocab(words))  # 128 fewer, the same tokens below: a padded family
+    with pytest.raises(SpecError, match="at most 128 fewer, never more"):
+        check_same_vocabulary(target, _Vocab(words[:299]))  # 129 fewer
+    with pytest.raises(SpecError, match="at most 128 fewer, never more"):
+        check_same_vocabulary(_Vocab(words), target)  # the draft past the target's
+    swapped = list(words)
+    swapped[7], swapped[8] = swapped[8], swapped[7]
+    with pytest.raises(SpecError, match="another vocabulary.*first difference at id 7"):
+        check_same_vocabulary(target, _Vocab(swapped))
+
+
+@pytest.mark.unit
+def test_a_shorter_drafts_distributions_cover_the_targets_ids_and_its_padded_ids_stop_it():
+    words = [f"t{i}" for i in range(300)]
+    target, draft_engine = _Vocab(words + [f"<pad{i}>" for i in range(28)]), _Vocab(words)
+    drafter = DraftModel(draft_engine, target)
+    sampler = Sampler(SamplingParams(temperature=0.7, seed=1))
+    draft = drafter.propose([5, 6, 7], 3, sampler)
+    assert len(draft.tokens) == 3 and all(q.shape == (328,) for q in draft.probs)
+    assert all(q[300:].sum() == 0 and q[:300].sum() > 0.99 for q in draft.probs)  # the target's padded ids: 0
+    rows = np.zeros((4, 328), np.float32)
+    accept(rows, draft, sampler, [5, 6, 7])  # p - q over the target's ids: the shapes meet
+    # a history holding an id the draft does not have (a padded one): nothing is drafted, nothing fed
+    fed = len(draft_engine.fed)
+    assert drafter.propose([5, 6, 7, 310], 3, sampler).tokens == [] and len(draft_engine.fed) == fed
