@@ -125,6 +125,26 @@ def codebook_word(name: str, word: tirx.Expr) -> tirx.Expr:
     return out
 
 
+def table16_bytes(indices, words, perm, mask):
+    """The word whose byte i is entry `indices`' byte i (an index 0-15) of a 16-byte table held in four words (entry
+    j in byte j % 4 of words[j // 4]), by three byte permutes, as llama.cpp's get_int_from_table_16: the indices'
+    nibbles packed into a 16-bit selector, entries 0-7 and 8-15 permuted from their two words each, then each byte
+    taken from the one its index's bit 3 picks. `perm(x, y, s)` is CUDA's __byte_perm (byte i of the result: byte
+    s<4i+2:4i> of y:x); `mask(v)` a constant of the arithmetic's type. Written over operators alone, so that a
+    test runs it on Python ints with an emulated permute."""
+    packed = indices | (indices >> mask(4))  # byte 0: i0 | i1 << 4; byte 2: i2 | i3 << 4
+    selector = (packed & mask(0xFF)) | ((packed >> mask(8)) & mask(0xFF00))
+    low = perm(words[0], words[1], selector)
+    high = perm(words[2], words[3], selector)
+    return perm(low, high, mask(0x3210) | ((selector & mask(0x8888)) >> mask(1)))
+
+
+def byte_perm(x: tirx.Expr, y: tirx.Expr, s: tirx.Expr) -> tirx.Expr:
+    """CUDA's __byte_perm of uint32s (table16_bytes' permute; no other target has it: the megakernel's ROCm body and
+    the CPU take codebook_word)."""
+    return tirx.call_pure_extern("uint32", "__byte_perm", x, y, s)
+
+
 def e8m0_half(e: tirx.Expr) -> tirx.Expr:
     """GGML_E8M0_TO_FP32_HALF of a uint8 exponent: 2^(e − 128) as float32 (subnormal for e < 2), by its bits."""
     e32 = e.astype("uint32")

@@ -17,7 +17,7 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as B
 
 from luce_compile.lower.q8_gemm import Q8_GEMM_OFFSET
-from luce_compile.lower.quant_matmul import CODEBOOKS, codebook_word, exact_int_to_float
+from luce_compile.lower.quant_matmul import CODEBOOKS, byte_perm, exact_int_to_float, table16_bytes, table_words
 
 BLOCK = 32  # values per activation scale, per weight block, per m16n8k32
 NIBBLES = 0x0F0F0F0F
@@ -48,8 +48,10 @@ class WeightBlock:
     """One 32-value block of one weight row, staged a step: its words loaded into registers (`load`, in flight while
     the step before computes), then unpacked to the 8 int8 words of the nibbles order and its float32 scales."""
 
-    def __init__(self, qtype: str, views: dict[str, tirx.Buffer], n: tirx.Expr, b: tirx.Expr, n_in: int):
+    def __init__(self, qtype: str, views: dict[str, tirx.Buffer], n: tirx.Expr, b: tirx.Expr, n_in: int,
+                 perm=byte_perm):  # noqa: ANN001
         self.qtype, self.views, self.n, self.b, self.n_in = qtype, views, n, b, n_in
+        self.perm = perm  # CUDA's __byte_perm (a CPU harness gives its TIR equivalent)
         self.regs: dict[str, tirx.Buffer] = {}
 
     def _reg(self, name: str, count: int, dtype: str, at: tirx.Expr) -> None:
@@ -101,8 +103,9 @@ class WeightBlock:
             lo = [lo[j] | _spread6(high[j]) for j in range(4)]
             hi = [hi[j] | _spread6(high[j] >> u32(2)) for j in range(4)]
         words = lo + hi  # nibbles order: the 16 even elements, then the 16 odd ones
-        if t in CODEBOOKS:  # each byte's index → its signed codebook value (kvalues_iq4nl)
-            words = [codebook_word(t, w) for w in words]
+        if t in CODEBOOKS:  # each byte's index → its signed codebook value (kvalues_iq4nl), three byte permutes a word
+            table = [u32(w) for w in table_words(CODEBOOKS[t])]
+            words = [table16_bytes(w, table, self.perm, u32) for w in words]
         if t in Q8_GEMM_OFFSET:
             words = [_centred(w, Q8_GEMM_OFFSET[t]) for w in words]
         return [words[Q6_SLOTS[s]] for s in range(8)] if t == "Q6_K" else words

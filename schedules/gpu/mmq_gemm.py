@@ -59,6 +59,7 @@ from tvm.script.ir_builder import tirx as B
 
 from luce_compile.lower.q8_gemm import Q8_GEMM_ACTIVATIONS, q8_gemm_format, scratch_specs
 from luce_compile.lower.quant_layout import as_ggml_type, plane_specs
+from luce_compile.lower.quant_matmul import byte_perm
 
 __all__ = ["default_tile", "mmq_gemm", "shared_bytes", "supports"]
 
@@ -129,6 +130,7 @@ class GemmKernel:
         self.qtype, self.n_out, self.n_in, self.views, self.rows, self.tx = qtype, n_out, n_in, views, rows, tx
         self.tile_m, self.tile_n, self.tile_k = tile
         self.m0, self.n0 = m0, n0
+        self.perm = byte_perm  # the codebook types' lookups (WeightBlock; a CPU harness gives its TIR equivalent)
         self.row, self.nblk = row_words(self.tile_k), self.tile_k // BLOCK
         self.groups = 2 if qtype == "Q6_K" else 1  # weight scales a block
         self.sums, self.minimum = sums, qtype in MINIMUM_TYPES
@@ -187,7 +189,7 @@ class GemmKernel:
             scales.append(reg)
         for idx, always in self._slots(self.tile_n * self.nblk):
             unit = WeightBlock(self.qtype, self.views, self.weight_row(idx // self.nblk),
-                               step * self.nblk + idx % self.nblk, self.n_in)
+                               step * self.nblk + idx % self.nblk, self.n_in, self.perm)
             with _guard(idx < self.tile_n * self.nblk, always):
                 unit.load()
             blocks.append(unit)

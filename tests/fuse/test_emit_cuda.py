@@ -354,8 +354,7 @@ def test_codebook_lookup_permutes_bytes_as_llama_cpp(rng):
     """IQ4's lookup of four 4-bit indices (one a byte) to their signed codebook values by three byte permutes: run
     on Python ints with CUDA's documented __byte_perm (byte i of the result: byte s<4i+2:4i> of y:x), it gives
     kvalues_iq4nl[index] in every byte, for every index in every byte position."""
-    from luce_compile.fuse.emit_cuda.intrinsics import table16_bytes
-    from luce_compile.lower.quant_matmul import CODEBOOKS, table_words
+    from luce_compile.lower.quant_matmul import CODEBOOKS, table16_bytes, table_words
 
     table = CODEBOOKS["IQ4_NL"]
     words = table_words(table)

@@ -138,6 +138,18 @@ def test_the_quantizer_is_the_cpu_builds_rounding_bit_for_bit(order, sums, rng):
         assert np.array_equal(xs[0].reshape(rows, -1), s)
 
 
+def tir_byte_perm(x: tirx.Expr, y: tirx.Expr, s: tirx.Expr) -> tirx.Expr:
+    """CUDA's __byte_perm in plain TIR, for the CPU harness (byte i of the result: byte s<4i+2:4i> of y:x, as CUDA
+    documents it): the codebook types' lookups run on llvm with it."""
+    u = lambda v: tirx.const(v, "uint32")  # noqa: E731
+    out = u(0)
+    for i in range(4):
+        sel = (s >> u(4 * i)) & u(7)
+        src = tirx.Select(sel < u(4), x, y)
+        out = out | (((src >> ((sel & u(3)) * u(8))) & u(0xFF)) << u(8 * i))
+    return out
+
+
 def _unpacker(qtype: str, n_out: int, n_in: int) -> tirx.PrimFunc:
     """WeightBlock's load, words and scales for every block of every row, in llvm loops."""
     groups = 2 if qtype == "Q6_K" else 1
@@ -151,7 +163,7 @@ def _unpacker(qtype: str, n_out: int, n_in: int) -> tirx.PrimFunc:
         mw = B.arg("mw", B.buffer((n_out * nb,), "float32"))
         views = mmq_blocks.plane_views(planes)
         with B.serial(0, n_out) as n, B.serial(0, nb) as b:
-            unit = mmq_blocks.WeightBlock(qtype, views, n, b, n_in)
+            unit = mmq_blocks.WeightBlock(qtype, views, n, b, n_in, tir_byte_perm)
             unit.load()
             for s, word in enumerate(unit.words()):
                 B.buffer_store(words, word, [(n * nb + b) * 8 + s])
@@ -208,7 +220,7 @@ def _stager(qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], rows:
         views = mmq_blocks.plane_views(planes) | x  # (declared after every argument)
         with B.serial(0, mma_gemm.THREADS) as tx:
             k = mmq_gemm.GemmKernel(qtype, n_out, n_in, tile, views, rows, tx, origin[0], origin[1], fmt.with_sum)
-            k.smem, k.stage = smem, stages
+            k.smem, k.stage, k.perm = smem, stages, tir_byte_perm
             k.store_step(stage, k.load_step(tirx.const(step, "int32")))
     return ib.get(), groups
 

@@ -46,6 +46,7 @@ from tvm.script import tirx as T
 from tvm.tirx.script.builder import ir as B
 
 from luce_compile.errors import UnsupportedError
+from luce_compile.lower.quant_matmul import byte_perm, table16_bytes  # noqa: F401  (the emitter's, as ix.*)
 
 CUDA_STATIC_SHARED_FLOATS = 12 * 1024  # 48 KiB: CUDA's static shared memory without opting in
 S_SLEEP_NS = 32  # one s_sleep unit: ~64 clocks (RDNA3/4 ISA guides), ~32 ns at the cards' ~2 GHz
@@ -148,25 +149,6 @@ def dot4(a: tirx.Expr, b: tirx.Expr, c: tirx.Expr) -> tirx.Expr:
         yes, no = tirx.const(True, "bool"), tirx.const(False, "bool")
         return tirx.call_llvm_pure_intrin("int32", "llvm.amdgcn.sudot4", yes, a, yes, b, c, no)
     return tirx.call_pure_extern("int32", "__dp4a", a, b, c)
-
-
-def table16_bytes(indices, words, perm, mask):
-    """The word whose byte i is entry `indices`' byte i (an index 0-15) of a 16-byte table held in four words (entry
-    j in byte j % 4 of words[j // 4]), by three byte permutes, as llama.cpp's get_int_from_table_16: the indices'
-    nibbles packed into a 16-bit selector, entries 0-7 and 8-15 permuted from their two words each, then each byte
-    taken from the one its index's bit 3 picks. `perm(x, y, s)` is CUDA's __byte_perm (byte i of the result: byte
-    s<4i+2:4i> of y:x); `mask(v)` a constant of the arithmetic's type. Written over operators alone, so that a
-    test runs it on Python ints with an emulated permute."""
-    packed = indices | (indices >> mask(4))  # byte 0: i0 | i1 << 4; byte 2: i2 | i3 << 4
-    selector = (packed & mask(0xFF)) | ((packed >> mask(8)) & mask(0xFF00))
-    low = perm(words[0], words[1], selector)
-    high = perm(words[2], words[3], selector)
-    return perm(low, high, mask(0x3210) | ((selector & mask(0x8888)) >> mask(1)))
-
-
-def byte_perm(x: tirx.Expr, y: tirx.Expr, s: tirx.Expr) -> tirx.Expr:
-    """CUDA's __byte_perm of uint32s (table16_bytes' permute; ROCm has no such builtin here)."""
-    return tirx.call_pure_extern("uint32", "__byte_perm", x, y, s)
 
 
 def popcount(x: tirx.Expr) -> tirx.Expr:
