@@ -94,6 +94,10 @@ class MegakernelOptions:
     # a lane matvec's warps split K into slices of at least this many lane units (granules or 32-value blocks) a
     # lane row; more units a slice: fewer slices, so fewer partial sums meeting at a barrier and more rows a warp
     k_slice_units: int = 32
+    # a lane matvec's K split chosen for the fewest memory rounds (steps x passes) a warp takes, where K leaves the
+    # rule above a nearly empty last pass (matvec.k_split: the 7B's K = 18,944 down projection, 2 x 2 -> 1 x 3
+    # rounds); not measured yet (benchmarks/README, "The GPU work waiting"), so off
+    fewest_rounds: bool = False
     # a lane matvec's K slices take turns along K (pass p of slice s reads units (p·split + s)·32 + lane), so a
     # pass of a group's warps reads each row's next split·32 units as one run; off: each slice a contiguous range
     # (a pass reads split runs a row, one per slice, far apart). With shared_kib 200, measured on the H200: the 8B's

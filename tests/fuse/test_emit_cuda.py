@@ -88,6 +88,8 @@ def test_the_variant_knobs_emit_kernels_without_divergent_collectives():
                           kv_chunk=16, rope_pairs=True)
     options = MegakernelOptions(q8_activations=True, interleave_slices=True)
     assert divergent_collectives(cuda_source(emit_megakernel(split, options=options))) == []
+    fewest = MegakernelOptions(q8_activations=True, fewest_rounds=True)
+    assert divergent_collectives(cuda_source(emit_megakernel(split, options=fewest))) == []
 
 
 @pytest.mark.parametrize("quant,integer", [("Q4_0", True), ("Q4_1", True), ("Q8_0", True), ("F16", False),
@@ -427,6 +429,27 @@ def test_k_slices_cover_every_unit_once(interleave):
                      for lane in range(32) for g, end in [slice_unit(units, split, interleave, s, gi, lane)]
                      if g < end]
             assert sorted(taken) == list(range(units)), (units, split)
+
+
+def test_fewest_rounds_splits_k_where_the_rule_leaves_a_nearly_empty_pass():
+    """matvec.k_split on the real shapes at b=1 (16 warps, tiles of 32 rows, 16 row slots): the 7B's K = 18,944 down
+    projection (592 blocks) goes from 16 slices (2 steps x 2 passes, the second 80 of 512 lanes) to 8 (1 x 3);
+    where the rule's split already takes the fewest rounds (the 8B's K = 14,336 and 4,096, 1.5B's 8,960) it stays,
+    and every split covers K with 32 units a slice at least."""
+    from luce_compile.fuse.emit_cuda.matvec import k_split, slice_passes
+
+    def rounds(units: int, split: int) -> int:
+        groups = 16 // split
+        rows = min(-(-32 // groups), 16)
+        return -(-32 // (groups * rows)) * slice_passes(units, split, True)
+
+    assert k_split(592, 16, 32, 16, 32, True) == 16 and rounds(592, 16) == 4
+    assert k_split(592, 16, 32, 16, 32, True, fewest_rounds=True) == 8 and rounds(592, 8) == 3
+    for units in (448, 128, 280, 112):  # the 8B's down and K = 4,096, the 1.5B's down, the 7B's K = 3,584
+        assert k_split(units, 16, 32, 16, 32, True, True) == k_split(units, 16, 32, 16, 32, True), units
+    for units in (32, 37, 100, 592, 1000, 4000):
+        split = k_split(units, 16, 32, 16, 32, True, True)
+        assert units // split >= 32 and rounds(units, split) <= rounds(units, k_split(units, 16, 32, 16, 32, True))
 
 
 def test_interleaved_slices_read_a_run_a_pass():

@@ -60,6 +60,7 @@ class EmitterCore:
         self.threads, self.warps = options.threads, options.threads // 32
         self.unroll_passes = options.unroll_passes
         self.k_slice_units = options.k_slice_units
+        self.fewest_rounds = options.fewest_rounds
         self.interleave_slices = options.interleave_slices
         self.prefetch_ahead = options.prefetch_ahead
         self.q8 = options.q8_activations
