@@ -37,6 +37,8 @@ CHECKED = (("q4k_gate", "Q4_K", 8, 192, 512, True, 40, 3), ("q6k_down", "Q6_K", 
 # down (2048 x 768), timed only
 TIMED = (("a3b_gate", "Q4_K", 128, 768, 2048, True, 512, 8), ("a3b_down_q4k", "Q4_K", 128, 2048, 768, False, 512, 8),
          ("a3b_down_q6k", "Q6_K", 128, 2048, 768, False, 512, 8))
+# prepare --tiles M,N ...: each timed case's grouped kernel alone at these tiles too (<case>_m<M>n<N>), to time
+# against the dispatched function's default
 
 
 def routed_rows(rng: np.random.Generator, tokens: int, used: int, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,7 +64,7 @@ def prepare(args: argparse.Namespace) -> int:
     import tvm
     from gguf import GGMLQuantizationType
     from luce_schedules.gpu import mmq_blocks
-    from luce_schedules.gpu.moe import ExpertGEMV
+    from luce_schedules.gpu.moe import ExpertGEMV, grouped_mmq_gemm
 
     from luce_compile.codegen.gpu_toolchain import gpu_toolchain
     from luce_compile.gguf.quants import dequantize
@@ -76,14 +78,18 @@ def prepare(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
     index = []
-    for checked, cases in ((True, CHECKED), (False, TIMED)):
-        for name, qtype, n_expert, n_out, n_in, gather, tokens, used in cases:
-            func = expert_matmul(GGMLQuantizationType[qtype], n_expert, n_out, n_in, gather, name, grouped=True)
-            with target:
-                (dispatched,) = ExpertGEMV().apply(func, target)
+    variants = [(c[0] + f"_m{m}n{n}", *c[1:], (m, n)) for c in TIMED for m, n in args.tiles]
+    for checked, cases in ((True, CHECKED), (False, TIMED), (False, variants)):
+        for name, qtype, n_expert, n_out, n_in, gather, tokens, used, *tile in cases:
+            if tile:  # the grouped kernel alone, at this tile
+                main = grouped_mmq_gemm(qtype, n_expert, n_out, n_in, gather, tile_m=tile[0][0], tile_n=tile[0][1])
+            else:
+                func = expert_matmul(GGMLQuantizationType[qtype], n_expert, n_out, n_in, gather, name, grouped=True)
+                with target:
+                    (dispatched,) = ExpertGEMV().apply(func, target)
+                main = dispatched.mod["main"]
             with gpu_toolchain(info.kind, info.archs or (info.name,), info.name), target:
-                built = tvm.compile(tvm.IRModule({name: dispatched.mod["main"].with_attr("global_symbol", name)}),
-                                    target=target)
+                built = tvm.compile(tvm.IRModule({name: main.with_attr("global_symbol", name)}), target=target)
             built.export_library(str(out / f"{name}.so"))
             entry = {"case": name, "type": qtype, "experts": n_expert, "n_out": n_out, "n_in": n_in, "gather": gather,
                      "tokens": tokens, "used": used, "checked": checked,
@@ -153,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     index = json.loads((folder / "index.json").read_text())
     device = tvm.cuda(0)
     rng = np.random.default_rng(args.seed)
-    results = []
+    results, inputs = [], {}  # a timed shape's random inputs, shared by its tile variants
     for c in index["cases"]:
         fn = tvm.runtime.load_module(str((folder / f"{c['case']}.so").resolve()))[c["case"]]
         if c["checked"]:
@@ -161,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
             planes = {str(k): npz[f"plane_{k}"] for k in npz["plane_names"]}
             x, experts, rows_token, want = npz["x"], npz["experts"], npz["tokens"], npz["want"]
         else:
-            planes, experts, rows_token, x = _timed_inputs(c, rng)
+            shape = tuple(c[k] for k in ("type", "experts", "n_out", "n_in", "gather", "tokens", "used"))
+            if shape not in inputs:
+                inputs[shape] = _timed_inputs(c, rng)
+            planes, experts, rows_token, x = inputs[shape]
             want = None
         dev = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), device)  # noqa: E731
         y = dev(np.zeros((len(experts), c["n_out"]), np.float32))
@@ -206,6 +215,8 @@ def main() -> int:
     a.add_argument("--dir", default=str(ROOT / ".gpucheck" / "moe-gemm"))
     a.add_argument("--target", default="sm_90")
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--tiles", nargs="*", default=[], type=lambda v: tuple(int(x) for x in v.split(",")),
+                   metavar="M,N", help="also each timed case's grouped kernel alone at these tiles")
     a.set_defaults(func=prepare)
     r = sub.add_parser("run", help="GPU machine: each case against its expected outputs, then the timed cases")
     r.add_argument("--dir", default=str(ROOT / ".gpucheck" / "moe-gemm"))

@@ -287,7 +287,7 @@ def test_the_device_check_prepares_each_case_with_its_branch_and_expected_rows(t
     cases = (("g", "Q8_0", 8, 64, 256, True, 40, 2), ("d", "Q8_0", 8, 64, 256, True, 6, 2))
     monkeypatch.setattr(check, "CHECKED", cases)
     monkeypatch.setattr(check, "TIMED", ())
-    assert check.prepare(check.argparse.Namespace(dir=str(tmp_path), target="sm_90", seed=0)) == 0
+    assert check.prepare(check.argparse.Namespace(dir=str(tmp_path), target="sm_90", seed=0, tiles=[])) == 0
     cases = {c["case"]: c for c in json.loads((tmp_path / "index.json").read_text())["cases"]}
     assert (cases["g"]["grouped"], cases["d"]["grouped"]) == (True, False)
     npz = np.load(tmp_path / "g.npz")
