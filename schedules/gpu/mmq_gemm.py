@@ -387,11 +387,9 @@ def mmq_gemm(ggml_type: str, n_out: int, n_in: int, *, tile_m: int = 128, tile_n
         B.func_name(name)
         batch = tirx.Var("batch", "int64")
         x = B.arg("x", B.buffer((batch, i64(n_in)), "float32"))
-        planes = {pl: B.arg(pl, B.buffer(tuple(i64(d) for d in shape), dt))
-                  for pl, (shape, dt) in plane_specs(qtype, n_out, n_in).items()}
+        planes = plane_args(qtype, n_out, n_in)
         y = B.arg("y", B.buffer((batch, i64(n_out)), "float32"))
-        scratch = {arg: B.arg(arg, B.buffer((batch, i64(shape[1])), dt))
-                   for arg, (shape, dt) in scratch_specs(fmt, n_in).items()}
+        scratch = scratch_args(fmt, batch, n_in)
         B.func_attr({"tirx.noalias": True})
         rows = batch.astype("int32")
         views = _flat_views(planes, scratch, rows, n_in)
@@ -399,6 +397,18 @@ def mmq_gemm(ggml_type: str, n_out: int, n_in: int, *, tile_m: int = 128, tile_n
         y_flat = B.decl_buffer((rows * n_out,), "float32", data=y.data)
         _gemm_kernel(qtype, n_out, n_in, (tile_m, tile_n, tile_k), views, rows, y_flat, fmt.with_sum)
     return ib.get()
+
+
+def plane_args(qtype: str, rows: int, n_in: int) -> dict[str, tirx.Buffer]:
+    """The weight planes of `rows` rows as the function's arguments (quant_layout.plane_specs' shapes)."""
+    return {pl: B.arg(pl, B.buffer(tuple(tirx.IntImm("int64", d) for d in shape), dt))
+            for pl, (shape, dt) in plane_specs(qtype, rows, n_in).items()}
+
+
+def scratch_args(fmt, rows: tirx.Var, n_in: int) -> dict[str, tirx.Buffer]:  # noqa: ANN001  (a Q8Format)
+    """The quantized input of `rows` rows as the function's last arguments (lower/q8_gemm.scratch_specs)."""
+    return {arg: B.arg(arg, B.buffer((rows, tirx.IntImm("int64", shape[1])), dt))
+            for arg, (shape, dt) in scratch_specs(fmt, n_in).items()}
 
 
 def _flat_views(planes: dict, scratch: dict, rows: tirx.Expr, n_in: int) -> dict:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import tvm
 from luce_schedules.cpu.quant_matmul import MatmulBlocks
 from luce_schedules.gpu.base import root_blocks, sm_count
-from luce_schedules.gpu.mma_gemm import THREADS, step_for
+from luce_schedules.gpu.mma_gemm import THREADS, TILE_M, TILE_N, step_for
 from luce_schedules.gpu.mmq_blocks import quantize_rows
-from luce_schedules.gpu.mmq_gemm import TILE_K, GemmKernel, _flat_views, default_tile
+from luce_schedules.gpu.mmq_gemm import TILE_K, GemmKernel, _flat_views, default_tile, plane_args, scratch_args
 from luce_schedules.gpu.quant_gemm import Dispatched, _rebound, dispatch_on_batch
 from luce_schedules.gpu.quant_gemv import QuantGEMV, gemv
 from tvm import s_tir, tirx
@@ -36,8 +36,8 @@ from tvm.script.ir_builder import tirx as B
 from tvm.target import Target
 
 from luce_compile.lower.moe import EXPERT_ATTR, GROUPED_ATTR, grouped_above
-from luce_compile.lower.q8_gemm import q8_gemm_format, scratch_specs
-from luce_compile.lower.quant_layout import as_ggml_type, plane_specs
+from luce_compile.lower.q8_gemm import q8_gemm_format
+from luce_compile.lower.quant_layout import as_ggml_type
 
 SORT_TILE = 1024  # ids staged in shared memory per pass (4 KiB)
 
@@ -181,9 +181,9 @@ def grouped_mmq_gemm(ggml_type: str, n_expert: int, n_out: int, n_in: int, gathe
     qtype = as_ggml_type(ggml_type).name
     fmt = q8_gemm_format(qtype)
     tile_k = step_for(n_in, tile_k)
-    if fmt is None or not tile_k:
-        raise ValueError(f"grouped_mmq_gemm: {qtype} with K={n_in} is not supported (types of lower/q8_gemm.py, K a "
-                         f"multiple of {min(TILE_K)})")
+    if fmt is None or tile_m not in TILE_M or tile_n not in TILE_N or not tile_k:
+        raise ValueError(f"grouped_mmq_gemm: {qtype} with tile {tile_m}x{tile_n} and K={n_in} is not supported "
+                         f"(types of lower/q8_gemm.py, tiles {TILE_M} x {TILE_N}, K a multiple of {min(TILE_K)})")
     i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731
     with IRBuilder() as ib, B.prim_func():
         B.func_name(name)
@@ -192,11 +192,9 @@ def grouped_mmq_gemm(ggml_type: str, n_expert: int, n_out: int, n_in: int, gathe
         x = B.arg("x", B.buffer((x_rows, i64(n_in)), "float32"))
         experts = B.arg("experts", B.buffer((p_rows,), "int32"))
         tokens = B.arg("tokens", B.buffer((p_rows,), "int32")) if gather else None
-        planes = {pl: B.arg(pl, B.buffer(tuple(i64(d) for d in shape), dt))
-                  for pl, (shape, dt) in plane_specs(qtype, n_expert * n_out, n_in).items()}
+        planes = plane_args(qtype, n_expert * n_out, n_in)
         y = B.arg("y", B.buffer((p_rows, i64(n_out)), "float32"))
-        scratch = {arg: B.arg(arg, B.buffer((x_rows, i64(shape[1])), dt))
-                   for arg, (shape, dt) in scratch_specs(fmt, n_in).items()}
+        scratch = scratch_args(fmt, x_rows, n_in)
         B.func_attr({"tirx.noalias": True})
         rows, xr = p_rows.astype("int32"), x_rows.astype("int32")
         views = _flat_views(planes, scratch, xr, n_in)
