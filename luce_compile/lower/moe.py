@@ -24,7 +24,8 @@ the same TE stages as every int8 matmul, with gathered weight rows); f32 keeps e
 The expert matmuls carry EXPERT_ATTR for schedules/cpu/moe.py (int8: the int8 GEMV's vector body with gathered rows;
 float32: a parallel schedule of the TE); routing and sorting are small and stay as written. On a GPU (cuda, rocm) the
 sort is schedules/gpu/moe.expert_sort (a thread per expert, same order), the expert matmuls schedules/gpu/moe.py's
-gathered GEMV and the router dlight's; the megakernel takes no MoE graph (the engine decodes with these). On CUDA with
+gathered GEMV, the routing schedules/gpu/moe.expert_route (one kernel: the TE form lowers to one a stage) and the
+router's matmul dlight's; the megakernel takes no MoE graph (the engine decodes with these). On CUDA with
 the 8-bit prefill GEMM (precision f16, --prefill-gemm q8) the expert matmuls of a dynamic row count also carry the
 grouped 8-bit GEMM (GROUPED_ATTR), which takes calls of more than grouped_above(n_expert) sorted rows: a prompt's.
 """
@@ -132,6 +133,13 @@ def sort_func(n_expert: int, used: int, name: str) -> tirx.PrimFunc:
     # fmt: on
 
     return sort
+
+
+def _gpu_route(n_expert: int, used: int, norm_w: bool, name: str) -> tirx.PrimFunc:
+    """route_func's result on a GPU in one kernel: a thread per row (schedules/gpu/moe.expert_route)."""
+    from luce_schedules.gpu.moe import expert_route
+
+    return expert_route(n_expert, used, norm_w, name)
 
 
 def _gpu_sort(n_expert: int, used: int, name: str) -> tirx.PrimFunc:
@@ -262,7 +270,8 @@ def lower_moe(m, o: Op, ins: list, **_) -> nn.Tensor:
     x2 = op.reshape(x, (b * s, e))  # (R, E)
     logits = m.linear(x2, w["gate_inp"], w.get("gate_inp_b"))  # (R, n_expert)
     norm = a["norm_w"] or a.get("gating", "softmax") == "softmax_weight"  # the same weights (module docstring)
-    route = m._kernel(("moe_route", a["n_expert"], used, norm), lambda: route_func(
+    route_kernel = route_func if m.target.kind.name == "llvm" else _gpu_route
+    route = m._kernel(("moe_route", a["n_expert"], used, norm), lambda: route_kernel(
         a["n_expert"], used, norm, f"moe_route_{a['n_expert']}_top{used}{'_norm' if norm else ''}"))
     ids, weights = op.tensor_ir_op(route, route.attrs["global_symbol"], [logits], [
         nn.Tensor.placeholder((b * s, used), "int32"), nn.Tensor.placeholder((b * s, used), F32)])

@@ -105,6 +105,82 @@ def expert_sort(n_expert: int, used: int, name: str) -> tirx.PrimFunc:
     return ib.get()
 
 
+ROUTE_THREADS = 64  # rows a block of expert_route: a thread per row
+
+
+def expert_route(n_expert: int, used: int, norm_w: bool, name: str, threads: bool = True) -> tirx.PrimFunc:
+    """moe.route_func for a GPU in one kernel (the TE form lowers to a kernel per stage: seven launches a layer at
+    decode): logits (R, n_expert) float32 → ids (R, used) int32, weights (R, used) float32, a thread per row, no
+    shared memory. Per row: the maximum and Σ exp(l − max) in expert order, then the used experts one by one, each
+    the most probable after the one before in route_func's order (larger probability first, the lower expert on a
+    tie), its probability ex · (1 / Σ) as route_func forms it, renormalized by their sum in pick order when norm_w.
+    threads=False: the same statements with a serial loop over rows (a CPU harness: tests hold it to route_func)."""
+    i32 = _i32
+    with IRBuilder() as ib, B.prim_func():
+        B.func_name(name)
+        rows = tirx.Var("rows", "int64")
+        logits = B.arg("logits", B.buffer((rows, n_expert), "float32"))
+        ids = B.arg("ids", B.buffer((rows, used), "int32"))
+        weights = B.arg("weights", B.buffer((rows, used), "float32"))
+        B.func_attr({"global_symbol": name, "tirx.noalias": True, "tirx.is_scheduled": True})
+        n_rows = rows.astype("int32")
+        f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
+
+        def body(r: tirx.Expr) -> None:
+            top = B.alloc_buffer((1,), "float32", scope="local")
+            total = B.alloc_buffer((1,), "float32", scope="local")
+            last = B.alloc_buffer((2,), "float32", scope="local")  # the previous pick's probability, its expert
+            best = B.alloc_buffer((2,), "float32", scope="local")
+            chosen = B.alloc_buffer((used,), "float32", scope="local")
+            prob = B.alloc_buffer((1,), "float32", scope="local")
+            take = B.alloc_buffer((1,), "int32", scope="local")
+            B.buffer_store(top, logits[r, 0], [0])
+            with B.serial(1, n_expert) as e:
+                B.buffer_store(top, tirx.max(top[0], logits[r, e]), [0])
+            B.buffer_store(total, f32(0.0), [0])
+            with B.serial(0, n_expert) as e:
+                B.buffer_store(total, total[0] + tirx.exp(logits[r, e] - top[0]), [0])
+            inv = f32(1.0) / total[0]
+            B.buffer_store(last, f32(2.0), [0])  # above any probability: the first pick is the largest
+            B.buffer_store(last, f32(-1.0), [1])
+            for j in range(used):
+                B.buffer_store(best, f32(-1.0), [0])
+                B.buffer_store(best, f32(-1.0), [1])
+                with B.serial(0, n_expert) as e:
+                    B.buffer_store(prob, tirx.exp(logits[r, e] - top[0]) * inv, [0])
+                    p, ef = prob[0], e.astype("float32")  # exact: n_expert < 2^24
+                    after = (p < last[0]) | ((p == last[0]) & (ef > last[1]))  # below the previous pick
+                    better = (p > best[0]) | ((p == best[0]) & (ef < best[1])) | (best[1] < f32(0.0))
+                    B.buffer_store(take, tirx.Select(after & better, i32(1), i32(0)), [0])
+                    B.buffer_store(best, tirx.Select(take[0] == i32(1), p, best[0]), [0])
+                    B.buffer_store(best, tirx.Select(take[0] == i32(1), ef, best[1]), [1])
+                B.buffer_store(chosen, best[0], [j])
+                B.buffer_store(ids, best[1].astype("int32"), [r, j])
+                B.buffer_store(last, best[0], [0])
+                B.buffer_store(last, best[1], [1])
+            if norm_w:
+                norm = chosen[0]
+                for j in range(1, used):
+                    norm = norm + chosen[j]
+                for j in range(used):
+                    B.buffer_store(weights, chosen[j] / norm, [r, j])
+            else:
+                for j in range(used):
+                    B.buffer_store(weights, chosen[j], [r, j])
+
+        if threads:
+            with B.sblock("root"), B.thread_binding((n_rows + (ROUTE_THREADS - 1)) // ROUTE_THREADS,
+                                                     thread="blockIdx.x") as bx, \
+                    B.thread_binding(ROUTE_THREADS, thread="threadIdx.x") as tx:
+                r = bx * ROUTE_THREADS + tx
+                with B.If(r < n_rows), B.Then():
+                    body(r)
+        else:
+            with B.sblock("root"), B.serial(0, n_rows) as r:
+                body(r)
+    return ib.get()
+
+
 class ExpertGEMV(QuantGEMV):
     """quant_gemv.py's schedule and knobs, over the sorted rows of an expert matmul (module docstring)."""
 

@@ -9,6 +9,7 @@ weights in float64; the whole model is checked there by scripts/device_check.py 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import tvm
 from gguf import GGMLQuantizationType
 from luce_schedules.gpu import mmq_blocks, mmq_gemm
 from luce_schedules.gpu.mma_gemm import THREADS
-from luce_schedules.gpu.moe import SORT_TILE, ExpertGEMV, ExpertTile, expert_sort, grouped_mmq_gemm
+from luce_schedules.gpu.moe import SORT_TILE, ExpertGEMV, ExpertTile, expert_route, expert_sort, grouped_mmq_gemm
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as B
@@ -24,7 +25,7 @@ from tvm.target import Target
 
 from luce_compile.codegen.device_binaries import device_sources
 from luce_compile.codegen.gpu_toolchain import gpu_toolchain
-from luce_compile.lower.moe import GROUPED_ATTR, expert_matmul, grouped_above
+from luce_compile.lower.moe import GROUPED_ATTR, expert_matmul, grouped_above, route_func
 from luce_compile.lower.q8_gemm import q8_gemm_format
 from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import quant_matmul
@@ -54,6 +55,38 @@ def test_sort_is_one_block_of_a_thread_per_expert(n_expert):
     assert f"__launch_bounds__({threads})" in source
     assert "atomic" not in source  # the order is the CPU sort's: each expert's thread places its own rows
     assert source.count("__syncthreads()") == 5  # a tile in, a tile read, twice; the counts before the starts
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("n_expert", "used", "norm_w"), [(8, 2, True), (128, 8, True), (32, 4, False)])
+def test_route_kernel_is_route_func_bit_for_bit(n_expert, used, norm_w, rng):
+    """expert_route's statements with a serial loop over rows (the CPU harness) give route_func's ids and weights
+    bit for bit on llvm, ties included (equal logits: the lower expert first), rows of every magnitude."""
+    import tvm
+
+    cpu = Target({"kind": "llvm", "num-cores": 1})
+    logits = (rng.standard_normal((37, n_expert)) * 4).astype(np.float32)
+    logits[3] = 0.5  # every expert tied
+    logits[5, :used + 1] = logits[5, used + 1]  # a tie across the cut
+    logits[7] *= 1e-4
+    outs = []
+    for func in (route_func(n_expert, used, norm_w, "te"), expert_route(n_expert, used, norm_w, "one", False)):
+        args = [tvm.runtime.tensor(logits), tvm.runtime.tensor(np.zeros((37, used), np.int32)),
+                tvm.runtime.tensor(np.zeros((37, used), np.float32))]
+        tvm.compile(tvm.IRModule({"main": func}), target=cpu)["main"](*args)
+        outs.append([a.numpy() for a in args[1:]])
+    (want_ids, want_w), (ids, w) = outs
+    assert np.array_equal(ids, want_ids) and np.array_equal(w, want_w)
+    assert list(ids[3]) == list(range(used))  # ties: the lower experts, in order
+    assert len({tuple(r) for r in ids}) > 15  # the routing varies: not a constant answer
+
+
+@pytest.mark.unit
+def test_route_kernel_is_one_kernel_a_thread_per_row():
+    source = _source(expert_route(128, 8, True, "moe_route"), CUDA)
+    assert len(re.findall(r"__global__ void[^;]*\{", source)) == 1 and "__launch_bounds__(64)" in source
+    assert "__syncthreads" not in source and "__shared__" not in source
+    assert "moe_route" in _source(expert_route(32, 4, False, "moe_route"), ROCM)
 
 
 @pytest.mark.unit
