@@ -579,6 +579,48 @@ def _tree_check(engine, per_op, folder: Path, tol: float, path_tol: float) -> di
                       path_tol=path_tol)
 
 
+def window_prefill_engines(artifact: Path) -> dict:
+    """The two per-op engines check_window_prefill compares: prompts in chunks past the window, and a token a call."""
+    from luce_runtime.engine import Engine, EngineOptions
+
+    context = _check_context(artifact)
+    return {name: Engine(artifact, EngineOptions(max_batch=2, max_context=context, megakernel=False,
+                                                 sliding_prefill_chunks=chunks))
+            for name, chunks in (("chunks", True), ("token", False))}
+
+
+def check_window_prefill(engines: dict, tol: float, past: int = 200, steps: int = 8, seed: int = 7) -> dict:
+    """A prompt W + `past` tokens long on the per-op kernels in prefill chunks past the sliding window W
+    (EngineOptions.sliding_prefill_chunks: the paged prefill kernel windows each row to its cached keys) against the
+    same prompt a token a call past the first chunk (the decode kernel, which windows through the page table: what
+    such artifacts run today), then `steps` teacher-forced decode steps on each: the last prompt row and every step
+    within `tol` (the chunks' 8-bit GEMMs against the decode GEMVs: the build's prefill tolerance), ids equal but at
+    near ties. A kernel that attends past a row's window moves them by O(1). Passing on a device is what lets a build
+    say sliding_prefill_chunks for its target (luce_compile/codegen/compile.py). `engines`: window_prefill_engines'."""
+    window, context = engines["chunks"].sliding_window, engines["chunks"].max_context
+    if not window or window + past + steps > context:
+        return {"ok": True, "skipped": f"window {window}, context {context}"}
+    rng = np.random.default_rng(seed)
+    vocab = engines["chunks"].vocab_size
+    prompt = [int(t) for t in rng.integers(1, vocab, window + past)]
+    forced = [int(t) for t in rng.integers(1, vocab, steps)]
+    rows, chunk = {}, {}
+    for name, engine in engines.items():
+        seq = engine.add_sequence()
+        rows[name] = [engine.prefill([seq], [prompt])[0]]
+        chunk[name] = engine.chunk_limit(seq)  # tokens a call past the window: the two routes differ here
+        rows[name] += [engine.decode([seq], [t])[0] for t in forced]
+        engine.remove_sequence(seq)
+    errs = [_rel(a, b) for a, b in zip(rows["chunks"], rows["token"], strict=True)]
+    ties = [near_tie(b, tol) for b in rows["token"]]
+    mismatched = [i for i, (a, b) in enumerate(zip(rows["chunks"], rows["token"], strict=True))
+                  if not ties[i] and int(np.argmax(a)) != int(np.argmax(b))]
+    return {"window": window, "prompt": len(prompt), "chunk_past_window": chunk, "steps": steps,
+            "max_rel_diff": max(errs),
+            "prefill_rel_diff": errs[0], "ids_mismatched": mismatched, "tolerance": tol,
+            "ok": max(errs) <= tol and not mismatched and chunk["chunks"] > 1 and chunk["token"] == 1}
+
+
 def check_window_verify(engine, per_op, tol: float = BATCH_TOL, rounds: int = 6, rows: int = 6, keep: int = 2,
                         seed: int = 5) -> dict:
     """A model with sliding-window layers (issue 40.3), past its window W: a prompt of W + 24 tokens, then rounds of
@@ -762,6 +804,8 @@ def run(args: argparse.Namespace) -> int:
         checks["torch_reference"] = check_oracle(engine, torch_reference(gguf),
                                                  REL_TOL_Q8 if q8 or q8_prefill else REL_TOL_F16)
     result["decode_path"] = engine.decode_path
+    if engine.sliding_window and not engine.contract.sliding_prefill_chunks:  # what a build may then say
+        checks["window_prefill"] = check_window_prefill(window_prefill_engines(artifact), tol)
     if engine.megakernel is not None:
         per_op = _per_op_engine(artifact)
         checks["megakernel_vs_per_op"] = check_paths(engine, per_op, tol=path_tol)

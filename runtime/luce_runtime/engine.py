@@ -65,6 +65,10 @@ class EngineOptions:
     # a decode row's logits the same whatever else its step holds (serve --deterministic; Engine.invariant_rows says
     # how): no load-time choice of paths, which could differ between two engines
     batch_invariant: bool = False
+    # prompts past a sliding window in chunks (Engine.chunk_limit): None as the artifact's contract says; True
+    # whatever its build checked (scripts/device_check.py's window_prefill check compares such chunks with a token a
+    # call on the device, before a build may say so)
+    sliding_prefill_chunks: bool | None = None
 
 
 INT8_VERIFY_ROWS = 16  # the most rows the int8 low-row matmuls are built for (schedules/cpu/int8_gemv.py)
@@ -213,6 +217,8 @@ class Engine:
         manifest = self.artifact.manifest
         self.config = self.artifact.config
         self.contract = RuntimeContract.from_manifest(manifest, self.artifact.root)
+        if options.sliding_prefill_chunks is not None:
+            self.contract = replace(self.contract, sliding_prefill_chunks=options.sliding_prefill_chunks)
         self.device = artifact_device(self.artifact)
         self.tokenizer = Tokenizer.from_metadata(self.artifact.tokenizer_metadata())
         self.options = replace(options, page_size=options.page_size or self.contract.page_size,
