@@ -84,8 +84,10 @@ ACTIVATION_ROUNDING = {
 Q8_1_TYPES = ("Q4_1", "Q5_1")  # Q8_1 activations: q8_0's values plus s = fp16(d · Σq) against the block minimum
 GPU_Q8_1_TYPES = ("Q4_K", "Q5_K")  # with gpu_q8_1: q8_1 activations against their per-32 minimum (the megakernel)
 # with gpu_q8_1: q8_1 blocks of 32 whose sums no minimum takes, i.e. q8_0's values (llama.cpp's CUDA forms of the
-# 256-value types without a minimum; IQ4_XS under the megakernel's q8_codebooks)
-GPU_Q8_0_TYPES = ("Q6_K", "IQ4_XS")
+# 256-value types without a minimum; IQ4_XS under the megakernel's q8_codebooks; Q3_K in the 8-bit prefill GEMM), and
+# Q2_K, whose minimum per 16 values takes the sum of those 16 quants times d (an integer sum: llama.cpp's mmvq
+# dp4a's it against 4 × m, the 8-bit GEMM by an mma against ones), i.e. the same q8_0 values exactly
+GPU_Q8_0_TYPES = ("Q6_K", "IQ4_XS", "Q3_K", "Q2_K")
 
 
 def block_minimums(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:

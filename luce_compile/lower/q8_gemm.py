@@ -8,12 +8,13 @@ weight types it takes, which activations each pairs with, and gives the function
 The activations are the CPU int8 build's formats (cpu_int8.Q8Format, quantize_q8's arithmetic, which the emulating
 oracle follows: graph/rounding.q8_blocks): per 32 values d = fp16(amax/127), q = rint(x · 127/amax), and for the
 types with a weight minimum s = fp16(d · Σq). Which types take the sums is what the emulating oracle's gpu_q8_1
-forms say (graph/rounding.GPU_Q8_1_TYPES, Q8_1_TYPES): Q4_1/Q5_1 and the K-quants with a minimum per 32 values
-take Q8_1 (a weight's minimum m times s); Q4_0/Q5_0/Q6_K (stored with an offset, centred in the kernel) and Q8_0
-take Q8_0. The order of the 32 values is the CPU's (INT8_FORMATS: "nibbles" for 4-6 bit quants, natural for Q8_0).
-llama.cpp's CUDA quantizer rounds half away from zero and keeps Σx (not d·Σq) as the sum; ours are the CPU's (ggml's
-x86 path), the ones the megakernel's 8-bit matvecs and the emulating oracle already use: a tie at .5 is the only
-place the roundings differ.
+forms say (graph/rounding.GPU_Q8_1_TYPES, Q8_1_TYPES): Q4_1/Q5_1 and the K-quants with a minimum per 32 values take
+Q8_1 (a weight's minimum m times s); Q4_0/Q5_0/Q6_K/Q3_K (stored with an offset, centred in the kernel) and Q8_0
+take Q8_0, and so does Q2_K, whose minimum per 16 values the kernel multiplies by the exact sum of those 16 rounded
+activations, which it takes from the quants themselves (schedules/gpu/mmq_blocks.py's docstring). The order of the
+32 values is the CPU's (INT8_FORMATS: "nibbles" for 2-6 bit quants, natural for Q8_0). llama.cpp's CUDA quantizer
+rounds half away from zero and keeps Σx (not d·Σq) as the sum; ours are the CPU's (ggml's x86 path), the ones the
+megakernel's 8-bit matvecs and the emulating oracle already use: a tie at .5 is the only place the roundings differ.
 
 The quantized input is scratch of the GEMM call: three more output tensors (xq, xd [, xs], fmt.specs) after y that
 Relax allocates with the rest of a step's memory, so that a prefill captured as a CUDA graph allocates nothing (a
@@ -36,12 +37,14 @@ PREFILL_GEMMS = ("f16", "q8")  # --prefill-gemm: the float16 tensor-core GEMM (m
 # above the low-batch buckets (the twin still says the shape and the weight type)
 Q8_GEMM_ATTR = "luce.q8_gemm"
 # the weight types the kernel takes, and the activations each dots: with the block sums (Q8_1) where the weight has a
-# minimum per 32 values, else without (Q8_0)
+# minimum per 32 values, else without (Q8_0; Q2_K's minima per 16 values take sums the GEMM forms from the quants)
 Q8_GEMM_ACTIVATIONS: dict[str, str] = {"Q4_0": "Q8_0", "Q4_1": "Q8_1", "Q5_0": "Q8_0", "Q5_1": "Q8_1",
                                        "Q8_0": "Q8_0", "Q4_K": "Q8_1", "Q5_K": "Q8_1", "Q6_K": "Q8_0",
+                                       "Q3_K": "Q8_0", "Q2_K": "Q8_0",
                                        "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}  # codebooks: their int8 values
-# what the kernel subtracts from a stored quant before the integer dot (ggml's centring of the signed types)
-Q8_GEMM_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
+# what the kernel subtracts from a stored quant before the integer dot (ggml's centring of the signed types; Q3_K's
+# 3 bits with the hmask bit as the third: −4..3, as ggml's q3_K dequantizer)
+Q8_GEMM_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q3_K": 4}
 
 
 def q8_gemm_format(ggml_type: GGMLQuantizationType | str) -> Q8Format | None:

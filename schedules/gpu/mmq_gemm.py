@@ -9,23 +9,31 @@ Two kernels in one function (lower/q8_gemm.py gives it the quantized input as sc
    (its 128 bytes, its amax and Σq its own: no shuffles, so the same statements run in a CPU harness in the tests).
 2. the GEMM: per K step the x tile (int8 rows, copied as 16-byte words) and the weight tile unpacked to int8 (a
    32-value block's 4 nibble words → 8 words: masked, shifted, the fifth/sixth bits or'ed in, offset types centred
-   per byte) go to shared memory, with each block's scales as float32 (d_x, s_x; d_w, m_w). Each warp then runs, per
-   32-value block, mma.sync.m16n8k32 s8 × s8 → s32 on its 16 × 8 fragments (Q6_K: two m16n8k16, one per 16-value
-   sub-block, whose scales differ) and scales each fragment's sums in float32:
-       u = fl(C · d_w);  acc = fma(u, d_x, acc)  [;  acc = fma(m_w, s_x, acc)]     per block (Q6_K per 16 values).
+   per byte; 2-bit fields shifted and masked, Q3_K's third bit or'ed in, Q2_K's times its scale) go to shared
+   memory, with each block's scales as float32 (d_x, s_x; d_w, m_w). Each warp then runs, per 32-value block,
+   mma.sync.m16n8k32 s8 × s8 → s32 on its 16 × 8 fragments (Q6_K, Q3_K: two m16n8k16, one per 16-value sub-block,
+   whose scales differ) and scales each fragment's sums in float32:
+       u = fl(C · d_w);  acc = fma(u, d_x, acc)  [;  acc = fma(m_w, s_x, acc)]     per block (Q6_K, Q3_K per 16 values)
+   Q2_K's minima per 16 values (mmq_blocks.py's docstring): one more m16n8k32 per 16 rows and block, of the x
+   fragment against bytes of 1, gives each row's sums S_0, S_1 of the block's two 16 values (in even and odd
+   columns); t_h = (float(bits) − 1.5·2²³)·d_x is exact, and after the block's scale term
+       acc = fma(m_w0, t_0, acc);  acc = fma(m_w1, t_1, acc).
    The mma starts its int32 sum at the bits of 1.5·2²³ (MAGIC): the sum lands in a float's mantissa, so
    fb = float(bits) = 1.5·2²³ + C exactly (|C| < 2²², true for every type: 32·128·127 < 2²²) and
    u = fma(fb, d_w, −1.5·2²³·d_w) = fl(C · d_w), with no int → float conversion (a quarter-rate instruction) and
    the product −1.5·2²³·d_w exact (d_w = d·sc has at most 19 significant bits). mmq_blocks.emulate is this
    arithmetic in numpy, operation for operation.
 
-Weights: m_w is the block's minimum term (Q4_1/Q5_1: m; Q4_K/Q5_K: −dmin·mn) against s_x; Q4_0/Q5_0/Q6_K dot the
-centred quants (q − 8/16/32) as llama.cpp's CUDA kernels do. d_w = d·sc for the K-quants (exact in float32).
+Weights: m_w is the block's minimum term (Q4_1/Q5_1: m; Q4_K/Q5_K: −dmin·mn) against s_x, Q2_K's −dmin·mn of each
+16 values against t; Q4_0/Q5_0/Q6_K/Q3_K dot the centred quants (q − 8/16/32/4) as llama.cpp's CUDA kernels do.
+d_w = d·sc for the K-quants (exact in float32), Q2_K's d (its words hold sc·q).
 Fragment layouts (PTX ISA, mma.m16n8k32 .s8): A = x (16 rows × 32 bytes), a0..a3 = (row g, bytes 4·tig..), (g + 8,
 4·tig..), (g, 16 + 4·tig..), (g + 8, 16 + 4·tig..) for lane = 4·g + tig: in 32-bit words exactly mma.m16n8k16 f16's,
 so the ldmatrix.x4 addressing is mma_gemm's with rows of tile_k bytes. B = W (feature-major), b0, b1 = (feature g,
 bytes 4·tig.. / 16 + 4·tig..). m16n8k16 .s8 takes (a0, a1, b0) for bytes 0-15 and (a2, a3, b1) for 16-31: Q6_K's
-shared words are permuted (Q6_SLOTS) so that bytes 0-15 are its first 16 elements in the nibbles order.
+and Q3_K's shared words are permuted (Q6_SLOTS) so that bytes 0-15 are their first 16 elements in the nibbles order.
+Q2_K's words are not: its sums' B operand, b0 = b1 = bytes of 1 where word tig's sub-block, tig // 2, is column
+g's parity, else 0, picks words 0, 1, 4, 5 (elements 0-15) for even columns and 2, 3, 6, 7 for odd ones.
 """
 
 from __future__ import annotations
@@ -46,9 +54,10 @@ from luce_schedules.gpu.mma_gemm import (
 )
 from luce_schedules.gpu.mmq_blocks import (
     BLOCK,
-    MINIMUM_TYPES,
     Q6_SLOTS,
     WeightBlock,
+    groups,
+    minimums,
     plane_views,
     quantize_rows,
 )
@@ -67,6 +76,7 @@ MAGIC = 0x4B400000  # the bits of 1.5·2²³: an int32 added to them is a float'
 MAGIC_VALUE = 12582912.0
 MMA_K32 = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
 MMA_K16 = "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32"
+ONES = 0x01010101  # the B operand's bytes of Q2_K's sums per 16 values
 
 
 def default_tile(n_out: int, sm_count: int) -> tuple[int, int, int]:
@@ -97,12 +107,12 @@ def _shared_words(qtype: str, tile: tuple[int, int, int]) -> tuple[tuple[dict, d
     are stored, and TVM's barrier pass, which cannot tell two regions of one buffer apart, would put a
     __syncthreads between them (dynamic shared buffers are merged into one before that pass)."""
     tile_m, tile_n, tile_k = tile
-    nblk, groups = tile_k // BLOCK, 2 if qtype == "Q6_K" else 1
+    nblk = tile_k // BLOCK
     tiles = {"xa": 2 * tile_m * row_words(tile_k), "wb": 2 * tile_n * row_words(tile_k)}  # read by ldmatrix only
     scales = {"sx": nblk * tile_m * (2 if Q8_GEMM_ACTIVATIONS[qtype] == "Q8_1" else 1),  # (d_x, s_x) or d_x
-              "sw": nblk * groups * tile_n * 2}  # (d_w, −MAGIC·d_w)
-    if qtype in MINIMUM_TYPES:
-        scales["smw"] = nblk * tile_n
+              "sw": nblk * groups(qtype) * tile_n * 2}  # (d_w, −MAGIC·d_w)
+    if minimums(qtype):
+        scales["smw"] = nblk * minimums(qtype) * tile_n
     static = 2 * sum(scales.values()) * 4
     return (tiles, scales), static + sum(tiles.values()) * 4 > STATIC_SHARED
 
@@ -132,8 +142,9 @@ class GemmKernel:
         self.m0, self.n0 = m0, n0
         self.perm = byte_perm  # the codebook types' lookups (WeightBlock; a CPU harness gives its TIR equivalent)
         self.row, self.nblk = row_words(self.tile_k), self.tile_k // BLOCK
-        self.groups = 2 if qtype == "Q6_K" else 1  # weight scales a block
-        self.sums, self.minimum = sums, qtype in MINIMUM_TYPES
+        self.groups = groups(qtype)  # weight scales a block
+        self.minima = minimums(qtype)  # minimum terms a block: against s_x (1) or Q2_K's t per 16 values (2)
+        self.sums = sums
         warp, lane = tx // 32, tx % 32
         self.lane, self.group, self.tig = lane, lane // 4, lane % 4
         self.wm, self.wn = warp // WARPS_N, warp % WARPS_N
@@ -203,7 +214,7 @@ class GemmKernel:
             c = idx % chunks  # 16-byte word c of the row: block c // 2, its words 4·(c % 2) .. + 3
             base = buf * (self.tile_m * self.row) + (idx // chunks) * self.row + (c // 2) * 8
             with _guard(idx < self.tile_m * chunks, always):
-                if self.qtype == "Q6_K":  # words 0, 1 | 2, 3 of the half to their slots (Q6_SLOTS), 8 bytes each
+                if self.groups == 2:  # words 0, 1 | 2, 3 of the half to their slots (Q6_SLOTS), 8 bytes each
                     for pair in range(2):
                         slot = tirx.Select(c % 2 == 0, i32(Q6_SLOTS[2 * pair]), i32(Q6_SLOTS[4 + 2 * pair]))
                         B.buffer_store(sm["xa"], reg.vload([i32(2 * pair)], "uint32x2"),
@@ -235,8 +246,8 @@ class GemmKernel:
             at = ((blk * self.groups + g) * self.tile_n + feat) * 2
             B.buffer_store(self.stage["sw"][buf], value, [at])
             B.buffer_store(self.stage["sw"][buf], value * tirx.const(-MAGIC_VALUE, "float32"), [at + 1])
-        if mw is not None:
-            B.buffer_store(self.stage["smw"][buf], mw, [blk * self.tile_n + feat])
+        for h, value in enumerate(mw):  # [block][minimum][feature]
+            B.buffer_store(self.stage["smw"][buf], value, [(blk * self.minima + h) * self.tile_n + feat])
 
     def compute_step(self, buf: int, acc: tirx.Buffer, magic: tirx.Buffer) -> None:
         """Every 32-value block of the step in stage `buf`: the warp's mma.sync on its fragments, each fragment's
@@ -256,9 +267,27 @@ class GemmKernel:
                 B.evaluate(T.ptx[LDMATRIX](*(b[p * 4 + i] for i in range(4)), T.address_of(sm["wb"][at])))
             dx, sx = self._row_scales(buf, kk)
             dw, nm, mw = self._feature_scales(buf, kk)
+            t = self._sums16(a, magic, dx) if self.minima == 2 else None
             for fm in range(fm_n):
                 for fn in range(fn_n):
-                    self._fragment(acc, magic, a, b, fm, fn, dx, sx, dw, nm, mw)
+                    self._fragment(acc, magic, a, b, fm, fn, dx, sx, dw, nm, mw, t)
+
+    def _sums16(self, a: tirx.Buffer, magic: tirx.Buffer, dx: tirx.Buffer) -> tirx.Buffer:
+        """Q2_K: t = d_x·S for this lane's two rows of each fragment row and the block's two 16 values (index
+        fm·4 + 2·half + h), S the rows' quants summed over those 16 by the x fragment's mma against bytes of 1 (B's
+        column g sums the words of sub-block g % 2: word tig and 4 + tig are sub-block tig // 2). Exact: the mma's
+        sum from MAGIC is a float's mantissa, and d_x (fp16) times |S| ≤ 2,032 has ≤ 22 significant bits."""
+        ones = B.alloc_buffer((1,), "uint32", scope="local")
+        B.buffer_store(ones, sums_operand(self.tig, self.group), [i32(0)])
+        t = B.alloc_buffer((self.frags_m * 4,), "float32", scope="local")
+        for fm in range(self.frags_m):
+            d = B.alloc_buffer((4,), "uint32", scope="local")
+            B.evaluate(T.ptx[MMA_K32](*(d[i] for i in range(4)), *(a[fm * 4 + i] for i in range(4)), ones[0],
+                                      ones[0], *(magic[i] for i in range(4))))
+            for i in range(4):  # c0, c1: row group, S_0 and S_1 (columns 2·tig, 2·tig + 1); c2, c3: row group + 8
+                s = tirx.reinterpret("float32", d[i]) - tirx.const(MAGIC_VALUE, "float32")
+                B.buffer_store(t, s * dx[fm * 2 + i // 2], [i32(fm * 4 + i)])
+        return t
 
     def _row_scales(self, buf: int, kk: int) -> tuple[tirx.Buffer, tirx.Buffer | None]:
         """d_x (and s_x) of block kk for this lane's two rows of each fragment: index fm·2 + half."""
@@ -275,12 +304,12 @@ class GemmKernel:
         return dx, sx
 
     def _feature_scales(self, buf: int, kk: int):
-        """d_w and −MAGIC·d_w (index (fn·2 + c)·groups + g) and m_w (fn·2 + c) of block kk for this lane's two
-        features of each fragment (adjacent: one 16-byte load of the pairs, one 8-byte load of m_w)."""
-        g_n = self.groups
+        """d_w and −MAGIC·d_w (index (fn·2 + c)·groups + g) and m_w ((fn·2 + c)·minima + h) of block kk for this
+        lane's two features of each fragment (adjacent: one 16-byte load of the pairs, 8-byte loads of m_w)."""
+        g_n, m_n = self.groups, self.minima
         dw = B.alloc_buffer((self.frags_n * 2 * g_n,), "float32", scope="local")
         nm = B.alloc_buffer((self.frags_n * 2 * g_n,), "float32", scope="local")
-        mw = B.alloc_buffer((self.frags_n * 2,), "float32", scope="local") if self.minimum else None
+        mw = B.alloc_buffer((self.frags_n * 2 * m_n,), "float32", scope="local") if m_n else None
         for fn in range(self.frags_n):
             for c in range(2):
                 feat = self.wn * self.warp_n + fn * 8 + 2 * self.tig + c
@@ -288,13 +317,15 @@ class GemmKernel:
                     at = ((kk * g_n + g) * self.tile_n + feat) * 2
                     B.buffer_store(dw, self.stage["sw"][buf][at], [i32((fn * 2 + c) * g_n + g)])
                     B.buffer_store(nm, self.stage["sw"][buf][at + 1], [i32((fn * 2 + c) * g_n + g)])
-                if mw is not None:
-                    B.buffer_store(mw, self.stage["smw"][buf][kk * self.tile_n + feat], [i32(fn * 2 + c)])
+                for h in range(m_n):
+                    B.buffer_store(mw, self.stage["smw"][buf][(kk * m_n + h) * self.tile_n + feat],
+                                   [i32((fn * 2 + c) * m_n + h)])
         return dw, nm, mw
 
-    def _fragment(self, acc, magic, a, b, fm: int, fn: int, dx, sx, dw, nm, mw) -> None:
-        """One 16 × 8 fragment and one block: C = A·B from MAGIC (two halves for Q6_K), then per element
-        u = fma(float(bits(C)), d_w, −MAGIC·d_w), acc = fma(u, d_x, acc) [, acc = fma(m_w, s_x, acc)]."""
+    def _fragment(self, acc, magic, a, b, fm: int, fn: int, dx, sx, dw, nm, mw, t) -> None:
+        """One 16 × 8 fragment and one block: C = A·B from MAGIC (two halves for Q6_K, Q3_K), then per element
+        u = fma(float(bits(C)), d_w, −MAGIC·d_w), acc = fma(u, d_x, acc) [, acc = fma(m_w, s_x, acc) | Q2_K's
+        acc = fma(m_w0, t_0, acc), acc = fma(m_w1, t_1, acc)]."""
         g_n = self.groups
         d = B.alloc_buffer((4,), "uint32", scope="local")
         mag = [magic[i] for i in range(4)]
@@ -311,11 +342,17 @@ class GemmKernel:
                 w = (fn * 2 + c) * g_n + g
                 u = _fma(tirx.reinterpret("float32", d[i]), dw[w], nm[w])
                 B.buffer_store(acc, _fma(u, dx[fm * 2 + h], acc[slot]), [i32(slot)])
-        if mw is not None:
-            for i in range(4):
-                h, c = i // 2, i % 2
-                slot = (fm * self.frags_n + fn) * 4 + i
+        if mw is None:
+            return
+        for i in range(4):
+            h, c = i // 2, i % 2
+            slot = (fm * self.frags_n + fn) * 4 + i
+            if t is None:
                 B.buffer_store(acc, _fma(mw[fn * 2 + c], sx[fm * 2 + h], acc[slot]), [i32(slot)])
+                continue
+            for s16 in range(2):  # row group + 8·h's t_0, t_1: _sums16's c 2·h, 2·h + 1
+                B.buffer_store(acc, _fma(mw[(fn * 2 + c) * 2 + s16], t[fm * 4 + 2 * h + s16], acc[slot]),
+                               [i32(slot)])
 
     def registers(self) -> tuple[tirx.Buffer, tirx.Buffer]:
         """The thread's accumulators and the mma's starting sums (MAGIC's bits)."""
@@ -361,6 +398,12 @@ class GemmKernel:
                         with B.If(self.stored(y_row, feat + c)), B.Then():
                             B.buffer_store(y, acc[(fm * self.frags_n + fn) * 4 + 2 * half + c],
                                            [y_row * self.n_out + feat + c])
+
+
+def sums_operand(tig: tirx.Expr, group: tirx.Expr) -> tirx.Expr:
+    """b0 = b1 of Q2_K's sums mma for lane 4·group + tig: bytes of 1 where the lane's words (tig, 4 + tig: sub-block
+    tig // 2) are of the sub-block of its B column's parity (group % 2), else 0."""
+    return tirx.Select(tig // 2 == group % 2, u32(ONES), u32(0))
 
 
 def _copy(dst: tirx.Buffer, dst_at, src: tirx.Buffer, src_at, count: int) -> None:

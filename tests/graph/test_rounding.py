@@ -131,3 +131,45 @@ def test_the_megakernels_integer_sums_are_the_gpu_roundings_matmul(qtype, rng):
         y = np.einsum("bon,bn,on->bo", ints, dx, d) + s @ m.T
     want = oracle._matmul(op, x)
     assert np.abs(y - want).max() <= 1e-9 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("qtype", ["Q3_K", "Q2_K"])
+def test_the_8_bit_gemms_q3_k_and_q2_k_sums_are_the_gpu_roundings_matmul(qtype, rng):
+    """The 8-bit prefill GEMM's arithmetic for issue 40's K-quants, written out in numpy from the kernels' planes
+    (schedules/gpu/mmq_blocks.py): Q3_K's 2 low bits with the hmask bit as the third, q − 4, dotted per 16 values and
+    scaled by d·(sc − 32); Q2_K's sc·q dotted per 32 values and scaled by d, and its minimum −dmin·mn of each 16
+    values times d_x·Σq_x over those 16. Both must be the emulating oracle's matmul (GgmlRounding(gpu_q8_1=True):
+    q8_0's values, GPU_Q8_0_TYPES), which scripts/device_check.py holds the GEMM to."""
+    from luce_compile.graph.ir import OpKind
+    from luce_compile.graph.rounding import f16
+    from luce_compile.lower.quant_layout import TWO_BIT_SLOTS, repack
+
+    gguf = cached_synthetic(dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=512, quant=qtype))
+    oracle = GgmlRounding(gguf, types=(qtype,), gpu_q8_1=True)
+    op = next(o for o in oracle.graph.ops if o.kind == OpKind.MATMUL and "ffn_down" in o.weights["weight"])
+    assert oracle.gguf.tensor(op.weights["weight"]).ggml_type.name == qtype
+    raw = oracle.gguf.raw(op.weights["weight"])
+    planes = repack(raw, qtype)
+    n_out, n_in = raw.shape[0], planes["qs"].shape[1] * 16
+    k = np.arange(n_in)
+    slots = (planes["qs"][:, k // 16].astype(np.int64) >> (2 * (k % 16))) & 3  # (out, K), slot order per 32
+    q = np.empty_like(slots)
+    q.reshape(n_out, -1, 32)[..., TWO_BIT_SLOTS] = slots.reshape(n_out, -1, 32)  # element order
+    x = rng.standard_normal((3, n_in)) * 2
+    qx, dx = q8_blocks(x)
+    qx16, dx16 = qx.astype(np.int64).reshape(3, -1, 16), np.repeat(f16(dx[..., 0]), 2, axis=-1)  # per 16 values
+    d16 = np.repeat(planes["d"].astype(np.float64), 16, axis=-1)  # (out, K/16)
+    if qtype == "Q3_K":
+        q = (q | (((planes["qh"][:, k // 32].astype(np.int64) >> (k % 32)) & 1) << 2)) - 4
+        ints = np.einsum("ohi,bhi->boh", q.reshape(n_out, -1, 16), qx16)  # (3, out, K/16)
+        y = np.einsum("boh,bh,oh->bo", ints, dx16, d16 * planes["sc"])
+    else:
+        scaled = q.reshape(n_out, -1, 16) * planes["sc"][..., None].astype(np.int64)  # sc·q
+        ints = np.einsum("ohi,bhi->boh", scaled, qx16)
+        m = -np.repeat(planes["dmin"].astype(np.float64), 16, axis=-1) * planes["mn"]  # (out, K/16)
+        y = np.einsum("boh,bh,oh->bo", ints, dx16, d16) + np.einsum("bh,bh,oh->bo", qx16.sum(-1), dx16, m)
+    want = oracle._matmul(op, x)
+    assert np.abs(y - want).max() <= 1e-9 * np.abs(want).max()
+    # the q8_K rounding the CPU form takes (gpu_q8_1=False) is another one
+    cpu = GgmlRounding(gguf, types=(qtype,))._matmul(op, x)
+    assert np.abs(cpu - want).max() > 1e-6 * np.abs(want).max()

@@ -39,10 +39,22 @@ def fmt_type(name: str):
 
 
 def test_types_without_the_kernel():
-    assert q8_gemm_format("Q3_K") is None and q8_gemm_format("BF16") is None and q8_gemm_format("MXFP4") is None
+    assert q8_gemm_format("BF16") is None and q8_gemm_format("MXFP4") is None and q8_gemm_format("F16") is None
     assert q8_gemm_format("IQ4_XS").name == "Q8_0"  # the codebook types take q8_0 activations (6d5964d)
-    with pytest.raises(ValueError, match="does not take Q2_K"):
-        q8_gemm_matmul("Q2_K", 64, 256, name="g")
+    with pytest.raises(ValueError, match="does not take MXFP4"):
+        q8_gemm_matmul("MXFP4", 64, 256, name="g")
+
+
+def test_q3_k_and_q2_k_take_q8_0_activations():
+    """Issue 40's 2- and 3-bit K-quants: Q3_K (a signed scale per 16 values, no minimum) dots its centred quants
+    (q − 4) against q8_0 values; Q2_K's minima per 16 values take sums the kernel forms from the quants, so its
+    activations are q8_0's too, without the per-32 sums (no xs scratch)."""
+    from luce_compile.lower.q8_gemm import Q8_GEMM_OFFSET
+
+    assert q8_gemm_format("Q3_K").name == q8_gemm_format("Q2_K").name == "Q8_0"
+    assert Q8_GEMM_OFFSET["Q3_K"] == 4 and "Q2_K" not in Q8_GEMM_OFFSET
+    for qtype in ("Q3_K", "Q2_K"):
+        assert [p.name for p in q8_gemm_matmul(qtype, 64, 512, name="g").params][-2:] == ["xq", "xd"]
 
 
 def test_the_function_takes_its_scratch_after_y_and_marks_its_twin():

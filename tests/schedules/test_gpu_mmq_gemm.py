@@ -4,10 +4,11 @@
 1. The arithmetic: mmq_blocks.emulate (the kernel's operations in numpy: exact int32 block dots, then the float32
    scale and minimum terms in the kernel's order) against float64 with only the activations' 8-bit rounding
    emulated, the formula the emulating oracle uses (graph/rounding.gpu_q8_matmul), on fresh random weights of every
-   type. Bound: each block adds one term d_w·d_x·C (C exact; fl(C·d_w) and the fma round once each) and, with a
-   minimum, one term m_w·s_x (one rounding): recursive float32 summation of 2·K/32 terms, each with ≤ 2 roundings,
-   errs by at most (2·K/32 + 2)·u·Σ|terms| (Higham §3.1, u = 2⁻²⁴); every output is held to twice that. A wrong
-   scale, offset, minimum or sub-block moves y by ~|y|/√(K/32), far above (the last test of the section shows one).
+   type. Bound: each block adds one term d_w·d_x·C (C exact; fl(C·d_w) and the fma round once each; two for the
+   types with a scale per 16 values) and, with a minimum, one term m_w·s_x (one rounding; Q2_K two, m_w·d_x·S per 16
+   values): recursive float32 summation of T·K/32 terms (T = 2, Q2_K 3), each with ≤ 2 roundings, errs by at most
+   (T·K/32 + 2)·u·Σ|terms| (Higham §3.1, u = 2⁻²⁴); every output is held to twice that. A wrong scale, offset,
+   minimum, sub-block or bit moves y by ~|y|/√(K/32), far above (the last tests of the section show it).
 2. The statements of kernel 1 (quantize), of the weight unpacking and of a whole K step's staging into shared
    memory run on the CPU: the same TIR the GPU kernel is made of (quantize_block, WeightBlock, GemmKernel's
    load_step and store_step), in llvm loops, bit for bit against the emulation's values and the layout the mma.sync
@@ -25,11 +26,12 @@ import re
 import numpy as np
 import pytest
 import tvm
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from luce_schedules.gpu import mma_gemm, mmq_blocks, mmq_gemm
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as B
+from tvm.sym import Analyzer
 from tvm.target import Target
 
 from luce_compile.codegen.gpu_toolchain import find_tool
@@ -46,11 +48,26 @@ CPU = tvm.target.Target({"kind": "llvm", "num-cores": 1})
 U = 2.0**-24
 
 
+# the fp16 fields (d, dmin) of the types whose random weights are random blocks: the project's quantizer leaves parts
+# of their formats unused (Q3_K's level −4 and its negative scales), random bytes cover every bit
+RAW_FP16 = {"Q2_K": (80, 82), "Q3_K": (108,)}
+
+
 def random_weights(qtype: str, n_out: int, n_in: int, rng: np.random.Generator):
-    """(raw GGUF rows, repacked planes, float64 dequantized W): random weights, the project's quantizer."""
-    w = (rng.standard_normal((n_out, n_in)) * 0.05).astype(np.float32)
-    raw = quantize(w, GGMLQuantizationType[qtype]).reshape(n_out, -1)
-    return raw, repack(raw, qtype), dequantize(raw, GGMLQuantizationType[qtype]).reshape(n_out, n_in).astype(np.float64)
+    """(raw GGUF rows, repacked planes, float64 dequantized W): random weights, the project's quantizer (RAW_FP16's
+    types: random blocks, each fp16 field ±(0.5..2)·10⁻³)."""
+    ggml = GGMLQuantizationType[qtype]
+    if qtype in RAW_FP16:
+        block, size = GGML_QUANT_SIZES[ggml]
+        raw = rng.integers(0, 256, (n_out, n_in // block, size), dtype=np.uint8)
+        for at in RAW_FP16[qtype]:
+            scale = rng.uniform(0.5e-3, 2e-3, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
+            raw[..., at:at + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+        raw = raw.reshape(n_out, -1)
+    else:
+        w = (rng.standard_normal((n_out, n_in)) * 0.05).astype(np.float32)
+        raw = quantize(w, ggml).reshape(n_out, -1)
+    return raw, repack(raw, qtype), dequantize(raw, ggml).reshape(n_out, n_in).astype(np.float64)
 
 
 def activations(rng: np.random.Generator, rows: int, n_in: int) -> np.ndarray:
@@ -60,9 +77,17 @@ def activations(rng: np.random.Generator, rows: int, n_in: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
+def q2_k_minimums(raw: np.ndarray) -> np.ndarray:
+    """Q2_K rows → −dmin·mn of each 16 values (n, K/16) float64, from the GGUF blocks (scales[16]: the minimum in the
+    high nibble; dmin, fp16 at byte 82)."""
+    blocks = raw.reshape(raw.shape[0], -1, 84)
+    dmin = blocks[..., 82:84].copy().view(np.float16)[..., 0].astype(np.float64)
+    return -(dmin[..., None] * (blocks[..., 0:16] >> 4)).reshape(raw.shape[0], -1)
+
+
 def reference(qtype: str, raw: np.ndarray, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(y, bound): float64 with the activations' rounding emulated as the oracle does, and each output's bound."""
-    k = w.shape[1]
+    k, terms = w.shape[1], 3 if qtype in mmq_blocks.SUMS16_TYPES else 2
     q, d = q8_blocks(x)
     xr = (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)  # what q8_0 gives
     magnitude = np.abs(xr) @ np.abs(w).T
@@ -70,7 +95,10 @@ def reference(qtype: str, raw: np.ndarray, w: np.ndarray, x: np.ndarray) -> tupl
         m = block_minimums(raw, qtype, w.shape)
         s = (d[..., 0] * q.sum(-1)).astype(np.float16).astype(np.float64)
         magnitude = np.abs(xr) @ np.abs(w - np.repeat(m, 32, axis=1)).T + np.abs(s) @ np.abs(m).T
-    return gpu_q8_matmul(x, w, qtype, raw), 2 * (2 * k // 32 + 2) * U * magnitude
+    if qtype == "Q2_K":  # likewise, per 16 values
+        m = q2_k_minimums(raw)
+        magnitude = np.abs(xr) @ (np.abs(w - np.repeat(m, 16, axis=1)) + np.abs(np.repeat(m, 16, axis=1))).T
+    return gpu_q8_matmul(x, w, qtype, raw), 2 * (terms * k // 32 + 2) * U * magnitude
 
 
 # ---- 1. the arithmetic -----------------------------------------------------------------------------------------------
@@ -87,14 +115,30 @@ def test_emulation_is_float64_with_the_8_bit_rounding(qtype, rng):
     assert np.abs(got - plain).max() > 1000 * np.abs(got - want).max()
 
 
+def _swapped(plane: np.ndarray) -> np.ndarray:
+    """The two 16-value sub-blocks' fields of every 32-value block swapped."""
+    return plane.reshape(plane.shape[0], -1, 2)[..., ::-1].reshape(plane.shape).copy()
+
+
+def _flipped(plane: np.ndarray, bit: int) -> np.ndarray:
+    """Bit `bit` of every word of a plane flipped."""
+    return plane ^ np.uint32(1 << bit)
+
+
 @pytest.mark.unit
-def test_a_wrong_sub_block_scale_breaks_the_bound(rng):
-    """Q6_K with its two 16-value sub-blocks' scales swapped in every block: the bound above catches it."""
-    raw, planes, w = random_weights("Q6_K", 40, 768, rng)
+@pytest.mark.parametrize(("qtype", "plane", "wrong"), [
+    ("Q6_K", "sc", _swapped), ("Q3_K", "sc", _swapped), ("Q2_K", "sc", _swapped), ("Q2_K", "mn", _swapped),
+    ("Q3_K", "qh", lambda p: _flipped(p, 5)),  # one element's third bit a block
+    ("Q3_K", "qs", lambda p: _flipped(p, 12)), ("Q2_K", "qs", lambda p: _flipped(p, 12)),  # a low bit a 16 values
+])
+def test_a_wrong_sub_block_scale_or_bit_breaks_the_bound(qtype, plane, wrong, rng):
+    """The 16-value sub-blocks' scales (Q2_K's minima) swapped in every block, or one bit flipped: the bound above
+    catches it."""
+    raw, planes, w = random_weights(qtype, 40, 768, rng)
     x = activations(rng, 24, 768)
-    swapped = dict(planes, sc=planes["sc"].reshape(40, -1, 2)[..., ::-1].reshape(40, -1).copy())
-    want, bound = reference("Q6_K", raw, w, x)
-    assert np.any(np.abs(mmq_blocks.emulate("Q6_K", swapped, x) - want) > bound)
+    want, bound = reference(qtype, raw, w, x)
+    assert np.all(np.abs(mmq_blocks.emulate(qtype, planes, x) - want) <= bound)
+    assert np.any(np.abs(mmq_blocks.emulate(qtype, dict(planes, **{plane: wrong(planes[plane])}), x) - want) > bound)
 
 
 # ---- 2. kernel 1 and the weight unpacking, on the CPU ----------------------------------------------------------------
@@ -152,7 +196,7 @@ def tir_byte_perm(x: tirx.Expr, y: tirx.Expr, s: tirx.Expr) -> tirx.Expr:
 
 def _unpacker(qtype: str, n_out: int, n_in: int) -> tirx.PrimFunc:
     """WeightBlock's load, words and scales for every block of every row, in llvm loops."""
-    groups = 2 if qtype == "Q6_K" else 1
+    groups, minima = mmq_blocks.groups(qtype), max(1, mmq_blocks.minimums(qtype))
     nb = n_in // 32
     with IRBuilder() as ib, B.prim_func():
         B.func_name("unpack")
@@ -160,41 +204,42 @@ def _unpacker(qtype: str, n_out: int, n_in: int) -> tirx.PrimFunc:
                   for pl, (shape, dt) in plane_specs(qtype, n_out, n_in).items()}
         words = B.arg("words", B.buffer((n_out * nb * 8,), "uint32"))
         dw = B.arg("dw", B.buffer((n_out * nb * groups,), "float32"))
-        mw = B.arg("mw", B.buffer((n_out * nb,), "float32"))
+        mw = B.arg("mw", B.buffer((n_out * nb * minima,), "float32"))
         views = mmq_blocks.plane_views(planes)
         with B.serial(0, n_out) as n, B.serial(0, nb) as b:
             unit = mmq_blocks.WeightBlock(qtype, views, n, b, n_in, tir_byte_perm)
             unit.load()
             for s, word in enumerate(unit.words()):
                 B.buffer_store(words, word, [(n * nb + b) * 8 + s])
-            scales, minimum = unit.scales()
+            scales, mins = unit.scales()
             for g, value in enumerate(scales):
                 B.buffer_store(dw, value, [(n * nb + b) * groups + g])
-            if minimum is not None:
-                B.buffer_store(mw, minimum, [n * nb + b])
+            for h, value in enumerate(mins):
+                B.buffer_store(mw, value, [(n * nb + b) * minima + h])
     return ib.get()
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_weight_words_are_the_emulations_integers_in_the_activations_order(qtype, rng):
-    """Each block's 8 shared words hold its centred quants in the order of the activations' words (Q6_K's permuted so
-    that bytes 0-15 are its first sub-block), and its scales are the emulation's, bit for bit."""
+    """Each block's 8 shared words hold its centred quants (Q2_K's times their scale) in the order of the activations'
+    words (Q6_K's and Q3_K's permuted so that bytes 0-15 are their first sub-block), and its scales are the
+    emulation's, bit for bit."""
     n_out, n_in = 6, 512
     _, planes, _ = random_weights(qtype, n_out, n_in, rng)
-    groups, nb = (2 if qtype == "Q6_K" else 1), n_in // 32
+    groups, minima, nb = mmq_blocks.groups(qtype), max(1, mmq_blocks.minimums(qtype)), n_in // 32
     outs = [np.zeros(n_out * nb * 8, np.uint32), np.zeros(n_out * nb * groups, np.float32),
-            np.zeros(n_out * nb, np.float32)]
+            np.zeros(n_out * nb * minima, np.float32)]
     *_, words, dw, mw = _run_cpu(_unpacker(qtype, n_out, n_in), *planes.values(), *outs)
     q, want_dw, want_mw = mmq_blocks.weight_integers(qtype, planes)
     positions = [q8_gemm_format(qtype).position_element(p) for p in range(32)]
-    slots = mmq_blocks.Q6_SLOTS if qtype == "Q6_K" else tuple(range(8))
+    slots = mmq_blocks.Q6_SLOTS if groups == 2 else tuple(range(8))
     in_order = words.view(np.int8).reshape(n_out, nb, 8, 4)[:, :, list(slots)].reshape(n_out, nb, 32)
     assert np.array_equal(in_order, q.reshape(n_out, nb, 32)[..., positions])
     assert np.array_equal(dw.reshape(n_out, -1), want_dw)
     if want_mw is not None:
-        assert np.array_equal(mw.reshape(n_out, nb), want_mw)
-    if qtype == "Q6_K":  # shared bytes 0-15 (slots 0-3) are elements 0-15: what the first m16n8k16 multiplies
+        assert np.array_equal(mw.reshape(n_out, -1), want_mw)
+    if groups == 2:  # shared bytes 0-15 (slots 0-3) are elements 0-15: what the first m16n8k16 multiplies
         elements = [positions[4 * slots[t // 4] + t % 4] for t in range(16)]
         assert sorted(elements) == list(range(16))
         shared = words.view(np.int8).reshape(n_out, nb, 32)
@@ -205,7 +250,7 @@ def _stager(qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], rows:
             step: int, stage: int) -> tirx.PrimFunc:
     """GemmKernel's load_step then store_step of K step `step` into `stage`, for every thread in turn (a loop on the
     CPU), the shared buffers being arguments: what the tile's threads leave in shared memory for the mma.sync."""
-    fmt, groups = q8_gemm_format(qtype), (2 if qtype == "Q6_K" else 1)
+    fmt, groups = q8_gemm_format(qtype), mmq_blocks.groups(qtype)
     (tiles, scales), _ = mmq_gemm._shared_words(qtype, tile)
     with IRBuilder() as ib, B.prim_func():
         B.func_name("stage")
@@ -226,11 +271,12 @@ def _stager(qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], rows:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_XS", "Q3_K", "Q2_K"])
 def test_a_step_leaves_each_row_and_scale_where_the_mma_reads_it(qtype, rng):
     """The second K step of the tile at rows 64.. of 100 (rows past the batch clamped to its last) and features
     128.. of 200 (clamped to 199), into stage 1: each x row's and weight row's 8 words a block in their slots (Q6_K's
-    permuted), padded rows; d_x [, s_x] at [block][row]; d_w, -MAGIC·d_w at [block][group][feature], m_w."""
+    and Q3_K's permuted), padded rows; d_x [, s_x] at [block][row]; d_w, -MAGIC·d_w at [block][group][feature], m_w
+    at [block][minimum][feature]."""
     n_out, n_in, tile, rows, origin, step = 200, 512, (64, 128, 128), 100, (64, 128), 1
     _, planes, _ = random_weights(qtype, n_out, n_in, rng)
     fmt = q8_gemm_format(qtype)
@@ -243,7 +289,7 @@ def test_a_step_leaves_each_row_and_scale_where_the_mma_reads_it(qtype, rng):
     got = _run_cpu(func, *planes.values(), xq, *xs, *outs)[len(planes) + 1 + len(xs):]
     tile_m, tile_n, tile_k = tile
     nblk, row = tile_k // 32, mmq_gemm.row_words(tile_k)
-    slots = list(mmq_blocks.Q6_SLOTS if qtype == "Q6_K" else range(8))
+    slots = list(mmq_blocks.Q6_SLOTS if groups == 2 else range(8))
     blocks = step * nblk + np.arange(nblk)
     x_rows = np.minimum(origin[0] + np.arange(tile_m), rows - 1)
     want_x = xq.reshape(rows, -1, 8)[x_rows][:, blocks][..., slots]  # (tile_m, nblk, 8) words in slot order
@@ -263,8 +309,10 @@ def test_a_step_leaves_each_row_and_scale_where_the_mma_reads_it(qtype, rng):
     sw = got[2 + 2 * 1 + 1].reshape(nblk, groups, tile_n, 2)
     want_dw = dw.reshape(n_out, -1, groups)[feats][:, blocks].transpose(1, 2, 0)  # (nblk, groups, tile_n)
     assert np.array_equal(sw[..., 0], want_dw) and np.array_equal(sw[..., 1], want_dw * np.float32(-12582912.0))
-    if mw is not None:
-        assert np.array_equal(got[2 + 2 * 2 + 1].reshape(nblk, tile_n), mw[feats][:, blocks].T)
+    if mw is not None:  # one m_w a block, or Q2_K's two
+        minima = mmq_blocks.minimums(qtype)
+        want_mw = mw.reshape(n_out, -1, minima)[feats][:, blocks].transpose(1, 2, 0)  # (nblk, minima, tile_n)
+        assert np.array_equal(got[2 + 2 * 2 + 1].reshape(nblk, minima, tile_n), want_mw)
     assert not any(a.any() for a in got[2::2])  # stage 0 untouched
 
 
@@ -294,18 +342,43 @@ def test_every_type_generates_the_integer_mma_kernel(qtype):
     assert "__shfl" not in quant and quant.count("nearbyintf") == 32
     assert quant.count("__fdiv_rn(") == (3 if q8_gemm_format(qtype).with_sum else 2)
     steps_in_code = 2 + 1 + 1  # the loop's pair, the lone step after it, the last step's compute
-    frags = (64 // mma_gemm.WARPS_M // 16) * (64 // mma_gemm.WARPS_N // 8)
-    k16 = qtype == "Q6_K"
+    frags_m, frags = 64 // mma_gemm.WARPS_M // 16, (64 // mma_gemm.WARPS_M // 16) * (64 // mma_gemm.WARPS_N // 8)
+    k16 = qtype in ("Q6_K", "Q3_K")
     mma = "m16n8k16_row_col_s32_s8_s8_s32" if k16 else "m16n8k32_row_col_s32_s8_s8_s32"
-    assert gemm.count(f"mma_int_sync_aligned_{mma}(") == steps_in_code * 2 * frags * (2 if k16 else 1)
+    # Q2_K: one more per 16 rows, the sums per 16 values (against bytes of 1)
+    per_block = frags * (2 if k16 else 1) + (frags_m if qtype == "Q2_K" else 0)
+    assert gemm.count(f"mma_int_sync_aligned_{mma}(") == steps_in_code * 2 * per_block
+    assert gemm.count("mma_int_sync_aligned_") == steps_in_code * 2 * per_block
+    assert ("16843009" in gemm) == (qtype == "Q2_K")  # 0x01010101
     ldmatrix = 64 // mma_gemm.WARPS_M // 16 + 64 // mma_gemm.WARPS_N // 16  # A per 16 rows, B per 16 features
     assert gemm.count("ldmatrix_sync_aligned_m8n8_x4") == steps_in_code * 2 * ldmatrix
-    # per element and block: fma(C bits, d_w, −MAGIC·d_w), fma(u, d_x, acc) [, fma(m_w, s_x, acc)]
-    per = (2 * (2 if k16 else 1) + (1 if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 0)) * frags * 4
+    # per element and block: fma(C bits, d_w, −MAGIC·d_w), fma(u, d_x, acc) [, fma(m_w, s_x, acc) | Q2_K's two
+    # fma(m_w, t, acc)]
+    minima = {"Q4_1": 1, "Q5_1": 1, "Q4_K": 1, "Q5_K": 1, "Q2_K": 2}.get(qtype, 0)
+    per = (2 * (2 if k16 else 1) + minima) * frags * 4
     assert gemm.count("__fmaf_rn(") == steps_in_code * 2 * per
     # exactly the written barriers: after the first step's stores, once a step (the pair's two and the lone step's)
     assert gemm.count("__syncthreads()") == 4
     assert "int64_t" not in gemm.split("{", 1)[1]
+
+
+@pytest.mark.unit
+def test_the_q2_k_sums_operand_sums_a_sub_block_by_column_parity():
+    """Q2_K's sums per 16 values: the B operand each lane gives the mma against the x fragment (b0 = b1 =
+    sums_operand(tig, g): the lane's bytes k = 4·tig.. and 16 + 4·tig.. of column g, PTX's m16n8k32 .s8 layout) is
+    1 exactly at the positions of the nibbles order whose elements are sub-block g % 2's, so that output column n
+    (c0/c2 at 2·tig, c1/c3 at 2·tig + 1) is S_(n % 2) of its row, what _sums16 and emulate take it for."""
+    analyzer = Analyzer()
+    ones = np.zeros((32, 8), np.int64)  # B (k, n) as bytes
+    for lane in range(32):
+        g, tig = lane // 4, lane % 4
+        word = int(analyzer.simplify(mmq_gemm.sums_operand(tirx.const(tig, "int32"), tirx.const(g, "int32"))))
+        for base in (4 * tig, 16 + 4 * tig):  # b0, b1
+            ones[base:base + 4, g] = [(word >> (8 * j)) & 0xFF for j in range(4)]
+    fmt = q8_gemm_format("Q2_K")
+    sub_block = np.array([fmt.position_element(p) // 16 for p in range(32)])
+    for n in range(8):
+        assert np.array_equal(ones[:, n], (sub_block == n % 2).astype(np.int64))
 
 
 @pytest.mark.unit
@@ -324,21 +397,23 @@ def test_default_tile_and_what_it_refuses():
     assert mmq_gemm.default_tile(4096, 132) == (64, 128, 128)  # 8 × 32 blocks at 512 rows
     assert mmq_gemm.default_tile(14336, 132) == (64, 128, 128)
     assert mmq_gemm.default_tile(1024, 132) == (64, 64, 128)  # the k/v projection: 8 × 16
-    assert mmq_gemm.supports("Q6_K", 4096) and not mmq_gemm.supports("Q3_K", 4096)
+    assert mmq_gemm.supports("Q6_K", 4096) and mmq_gemm.supports("Q3_K", 4096) and mmq_gemm.supports("Q2_K", 4096)
     assert not mmq_gemm.supports("Q4_K", 4096, "float16") and not mmq_gemm.supports("BF16", 4096)
+    assert not mmq_gemm.supports("MXFP4", 4096)
     with pytest.raises(ValueError, match="not supported"):
-        mmq_gemm.mmq_gemm("Q2_K", 256, 512)
+        mmq_gemm.mmq_gemm("MXFP4", 256, 512)
 
 
 @pytest.mark.unit
 @pytest.mark.skipif(find_tool("nvcc") is None, reason="the sm_90 build needs nvcc (the CUDA toolkit)")
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q3_K", "Q2_K"])
 @pytest.mark.parametrize(("n_out", "n_in"), [(4096, 4096), (1024, 4096)])
 def test_the_8b_shapes_build_for_sm_90_without_spills(qtype, n_out, n_in, tmp_path):
     """The GEMM kernel at the default tile of the 8B's shapes (64 × 128 and 64 × 64, K steps of 128), through nvcc and
     ptxas: no spills, registers × 256 threads within the SM's 64K (one block an SM above 128), static shared memory
     within 48 KiB (the scales; above it the tiles move to dynamic shared memory). Measured 2026-12-07: Q4_K 209 and
-    117 registers, Q6_K 189 and 128; 17,408 / 48,128 and 19,456 / 48,128 bytes static."""
+    117 registers, Q6_K 189 and 128; 17,408 / 48,128 and 19,456 / 48,128 bytes static. Issue 40's types (nvcc 13.0,
+    sm_90): Q3_K 189 and 128 (Q6_K's), Q2_K 181 and 128; both 19,456 / 48,128 bytes static."""
     from luce_compile.codegen.gpu_toolchain import gpu_toolchain
     from luce_compile.codegen.kernel_resources import check_cuda, library_resources
     from luce_compile.targets import get_target
