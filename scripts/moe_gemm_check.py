@@ -32,6 +32,7 @@ GEMV_TOL = 1e-4  # the gathered GEMV's float32 sums against float64, relative to
 # and of 6: above and at or below grouped_above(8) = 32 rows)
 CHECKED = (("q4k_gate", "Q4_K", 8, 192, 512, True, 40, 3), ("q6k_down", "Q6_K", 8, 256, 512, False, 40, 3),
            ("q80_gate", "Q8_0", 8, 64, 256, True, 40, 2), ("iq4xs_gate", "IQ4_XS", 8, 128, 512, True, 40, 3),
+           ("q3k_gate", "Q3_K", 8, 128, 512, True, 40, 3), ("q2k_down", "Q2_K", 8, 128, 512, False, 40, 3),
            ("q4k_decode", "Q4_K", 8, 192, 512, True, 6, 3))
 # Qwen3-30B-A3B's expert matmuls at a 512-token prompt (128 experts, 8 used): gate/up (768 x 2048, gathered) and
 # down (2048 x 768), timed only
