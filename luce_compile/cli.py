@@ -486,8 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-gemm", choices=("f16", "q8"), default=None,  # LowerOptions.prefill_gemm
                    help="CUDA with --precision f16: the matmuls of more than 8 rows (prefill, verify). q8 (default "
                         "there) = llama.cpp's 8-bit activations (blocks of 32) on integer tensor cores, for "
-                        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS weights (other types keep f16); f16 = "
-                        "float16 operands on tensor cores for every type")
+                        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS weights (other types keep "
+                        "f16); f16 = float16 operands on tensor cores for every type")
     s.add_argument("--force", action="store_true",
                    help="replace an existing artifact at -o (anything else there is always refused)")
     s.add_argument("--no-megakernel", action="store_true",
