@@ -435,7 +435,7 @@ def mmq_gemm(ggml_type: str, n_out: int, n_in: int, *, tile_m: int = 128, tile_n
         scratch = scratch_args(fmt, batch, n_in)
         B.func_attr({"tirx.noalias": True})
         rows = batch.astype("int32")
-        views = _flat_views(planes, scratch, rows, n_in)
+        views = flat_views(planes, scratch, rows, n_in)
         quantize_rows(B.decl_buffer((rows * n_in,), "float32", data=x.data), views["q8"], rows, n_in, fmt.order)
         y_flat = B.decl_buffer((rows * n_out,), "float32", data=y.data)
         _gemm_kernel(qtype, n_out, n_in, (tile_m, tile_n, tile_k), views, rows, y_flat, fmt.with_sum)
@@ -454,7 +454,7 @@ def scratch_args(fmt, rows: tirx.Var, n_in: int) -> dict[str, tirx.Buffer]:  # n
             for arg, (shape, dt) in scratch_specs(fmt, n_in).items()}
 
 
-def _flat_views(planes: dict, scratch: dict, rows: tirx.Expr, n_in: int) -> dict:
+def flat_views(planes: dict, scratch: dict, rows: tirx.Expr, n_in: int) -> dict:
     """plane_views, the scratch (`xq` as words, `xd:flat`, `xs:flat`) and, under "q8", the quantizer's outputs."""
     views: dict = plane_views(planes)
     views["xq"] = B.decl_buffer((rows * (n_in // 4),), "uint32", data=scratch["xq"].data)

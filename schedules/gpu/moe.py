@@ -5,6 +5,8 @@
   into start offsets, and each thread places its rows in order; the ids pass through shared memory a tile at a time,
   so a thread's scan reads shared memory, never global memory, and no atomics are needed (the order is the CPU's).
   A prompt's P = tokens x used rows cost 2 P shared reads per thread: ~0.5 ms for 16K rows, next to its expert GEMMs.
+- `expert_route`: moe.route_func (softmax, top k, renormalized weights) in one kernel, a thread per row: the TE form
+  lowers to a kernel per stage, seven launches a layer at decode.
 - `ExpertGEMV`: the expert matmuls (lower/moe.expert_matmul, marked EXPERT_ATTR) as the batch-1 GEMV's schedule
   (quant_gemv.py) over every sorted row: a warp reduces one (row, output) pair over K, `rows_per_block` pairs a
   block, the row's expert weights dequantized in registers. A decode step reads only the chosen experts' rows
@@ -26,8 +28,8 @@ from luce_schedules.cpu.quant_matmul import MatmulBlocks
 from luce_schedules.gpu.base import root_blocks, sm_count
 from luce_schedules.gpu.mma_gemm import THREADS, TILE_M, TILE_N, step_for
 from luce_schedules.gpu.mmq_blocks import quantize_rows
-from luce_schedules.gpu.mmq_gemm import TILE_K, GemmKernel, _flat_views, default_tile, plane_args, scratch_args
-from luce_schedules.gpu.quant_gemm import Dispatched, _rebound, dispatch_on_batch
+from luce_schedules.gpu.mmq_gemm import TILE_K, GemmKernel, default_tile, flat_views, plane_args, scratch_args
+from luce_schedules.gpu.quant_gemm import Dispatched, dispatch_on_batch, rebound
 from luce_schedules.gpu.quant_gemv import QuantGEMV, gemv
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
@@ -204,7 +206,7 @@ class ExpertGEMV(QuantGEMV):
         n_in, n_out = int(x.shape[1]), int(y.shape[1])
         _, tile_n, tile_k = default_tile(n_out, sm_count(target, 132))
         kernel = grouped_mmq_gemm(qtype, n_expert, n_out, n_in, bool(gather), tile_n=tile_n, tile_k=tile_k)
-        grouped = Dispatched(tvm.IRModule({"main": plain.with_body(_rebound(kernel, plain))}))
+        grouped = Dispatched(tvm.IRModule({"main": plain.with_body(rebound(kernel, plain))}))
         main = dispatch_on_batch(plain, y.shape[0], {grouped_above(n_expert): gemv_sch}, grouped)
         return [Dispatched(tvm.IRModule({"main": main}))]
 
@@ -273,7 +275,7 @@ def grouped_mmq_gemm(ggml_type: str, n_expert: int, n_out: int, n_in: int, gathe
         scratch = scratch_args(fmt, x_rows, n_in)
         B.func_attr({"tirx.noalias": True})
         rows, xr = p_rows.astype("int32"), x_rows.astype("int32")
-        views = _flat_views(planes, scratch, xr, n_in)
+        views = flat_views(planes, scratch, xr, n_in)
         quantize_rows(B.decl_buffer((xr * n_in,), "float32", data=x.data), views["q8"], xr, n_in, fmt.order)
         y_flat = B.decl_buffer((rows * n_out,), "float32", data=y.data)
         _grouped_kernel(qtype, n_out, n_in, (tile_m, tile_n, tile_k), views, rows, experts, tokens, y_flat,

@@ -113,11 +113,11 @@ def tensor_core_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, target: Target,
         kernel = mma_gemm.mma_gemm(qtype, n_out, n_in, x_dtype=x_dtype, out_dtype=out_dtype,
                                    tile_m=knobs.get("tile_m") or tile_m, tile_n=knobs.get("tile_n") or tile_n,
                                    tile_k=knobs.get("tile_k") or tile_k)
-        return Dispatched(IRModule({"main": func.with_body(_rebound(kernel, func))}))
+        return Dispatched(IRModule({"main": func.with_body(rebound(kernel, func))}))
     sch = TensorCoreGEMM().apply(twin, target, TensorCoreGEMM.DEFAULTS)
     if sch is None:
         return None
-    return Dispatched(IRModule({"main": func.with_body(_rebound(sch.mod["main"], func))}))
+    return Dispatched(IRModule({"main": func.with_body(rebound(sch.mod["main"], func))}))
 
 
 def _q8_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, qtype: str | None, n_out: int, n_in: int, target: Target,
@@ -129,10 +129,10 @@ def _q8_gemm(func: tirx.PrimFunc, twin: tirx.PrimFunc, qtype: str | None, n_out:
     tile_m, tile_n, tile_k = mmq_gemm.default_tile(n_out, sm_count(target, 132))
     kernel = mmq_gemm.mmq_gemm(qtype, n_out, n_in, tile_m=knobs.get("tile_m") or tile_m,
                                tile_n=knobs.get("tile_n") or tile_n, tile_k=knobs.get("tile_k") or tile_k)
-    return Dispatched(IRModule({"main": func.with_body(_rebound(kernel, func))}))
+    return Dispatched(IRModule({"main": func.with_body(rebound(kernel, func))}))
 
 
-def _rebound(other: tirx.PrimFunc, func: tirx.PrimFunc) -> tirx.Stmt:
+def rebound(other: tirx.PrimFunc, func: tirx.PrimFunc) -> tirx.Stmt:
     """other's body over func's parameters and shape variables (the two have the same signature)."""
     pairs = list(zip(other.params, func.params, strict=True))
     pairs += [(a, b) for p, q in pairs for a, b in zip(p.shape, q.shape, strict=True) if isinstance(a, tirx.Var)]
