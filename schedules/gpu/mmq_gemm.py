@@ -415,16 +415,23 @@ def _copy(dst: tirx.Buffer, dst_at, src: tirx.Buffer, src_at, count: int) -> Non
     B.buffer_store(dst, src.vload([src_at], f"{src.dtype}x{count}"), [tirx.Ramp(dst_at, i32(1), count)])
 
 
+def checked_kernel(who: str, ggml_type: str, n_in: int, tile_m: int, tile_n: int, tile_k: int):
+    """(the type's name, its activations' Q8Format, the K step taken) of a GEMM this module builds, or a ValueError
+    naming what it takes."""
+    qtype = as_ggml_type(ggml_type).name
+    fmt = q8_gemm_format(qtype)
+    step = step_for(n_in, tile_k)
+    if fmt is None or tile_m not in TILE_M or tile_n not in TILE_N or not step:
+        raise ValueError(f"{who}: {qtype} with tile {tile_m}x{tile_n} and K={n_in} is not supported (types "
+                         f"of lower/q8_gemm.py, tiles {TILE_M} x {TILE_N}, K a multiple of {min(TILE_K)})")
+    return qtype, fmt, step
+
+
 def mmq_gemm(ggml_type: str, n_out: int, n_in: int, *, tile_m: int = 128, tile_n: int = 128, tile_k: int = 128,
              name: str = "mmq_gemm") -> tirx.PrimFunc:
     """PrimFunc(x (batch, n_in) float32, *planes, y (batch, n_out) float32, xq, xd [, xs]) with the signature of
     lower/q8_gemm.q8_gemm_matmul: x quantized into the scratch (kernel 1), then y = the 8-bit GEMM (kernel 2)."""
-    qtype = as_ggml_type(ggml_type).name
-    fmt = q8_gemm_format(qtype)
-    tile_k = step_for(n_in, tile_k)
-    if fmt is None or tile_m not in TILE_M or tile_n not in TILE_N or not tile_k:
-        raise ValueError(f"mmq_gemm: {qtype} with tile {tile_m}x{tile_n} and K={n_in} is not supported (types "
-                         f"of lower/q8_gemm.py, tiles {TILE_M} x {TILE_N}, K a multiple of {min(TILE_K)})")
+    qtype, fmt, tile_k = checked_kernel("mmq_gemm", ggml_type, n_in, tile_m, tile_n, tile_k)
     i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731
     with IRBuilder() as ib, B.prim_func():
         B.func_name(name)

@@ -26,9 +26,17 @@ from __future__ import annotations
 import tvm
 from luce_schedules.cpu.quant_matmul import MatmulBlocks
 from luce_schedules.gpu.base import root_blocks, sm_count
-from luce_schedules.gpu.mma_gemm import THREADS, TILE_M, TILE_N, step_for
+from luce_schedules.gpu.mma_gemm import THREADS
 from luce_schedules.gpu.mmq_blocks import quantize_rows
-from luce_schedules.gpu.mmq_gemm import TILE_K, GemmKernel, default_tile, flat_views, plane_args, scratch_args
+from luce_schedules.gpu.mmq_gemm import (
+    TILE_K,
+    GemmKernel,
+    checked_kernel,
+    default_tile,
+    flat_views,
+    plane_args,
+    scratch_args,
+)
 from luce_schedules.gpu.quant_gemm import Dispatched, dispatch_on_batch, rebound
 from luce_schedules.gpu.quant_gemv import QuantGEMV, gemv
 from tvm import s_tir, tirx
@@ -39,7 +47,6 @@ from tvm.target import Target
 
 from luce_compile.lower.moe import EXPERT_ATTR, GROUPED_ATTR, grouped_above
 from luce_compile.lower.q8_gemm import q8_gemm_format
-from luce_compile.lower.quant_layout import as_ggml_type
 
 SORT_TILE = 1024  # ids staged in shared memory per pass (4 KiB)
 
@@ -256,12 +263,7 @@ def grouped_mmq_gemm(ggml_type: str, n_expert: int, n_out: int, n_in: int, gathe
     y (P, n_out) float32, xq, xd [, xs] (X rows)) with the signature of lower/moe.expert_matmul's grouped form: x
     quantized into the scratch (mmq_gemm's kernel 1), then y[q] = x[tokens[q] if gather else q] @ W[experts[q]].T
     on integer tensor cores (module docstring). The experts are sorted ascending, as the sort leaves them."""
-    qtype = as_ggml_type(ggml_type).name
-    fmt = q8_gemm_format(qtype)
-    tile_k = step_for(n_in, tile_k)
-    if fmt is None or tile_m not in TILE_M or tile_n not in TILE_N or not tile_k:
-        raise ValueError(f"grouped_mmq_gemm: {qtype} with tile {tile_m}x{tile_n} and K={n_in} is not supported "
-                         f"(types of lower/q8_gemm.py, tiles {TILE_M} x {TILE_N}, K a multiple of {min(TILE_K)})")
+    qtype, fmt, tile_k = checked_kernel("grouped_mmq_gemm", ggml_type, n_in, tile_m, tile_n, tile_k)
     i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731
     with IRBuilder() as ib, B.prim_func():
         B.func_name(name)
