@@ -8,7 +8,8 @@ One MOE op becomes, for R = B·S token rows and k = n_expert_used:
             probabilities, renormalized to sum 1 when norm_w. Gives ids (R, k) int32 and weights (R, k). gpt-oss's
             SOFTMAX_WEIGHT gating (the softmax of the k largest logits alone) is the same choice and the same weights
             as softmax then renormalized (p_j / Σ_chosen p = e^l_j / Σ_chosen e^l), so it takes norm_w.
-  sort      `sort_func`: the P = R·k rows (token p // k, slot p % k) grouped by expert (a counting sort), so that
+  sort      `sort_func`: the P = R·k rows (token p // k, slot p % k) grouped by expert (a counting sort; none where
+            P is known when compiling, a decode step of one sequence: its GEMVs take the rows in token order), so that
             consecutive rows of the expert matmuls read one expert's weights: a prompt reads each chosen expert's
             rows from memory about once, from cache for its other tokens (llama.cpp's mul_mat_id groups the same way).
   experts   `expert_matmul` / `int8_expert_matmul`: sorted row q dots weight row experts[q]·n_out + n of the stacked
@@ -32,6 +33,7 @@ grouped 8-bit GEMM (GROUPED_ATTR), which takes calls of more than grouped_above(
 
 from __future__ import annotations
 
+import numpy as np
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
@@ -277,15 +279,21 @@ def lower_moe(m, o: Op, ins: list, **_) -> nn.Tensor:
         nn.Tensor.placeholder((b * s, used), "int32"), nn.Tensor.placeholder((b * s, used), F32)])
     rows = b * s * used
     flat = op.reshape(ids, (rows,))  # (P,): row p = token p // used, slot p % used
-    sort_kernel = sort_func if m.target.kind.name == "llvm" else _gpu_sort
-    sort = m._kernel(("moe_sort", a["n_expert"], used), lambda: sort_kernel(
-        a["n_expert"], used, f"moe_sort_{a['n_expert']}_top{used}"))
-    experts, tokens, inverse = op.tensor_ir_op(sort, sort.attrs["global_symbol"], [flat], [
-        nn.Tensor.placeholder((rows,), "int32") for _ in range(3)])
+    if isinstance(rows, int):
+        # rows known when compiling (a decode step of one sequence): a GEMV's rows are independent of their order,
+        # so they stay in token order, with no sort and no gather back (two kernels a layer fewer)
+        experts, tokens, inverse = flat, nn.Tensor.from_const(np.arange(rows, dtype=np.int32) // used), None
+    else:
+        sort_kernel = sort_func if m.target.kind.name == "llvm" else _gpu_sort
+        sort = m._kernel(("moe_sort", a["n_expert"], used), lambda: sort_kernel(
+            a["n_expert"], used, f"moe_sort_{a['n_expert']}_top{used}"))
+        experts, tokens, inverse = op.tensor_ir_op(sort, sort.attrs["global_symbol"], [flat], [
+            nn.Tensor.placeholder((rows,), "int32") for _ in range(3)])
     # rows grouped by expert: consecutive rows read one expert's weights, which stay in cache (prefill's grouping)
     gate = _biased(m, _experts(m, x2, w["gate_exps"], [experts, tokens], rows), o, "gate_exps_b", experts)  # (P, F)
     up = _biased(m, _experts(m, x2, w["up_exps"], [experts, tokens], rows), o, "up_exps_b", experts)
     down = _biased(m, _experts(m, _glu(a, gate, up), w["down_exps"], [experts], rows), o, "down_exps_b", experts)
-    down = op.take(down, inverse, axis=0)  # (P, E), token order
+    if inverse is not None:
+        down = op.take(down, inverse, axis=0)  # (P, E), token order
     slots = op.reshape(down, (b * s, used, e)) * op.reshape(weights, (b * s, used, 1))
     return op.reshape(op.sum(slots, axis=1), (b, s, e))

@@ -43,3 +43,21 @@ def test_sort_groups_rows_by_expert_stably(rng):
     order = np.argsort(ids, kind="stable")
     assert (experts == ids[order]).all() and (toks == order // used).all()
     assert (inverse[order] == np.arange(ids.size)).all()
+
+
+def test_a_decode_step_of_one_sequence_keeps_its_rows_in_token_order():
+    """decode1 (rows known when compiling) routes and runs the expert GEMVs with the rows in token order: no sort and
+    no gather back, two kernels a layer fewer; the steps of unknown rows (decode of a batch, prefill) sort by expert.
+    The numbers are the same either way (tests/codegen/test_cpu_moe.py holds decode to the oracle)."""
+    from luce_compile.gguf.reader import read_gguf
+    from luce_compile.graph import build_graph
+    from luce_compile.lower.relax_model import LowerOptions, lower_graph
+    from luce_compile.synthetic import cached_synthetic
+    from luce_compile.targets import get_target
+
+    graph = build_graph(read_gguf(cached_synthetic("tiny-qwen3moe")))
+    mod, _ = lower_graph(graph, get_target("cpu").tvm_target(), LowerOptions())
+    calls = {f: mod[f].script() for f in ("decode1", "decode", "prefill")}
+    assert all("moe_route" in text for text in calls.values())
+    assert "moe_sort" not in calls["decode1"] and "R.take" not in calls["decode1"]
+    assert all("moe_sort" in calls[f] and "R.take" in calls[f] for f in ("decode", "prefill"))
