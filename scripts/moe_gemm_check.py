@@ -6,7 +6,7 @@
       into <dir>/<case>.so, and for the checked cases random stacked weights (the project's quantizer, repacked as the
       build repacks), routing and activations with the expected outputs (<case>.npz):
         grouped rows  mmq_blocks.emulate of each expert's rows: the kernel's own arithmetic, held bit for bit
-        GEMV rows     float64 on the dequantized weights, held to GEMV_TOL (float32 sums)
+        GEMV rows     float64 on the dequantized weights, held to checks.REL_TOL_GEMV (float32 sums)
   run (there):     python scripts/moe_gemm_check.py run [--dir .gpucheck/moe-gemm] [--out $OUT/moe-gemm.json]
       runs every case against its expected outputs, then times the timed cases (Qwen3-30B-A3B's expert shapes at a
       512-token prompt, random bytes as weights) with CUDA events: microseconds a call and TFLOP/s.
@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "runtime"))
 
-GEMV_TOL = 1e-4  # the gathered GEMV's float32 sums against float64, relative to the largest output
 
 # (case, type, experts, n_out, n_in, gather, tokens, used): checked against expected outputs (prompts of 40 tokens
 # and of 6: above and at or below grouped_above(8) = 32 rows)
@@ -42,10 +41,11 @@ TIMED = (("a3b_gate", "Q4_K", 128, 768, 2048, True, 512, 8), ("a3b_down_q4k", "Q
 # against the dispatched function's default
 
 
-def routed_rows(rng: np.random.Generator, tokens: int, used: int, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
-    """The sort's result for random routing (expert 1 never chosen where there are more than `used` + 1 experts:
-    a tile's absent expert): experts (P,) ascending, tokens (P,)."""
-    choices = [e for e in range(n_expert) if e != 1 or n_expert <= used + 1]
+def routed_rows(rng: np.random.Generator, tokens: int, used: int, n_expert: int,
+                absent: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The sort's result for random routing (expert `absent` never chosen where there are more than `used` + 1
+    experts: a tile's absent expert): experts (P,) ascending, tokens (P,)."""
+    choices = [e for e in range(n_expert) if e != absent or n_expert <= used + 1]
     ids = np.stack([rng.choice(choices, used, replace=False) for _ in range(tokens)]).reshape(-1).astype(np.int32)
     order = np.argsort(ids, kind="stable")
     return ids[order], (order // used).astype(np.int32)
@@ -153,6 +153,8 @@ def _timed_inputs(c: dict, rng: np.random.Generator) -> tuple[dict, np.ndarray, 
 def run(args: argparse.Namespace) -> int:
     from device_check import _load_runtime
 
+    from luce_compile.checks import REL_TOL_GEMV, rel_err
+
     _load_runtime()
     import tvm
 
@@ -189,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
                 row["max_abs_diff"] = float(np.abs(got - want).max())
                 row["ok"] = row["mismatches"] == 0
             else:
-                row["rel_err"] = float(np.abs(got - want).max() / np.abs(want).max())
-                row["ok"] = row["rel_err"] <= GEMV_TOL
+                row["rel_err"] = rel_err(got, want)
+                row["ok"] = row["rel_err"] <= REL_TOL_GEMV
         else:
             for _ in range(3):
                 fn(*args_)

@@ -30,6 +30,7 @@ from luce_compile.lower.q8_gemm import q8_gemm_format
 from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import quant_matmul
 from luce_compile.targets import get_target
+from tests.bench._load import load_script
 from tests.codegen.test_gpu_device import cuda_device_count
 from tests.schedules.test_gpu_mmq_gemm import _run_cpu, activations, random_weights
 
@@ -269,14 +270,6 @@ def test_grouped_gemm_refuses_types_the_8_bit_gemm_does_not_take():
         grouped_mmq_gemm("MXFP4", 8, 64, 256, True)
 
 
-def _routed_rows(rng: np.random.Generator, tokens: int, used: int, n_expert: int, absent: int):
-    """The sort's result for random routing that never picks expert `absent`: experts (P,) ascending, tokens (P,)."""
-    choices = [e for e in range(n_expert) if e != absent]
-    ids = np.stack([rng.choice(choices, used, replace=False) for _ in range(tokens)]).reshape(-1).astype(np.int32)
-    order = np.argsort(ids, kind="stable")
-    return ids[order], (order // used).astype(np.int32)
-
-
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"])
@@ -288,7 +281,7 @@ def test_grouped_gemm_on_the_gpu_is_the_emulation_bit_for_bit(qtype, gather):
     n_expert, n_out, n_in, tokens, used = 8, 192, 512, 40, 3
     rng = np.random.default_rng(11)
     _, planes = _stacked(qtype, n_expert, n_out, n_in, rng)
-    experts, rows_token = _routed_rows(rng, tokens, used, n_expert, absent=5)
+    experts, rows_token = load_script("moe_gemm_check").routed_rows(rng, tokens, used, n_expert, absent=5)
     p_rows = len(experts)
     x = activations(rng, tokens if gather else p_rows, n_in)
     func = grouped_mmq_gemm(qtype, n_expert, n_out, n_in, gather, tile_n=128)
@@ -314,8 +307,6 @@ def test_the_device_check_prepares_each_case_with_its_branch_and_expected_rows(t
     """scripts/moe_gemm_check.py prepare (what the GPU machine runs): a case above grouped_above takes the grouped
     GEMM and expects mmq_blocks.emulate's rows of each expert, one at or below it the GEMV and float64; the routing
     is sorted and leaves an expert out."""
-    from tests.bench._load import load_script
-
     check = load_script("moe_gemm_check")
     cases = (("g", "Q8_0", 8, 64, 256, True, 40, 2), ("d", "Q8_0", 8, 64, 256, True, 6, 2))
     monkeypatch.setattr(check, "CHECKED", cases)
