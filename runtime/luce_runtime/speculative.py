@@ -174,7 +174,9 @@ class DraftModel:
         self._committed = 0  # history[:_committed] was committed at the last proposal: never changes after
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> Draft:
-        if max(history, default=0) >= self.engine.vocab_size:  # a target-only id (its padded rows): nothing to feed
+        # a target-only id (its padded rows) since the last proposal (history[:_committed] never changes after it):
+        # nothing to feed, so nothing is drafted
+        if max(history[self._committed:], default=0) >= self.engine.vocab_size:
             return Draft([])
         logits = self._sync(history)
         tokens: list[int] = []
