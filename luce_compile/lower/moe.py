@@ -42,7 +42,7 @@ from tvm.script import tirx as T
 from luce_compile.errors import UnsupportedError
 from luce_compile.graph.ir import Op
 from luce_compile.lower.cpu_int8 import checked_int8_type, int8_dot, int8_format, quantize_q8
-from luce_compile.lower.q8_gemm import q8_gemm_format, scratch_specs
+from luce_compile.lower.q8_gemm import q8_gemm_format, scratch_specs, scratch_tensors
 from luce_compile.lower.quant_matmul import dequant_expr, weight_planes
 
 F32 = "float32"
@@ -229,8 +229,7 @@ def _experts(m, x: nn.Tensor, tensor: str, rows: list[nn.Tensor], n_rows) -> nn.
             grouped))
         if not grouped:
             return op.tensor_ir_op(func, func.attrs["global_symbol"], [x, *rows, *m._planes(tensor)], out)
-        scratch = [nn.Tensor.placeholder(shape, dtype)
-                   for shape, dtype in scratch_specs(q8_gemm_format(info.ggml_type), k, x.shape[0]).values()]
+        scratch = scratch_tensors(info.ggml_type, k, x.shape[0])
         return op.tensor_ir_op(func, func.attrs["global_symbol"], [x, *rows, *m._planes(tensor)], [out, *scratch])[0]
     key = (id(x), fmt)
     if key not in m._quantized:  # gate and up quantize their shared input once (cpu_int8.int8_linear's cache)

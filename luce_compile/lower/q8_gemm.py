@@ -88,6 +88,15 @@ def is_q8_gemm(func: tirx.PrimFunc) -> bool:
     return twin is not None and Q8_GEMM_ATTR in twin.attrs
 
 
+def scratch_tensors(ggml_type: GGMLQuantizationType | str, n_in: int, rows) -> list:  # noqa: ANN001  (int or Var)
+    """The quantized input of `rows` rows as Relax placeholders: the scratch outputs a call to an 8-bit GEMM (dense,
+    or the grouped expert form) gives after y."""
+    from tvm.relax.frontend import nn
+
+    specs = scratch_specs(q8_gemm_format(ggml_type), n_in, rows)
+    return [nn.Tensor.placeholder(shape, dtype) for shape, dtype in specs.values()]
+
+
 def scratch_specs(fmt: Q8Format, n_in: int, rows: int | str = "batch") -> dict[str, tuple[tuple, str]]:
     """Name → ((rows, columns), dtype) of the quantized input, the GEMM's scratch outputs (`rows` a name: the
     function's batch)."""

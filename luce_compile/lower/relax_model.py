@@ -38,7 +38,7 @@ from luce_compile.lower.cpu_int8 import int8_linear, resolve_precision
 from luce_compile.lower.kv_cache import kv_cache_dtype
 from luce_compile.lower.kv_layers import cache_layers
 from luce_compile.lower.moe import check_target, lower_moe
-from luce_compile.lower.q8_gemm import is_q8_gemm, q8_gemm_format, q8_gemm_matmul, scratch_specs
+from luce_compile.lower.q8_gemm import is_q8_gemm, q8_gemm_format, q8_gemm_matmul, scratch_tensors
 from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import quant_embedding, quant_matmul, with_tensor_core_twin
 from luce_compile.lower.rope import rope_func
@@ -270,8 +270,7 @@ def q8_gemm_scratch(func: tirx.PrimFunc, info: TensorInfo, k: int, rows) -> list
     """The 8-bit GEMM's scratch outputs (its quantized input, lower/q8_gemm.py) where func is one, else []."""
     if not is_q8_gemm(func):
         return []
-    specs = scratch_specs(q8_gemm_format(info.ggml_type), k, rows)
-    return [nn.Tensor.placeholder(shape, dtype) for shape, dtype in specs.values()]
+    return scratch_tensors(info.ggml_type, k, rows)
 
 
 def prefill_attention_kernels(target: tvm.target.Target, precision: str, choice: str, head_dim: int, head_dim_v: int,
