@@ -43,6 +43,7 @@ from luce_compile.lower.relax_model import (
     PLANE_SEP,
     LowerOptions,
     cpu_prefill_applies_window,
+    decode_attention_kernel,
     exported_functions,
     lower_graph,
     prefill_attention_kernels,
@@ -251,6 +252,9 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
                     "prefill_attention": {"choice": options.prefill_attention, **prefill_attention_kernels(
                         target, options.precision, options.prefill_attention, kv_head or c.head_dim,
                         kv_head or c.head_dim_v, kv_dtype)},
+                    "decode_attention": decode_attention_kernel(
+                        target, options.precision, c.attn_sinks, c.n_head // c.n_head_kv, kv_head or c.head_dim,
+                        kv_dtype),
                     "prefill_gemm": prefill_gemm_record(mod, options),
                     "rope_rows_interleaved": bool(graph.row_pairs),  # graph/rope_pairs.py
                     **({"tuning": tuning.to_manifest()} if tuning else {}),

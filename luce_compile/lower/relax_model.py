@@ -116,7 +116,8 @@ class GraphModule(nn.Module):
         layers = self.cache_layers  # the model's layers are the cache's [first, first + n_layer) (kv_layers.py)
         head = kv_head_dim(c)  # the head's row in the cache: wider where it carries attention sinks
         with prefill_attention_tiles(self.target, c.head_dim, self.kv_dtype), \
-                tensor_core_prefill_attention(self.target, self.precision, self.options.prefill_attention), \
+                tensor_core_prefill_attention(self.target, self.precision, self.options.prefill_attention,
+                                              c.head_dim if c.attn_sinks else None), \
                 kv_pages_probe(), \
                 cpu_attention(self.target, c.head_dim if c.attn_sinks else None, c.attn_sinks):
             return TIRPagedKVCache(
@@ -294,13 +295,31 @@ def prefill_attention_kernels(target: tvm.target.Target, precision: str, choice:
     return {"ragged": "tvm", "paged": "tvm"}
 
 
+def decode_attention_kernel(target: tvm.target.Target, precision: str, sinks: bool, group: int, head_dim: int,
+                            dtype: str) -> str:
+    """Which kernel serves the per-op path's decode attention: "flash 1x64" (flash_prefill.paged_decode, warps x keys:
+    CUDA's for attention sinks), "cpu" (schedules/cpu/attention_decode.py) or "tvm"."""
+    from luce_schedules.cpu.attention_prefill import supports
+    from luce_schedules.gpu import flash_prefill
+
+    if target.kind.name == "llvm":
+        return "cpu" if supports(head_dim, head_dim, dtype) else "tvm"
+    if sinks and target.kind.name == "cuda" and precision == "f16":
+        tile = flash_prefill.decode_tile(group)
+        return f"flash {tile.warps}x{tile.keys}"
+    return "tvm"
+
+
 @contextlib.contextmanager
-def tensor_core_prefill_attention(target: tvm.target.Target, precision: str, choice: str = "flash") -> Iterator[None]:
+def tensor_core_prefill_attention(target: tvm.target.Target, precision: str, choice: str = "flash",
+                                  d_att: int | None = None) -> Iterator[None]:
     """With precision f16 on CUDA, the cache's prefill kernels are ours, as prefill_attention_kernels says: the
     ragged one (a prefill from an empty cache: all of pp512/pp2048's attention) and, with "flash", the paged one (every
     later chunk of a long prompt; issue 38: on tensor cores at every chunk). The factories are swapped; what ours do
     not take keeps TVM's. WMMA's was 7-49x TVM's at 2048 tokens on the H200 (benchmarks/results/h200/
-    2026-12-01-attention.md)."""
+    2026-12-01-attention.md). `d_att`: the rows carry attention sinks after the head's d_att columns
+    (attention_sinks.py): the ragged and decode kernels are flash_prefill.py's, which fold them in (check_sinks
+    refused any build where they cannot be)."""
     from luce_schedules.gpu import attention_prefill, flash_prefill
     from tvm.relax.frontend.nn.llm import kv_cache
 
@@ -314,8 +333,8 @@ def tensor_core_prefill_attention(target: tvm.target.Target, precision: str, cho
 
     def ragged(h_kv, h_q, d_qk, d_v, dtype, rope_scaling, tgt):  # noqa: ANN001, ANN202  (TVM's signature)
         kind = prefill_attention_kernels(target, precision, choice, d_qk, d_v, dtype)["ragged"]
-        if kind.startswith("flash"):
-            return flash_prefill.ragged_prefill(h_kv, h_q, d_qk, d_v, dtype)
+        if kind.startswith("flash") or d_att is not None:
+            return flash_prefill.ragged_prefill(h_kv, h_q, d_qk, d_v, dtype, d_att=d_att)
         if kind.startswith("wmma"):
             return attention_prefill.ragged_prefill(h_kv, h_q, d_qk, d_v, dtype,
                                                     tile=attention_prefill.default_tile(d_qk, d_v), sm_count=sm_count)
@@ -327,7 +346,13 @@ def tensor_core_prefill_attention(target: tvm.target.Target, precision: str, cho
             return flash_prefill.paged_prefill(h_kv, h_q, d, dtype, page_size=page_size)
         return paged_tvm(h_kv, h_q, d, dtype, sliding_window, rope_scaling, tgt, page_size, sliding_window_size)
 
-    with swapped(kv_cache, _attention_prefill_ragged=ragged, _attention_prefill=paged):
+    def decode(h_kv, h_q, d, dtype, sliding_window, rope_scaling, tgt, page_size=16):  # noqa: ANN001, ANN202
+        return flash_prefill.paged_decode(h_kv, h_q, d, dtype, sliding_window, page_size=page_size, d_att=d_att)
+
+    factories = {"_attention_prefill_ragged": ragged, "_attention_prefill": paged}
+    if d_att is not None:  # TVM's decode kernel (the models without sinks keep it) has no sink term
+        factories["_attention_decode"] = decode
+    with swapped(kv_cache, **factories):
         yield
 
 
@@ -535,9 +560,10 @@ def export_spec(graph: Graph, precision: str = "f32") -> dict:
     return {str(f): specs[str(f)] for f in exported_functions(precision)}
 
 
-def check_graph(graph: Graph, target: tvm.target.Target) -> None:
+def check_graph(graph: Graph, target: tvm.target.Target, options: LowerOptions = LowerOptions()) -> None:
     """Refuse, before any work, a graph this target cannot run, naming every missing piece."""
-    checks = [lambda: check_sinks(graph.config, target.kind.name)]
+    checks = [lambda: check_sinks(graph.config, target.kind.name, resolve_precision(options.precision, target),
+                                  kv_cache_dtype(options.kv_cache))]
     if any(o.kind == OpKind.MOE for o in graph.ops):
         checks.insert(0, lambda: check_target(target.kind.name, graph.config.arch))
     problems = []
@@ -552,7 +578,7 @@ def check_graph(graph: Graph, target: tvm.target.Target) -> None:
 
 def lower_graph(graph: Graph, target: tvm.target.Target, options: LowerOptions = LowerOptions()):
     """Graph → (Relax IRModule, [(param name, shape, dtype)] in the packed order the functions take)."""
-    check_graph(graph, target)
+    check_graph(graph, target, options)
     module = GraphModule(graph, target, options)
     with target:
         mod, named_params = module.export_tvm(spec=export_spec(graph, module.precision))

@@ -24,11 +24,12 @@ the cache merges partial states with when a prefix is already cached. `rotary_mo
 applies RoPE in the graph (RopeMode.NONE), so the cache never asks for inline rotation (asserted in the kernel).
 
 Attention sinks (gpt-oss; lower/attention_sinks.py says how the rows carry them): the cache's rows are the head's
-`d_att` columns and a few more; only those d_att are loaded and multiplied, the others written 0 in O. With `sink`, a
-row's online softmax takes one more term at its end, the query row's sink logit (column d_att) as a key of value 0,
+`d_att` columns and a few more; only those d_att are loaded and multiplied, the others written 0 in O. With `sink`,
+a row's online softmax takes one more term at its end, the query row's sink logit (column d_att + SINK) as a key of
+value 0,
 in the call that holds the query's own key: the ragged kernel always (its keys are the step's new tokens, causal),
-the decode kernel where the last key's position (columns d_att, d_att + 1 of the key: position mod 1024 and
-// 1024) is the query's (columns d_att + 1, d_att + 2 of the query). So the sink is counted once per query however
+the decode kernel where the last key's position (the key's padding columns KEY_POSITION, + 1: position mod 1024 and
+// 1024) is the query's (its QUERY_POSITION, + 1). So the sink is counted once per query however
 TVM's cache splits its keys between calls (ragged, then paged per fork depth; or, decoding, paged only) and merges
 them by log-sum-exp.
 """
@@ -40,6 +41,8 @@ import math
 from tvm import tirx
 from tvm.relax.frontend.nn.llm._kernel_common import _declare_length_info, _get_kv_chunk_len
 from tvm.script import tirx as T
+
+from luce_compile.lower.attention_sinks import KEY_POSITION, QUERY_POSITION, SINK
 
 LANES = 16  # float32 lanes of one AVX-512 register; LLVM splits them on narrower machines
 KB = LANES  # keys per block: one score vector per row
@@ -91,13 +94,14 @@ def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int, rb
     kernel's own macro that fills a key block, transposed (kt), and its value rows (vb) from where the keys live;
     src1..src5 are its arguments. `window` > 0: TVM's sliding-window mask under causal (the paged kernel's). `rb`
     rows share each K and V load (RB; decode, with one token a task, takes a divisor of the group). `d_att`: the
-    columns attended (d: all); `sink`: fold each query row's sink logit (column d_att) in; `owns_key`: a macro that
-    clears flag[0] where this call does not hold the query's own key (decode; None: it always does, ragged)."""
+    columns attended (d: all); `sink`: fold each query row's sink logit (column d_att + SINK) in; `owns_key`: a macro
+    that clears flag[0] where this call does not hold the query's own key (decode; None: it always does, ragged)."""
     RB = rb  # noqa: N806  (the module constant's name, as the docstring uses it)
     rows = tile_q * group  # score rows of a task: (token, head of the group), token-major
     assert rows % RB == 0, "TQ·group must be a multiple of RB"
     d_att = d if d_att is None else d_att
-    assert d_att % LANES == 0 and d_att + 3 * sink <= d, "the attended columns are whole vectors, the sink after them"
+    assert d_att % LANES == 0 and d_att + (QUERY_POSITION + 2) * sink <= d, \
+        "the attended columns are whole vectors, the sink after them"
     chunks = d_att // LANES
 
     @T.macro
@@ -171,7 +175,7 @@ def _tile_macro(group: int, d: int, tile_q: int, gather: object, window: int, rb
                 owns_key(flag, q, q0 + r0, n_kv, hk, src1, src2, src3, src4, src5)
             if flag[0] > 0:
                 for r in T.serial(n_rows * group):
-                    red[0, 0] = f32(q[q0 + r0 + r // group, hk * group + r % group, d_att]) * T.float32(LOG2E)
+                    red[0, 0] = f32(q[q0 + r0 + r // group, hk * group + r % group, d_att + SINK]) * T.float32(LOG2E)
                     red[0, 1] = T.max(m[r], red[0, 0])
                     scale_old = _exp2(m[r] - red[0, 1])
                     den[r] = den[r] * scale_old + _exp2(red[0, 0] - red[0, 1])
@@ -290,8 +294,9 @@ def owns_key_check(d_att: int, page_size: int) -> object:
         if n_kv > 0:
             pos = T.if_then_else(n_kv - 1 < sink, n_kv - 1, n_kv - 1 - sink + offset)  # as page_gather maps it
             page = page_values[page0 + pos // page_size]
-            if f32(pages[page, 0, hk, pos % page_size, d_att]) == f32(q[row, 0, d_att + 1]) and \
-                    f32(pages[page, 0, hk, pos % page_size, d_att + 1]) == f32(q[row, 0, d_att + 2]):
+            key_at, query_at = d_att + KEY_POSITION, d_att + QUERY_POSITION
+            if f32(pages[page, 0, hk, pos % page_size, key_at]) == f32(q[row, 0, query_at]) and \
+                    f32(pages[page, 0, hk, pos % page_size, key_at + 1]) == f32(q[row, 0, query_at + 1]):
                 flag[0] = 1
 
     return owns_key

@@ -44,6 +44,8 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as B
 
+from luce_compile.lower.attention_sinks import KEY_POSITION, QUERY_POSITION, SINK
+
 F16, F32 = "float16", "float32"
 MASKED = -5e4  # TVM's start value for the running max (attention_prefill.MASKED)
 PAD = 8  # float16 values of padding a shared row: 16 bytes
@@ -130,17 +132,41 @@ def block_order(n_tiles, i):
 
 
 # ---- the kernels ------------------------------------------------------------------------------------------------
-def ragged_prefill(h_kv: int, h_q: int, d: int, d_v: int, dtype: str, *, tile: FlashTile | None = None):
+def ragged_prefill(h_kv: int, h_q: int, d: int, d_v: int, dtype: str, *, tile: FlashTile | None = None,
+                   d_att: int | None = None):
     """batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset, output, lse, causal,
-    rotary_mode, rope_scale, rope_theta, sm_scale): TVM's signature."""
-    return _Flash(h_kv, h_q, d, d_v, dtype, tile, paged=False).build()
+    rotary_mode, rope_scale, rope_theta, sm_scale): TVM's signature. `d_att`: the rows carry attention sinks after the
+    head's d_att columns (lower/attention_sinks.py): every row folds its sink in (a step's own keys: causal, the
+    query's own key is always here)."""
+    return _Flash(h_kv, h_q, d, d_v, dtype, tile, mode="ragged", d_att=d_att).build()
 
 
 def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, *, page_size: int = 16, tile: FlashTile | None = None):
     """batch_prefill_paged_kv(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
     q_rope_position, output, lse, causal, rotary_mode, rope_scale, rope_theta, sm_scale): TVM's signature (without
     a sliding window: TVM's kernel keeps those layers)."""
-    return _Flash(h_kv, h_q, d, d, dtype, tile, paged=True, page_size=page_size).build()
+    return _Flash(h_kv, h_q, d, d, dtype, tile, mode="paged", page_size=page_size).build()
+
+
+DECODE_KEYS = 64  # keys a step of the decode kernel
+DECODE_NAMES = {"q": "Q", "page_indptr": "page_table_indptr", "page_values": "page_table_values"}  # TVM's
+
+
+def decode_tile(group: int) -> FlashTile:
+    """One block per (sequence, KV head): the fewest warps whose 16-row fragments hold the group's query heads."""
+    return FlashTile(-(-group // 16), DECODE_KEYS)
+
+
+def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, *, page_size: int = 16,
+                 d_att: int | None = None):
+    """batch_decode_paged_kv(_sliding_window)(q, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
+    q_rope_position, output, lse, rotary_mode, rope_scale, rope_theta, sm_scale): TVM's signature, one query token a
+    sequence against its pages (the token's own key appended: no mask), a sliding window's sink and ring read as
+    TVM's kernel reads them. Written for attention sinks (`d_att`): a row folds its sink in where this call's last key
+    is at the query's position (lower/attention_sinks.py), so only models with sinks take it; TVM's kernel keeps the
+    others. One block a (sequence, KV head) walks every key: no split of long contexts across blocks yet."""
+    return _Flash(h_kv, h_q, d, d, dtype, decode_tile(h_q // h_kv), mode="decode", page_size=page_size,
+                  sliding=sliding_window, d_att=d_att).build()
 
 
 def _i32(v: int):
@@ -160,7 +186,8 @@ def _sync() -> None:
 
 
 class _Flash:
-    def __init__(self, h_kv, h_q, d, d_v, dtype, tile, *, paged: bool, page_size: int = 16):
+    def __init__(self, h_kv, h_q, d, d_v, dtype, tile, *, mode: str, page_size: int = 16, sliding: bool = False,
+                 d_att: int | None = None):
         if not supports(d, d_v, dtype):
             raise ValueError(f"flash prefill attention: head dims {d}/{d_v} with a {dtype} cache are not taken "
                              f"(float16, multiples of 16 up to {MAX_HEAD_DIM}); attention_prefill.py or TVM's serve")
@@ -170,33 +197,43 @@ class _Flash:
         if tile.keys % 16 or shared_bytes(tile, d, d_v) > MAX_DYNAMIC_SHARED:
             raise ValueError(f"flash prefill attention: tile {tile} does not fit head dims {d}/{d_v}")
         self.tq, self.tk, self.threads = tile.rows, tile.keys, 32 * tile.warps
-        self.paged, self.page_size = paged, page_size
+        self.mode, self.page_size, self.sliding = mode, page_size, sliding
+        self.paged = mode in ("paged", "decode")  # keys from the pages (decode: one query token a sequence)
+        if d_att is not None and (mode == "paged" or d_att + QUERY_POSITION + 2 > d):
+            raise ValueError(f"flash attention: sinks fold in the ragged and decode kernels, after d_att = {d_att} of "
+                             f"{d} columns")
+        self.d_att = d_att
         self.ld_k, self.ld_v = d + PAD, d_v + PAD
         self.stage = stage_elems(tile, d, d_v)
 
     # ---- arguments ----
     def args(self) -> None:
         h_kv, h_q, d, d_v, dtype = self.h_kv, self.h_q, self.d, self.d_v, self.dtype
-        batch_size, qo_len = tirx.Var("batch_size", "int32"), tirx.Var("qo_len", "int32")
+        batch_size = tirx.Var("batch_size", "int32")
+        qo_len = batch_size if self.mode == "decode" else tirx.Var("qo_len", "int32")
         self.batch_size, self.qo_len = batch_size, qo_len
         offset = lambda name: tirx.Var(name, "int32")  # noqa: E731
-        self.q = B.arg("q", B.buffer((qo_len, h_q, d), dtype))
-        self.q_indptr = B.arg("q_indptr", B.buffer((batch_size + 1,), "int32",
-                                                   elem_offset=offset("q_indptr_elem_offset")))
+        # TVM's parameter names: its decode kernel's differ from its prefill kernels'
+        name = (lambda n: DECODE_NAMES.get(n, n)) if self.mode == "decode" else (lambda n: n)  # noqa: E731
+        self.q = B.arg(name("q"), B.buffer((qo_len, h_q, d), dtype))
+        if self.mode != "decode":
+            self.q_indptr = B.arg(name("q_indptr"), B.buffer((batch_size + 1,), "int32",
+                                                       elem_offset=offset("q_indptr_elem_offset")))
         if self.paged:
             max_pages, nnz = tirx.Var("max_num_pages", "int32"), tirx.Var("nnz_pages", "int32")
-            self.pages = B.arg("pages", B.buffer((max_pages, 2, h_kv, self.page_size, d), dtype,
-                                                 elem_offset=tirx.Var("pages_elem_offset", "int64")))
-            self.page_indptr = B.arg("page_indptr", B.buffer((batch_size + 1,), "int32",
-                                                             elem_offset=offset("page_indptr_elem_offset")))
-            self.page_values = B.arg("page_values", B.buffer((nnz,), "int32",
-                                                             elem_offset=offset("page_values_elem_offset")))
-            self.length_info = B.arg("length_info", B.buffer((batch_size,), "int32",
-                                                             elem_offset=offset("length_info_elem_offset")))
-            B.arg("k_rope_pos_offset", B.buffer((batch_size,), "int32",
-                                                elem_offset=offset("k_rope_pos_offset_elem_offset")))
-            B.arg("q_rope_position", B.buffer((qo_len,), "int32",
-                                              elem_offset=offset("q_rope_position_elem_offset")))
+            self.pages = B.arg(name("pages"), B.buffer((max_pages, 2, h_kv, self.page_size, d), dtype,
+                                                       elem_offset=tirx.Var("pages_elem_offset", "int64")))
+            self.page_indptr = B.arg(name("page_indptr"), B.buffer((batch_size + 1,), "int32",
+                                                                   elem_offset=offset("page_indptr_elem_offset")))
+            self.page_values = B.arg(name("page_values"), B.buffer((nnz,), "int32",
+                                                                   elem_offset=offset("page_values_elem_offset")))
+            info_shape = (3, batch_size) if self.sliding else (batch_size,)  # TVM's _declare_length_info
+            self.length_info = B.arg(name("length_info"), B.buffer(info_shape, "int32",
+                                                                   elem_offset=offset("length_info_elem_offset")))
+            B.arg(name("k_rope_pos_offset"), B.buffer((batch_size,), "int32",
+                                                      elem_offset=offset("k_rope_pos_offset_elem_offset")))
+            B.arg(name("q_rope_position"), B.buffer((qo_len,), "int32",
+                                                    elem_offset=offset("q_rope_position_elem_offset")))
         else:
             kv_len = tirx.Var("kv_len", "int32")
             self.k = B.arg("k", B.buffer((kv_len, h_kv, d), dtype))
@@ -206,26 +243,43 @@ class _Flash:
             B.arg("q_rope_position", B.buffer((qo_len,), "int32", elem_offset=offset("q_rope_position_elem_offset")))
             B.arg("k_rope_pos_offset", B.buffer((batch_size,), "int32",
                                                 elem_offset=offset("k_rope_pos_offset_elem_offset")))
-        self.output = B.arg("output", B.buffer((qo_len, h_q, d_v), dtype))
-        self.lse = B.arg("lse", B.buffer((qo_len, h_q), F32))
-        self.causal = B.arg("causal", tirx.Var("causal", "int32"))
-        B.arg("rotary_mode", tirx.Var("rotary_mode", "int32"))  # ignored: RoPE is the graph's
-        B.arg("rope_scale", tirx.Var("rope_scale", F32))
-        B.arg("rope_theta", tirx.Var("rope_theta", F32))
-        self.sm_scale = B.arg("sm_scale", tirx.Var("sm_scale", F32))
+        self.output = B.arg(name("output"), B.buffer((qo_len, h_q, d_v), dtype))
+        self.lse = B.arg(name("lse"), B.buffer((qo_len, h_q), F32))
+        # decode: the cache holds exactly the keys a token sees (its own appended): no mask
+        self.causal = _i32(0) if self.mode == "decode" else B.arg(name("causal"), tirx.Var("causal", "int32"))
+        B.arg(name("rotary_mode"), tirx.Var("rotary_mode", "int32"))  # ignored: RoPE is the graph's
+        B.arg(name("rope_scale"), tirx.Var("rope_scale", F32))
+        B.arg(name("rope_theta"), tirx.Var("rope_theta", F32))
+        self.sm_scale = B.arg(name("sm_scale"), tirx.Var("sm_scale", F32))
+
+    def q_span(self, b):
+        """(first query row, query tokens) of sequence b."""
+        if self.mode == "decode":
+            return b, _i32(1)
+        return self.q_indptr[b], self.q_indptr[b + 1] - self.q_indptr[b]
 
     def kv_span(self, b):
-        """(first key's row in k/v or 0, keys of sequence b)."""
+        """(first key's row in k/v or 0, keys of sequence b); a sliding window's keys are its sink's and its ring's
+        (TVM's _get_kv_chunk_len)."""
         if self.paged:
             pages = self.page_indptr[b + 1] - self.page_indptr[b]
+            if self.sliding:
+                last, start, sink = self.length_info[0, b], self.length_info[1, b], self.length_info[2, b]
+                return _i32(0), tirx.if_then_else(pages > 0, (pages - 1) * self.page_size + last - start + sink, 0)
             return _i32(0), tirx.max(pages - 1, 0) * self.page_size + tirx.if_then_else(
                 pages > 0, self.length_info[b], 0)
         return self.kv_indptr[b], self.kv_indptr[b + 1] - self.kv_indptr[b]
 
     def kv_address(self, b, kv0, key, which: int):
-        """Flat element index of key `key`'s row (K: which 0, V: 1) of this block's KV head; key < the sequence's."""
+        """Flat element index of key `key`'s row (K: which 0, V: 1) of this block's KV head; key < the sequence's.
+        A sliding window's key past its sink sits at key - sink + the window's start (TVM's _get_seq_offset)."""
         if self.paged:
-            page = self.page_values[self.page_indptr[b] + key // self.page_size].astype("int64")
+            page0 = self.page_indptr[b] if self.seq is None else self.seq[0]
+            if self.sliding:
+                start, sink = (self.length_info[1, b], self.length_info[2, b]) if self.seq is None else \
+                    (self.seq[1], self.seq[2])
+                key = tirx.if_then_else(key < sink, key, key - sink + start)
+            page = self.page_values[page0 + key // self.page_size].astype("int64")
             row = ((page * 2 + which) * self.h_kv + self.by) * self.page_size + key % self.page_size
             return row * self.d
         return ((kv0 + key) * self.h_kv + self.by) * (self.d if which == 0 else self.d_v)
@@ -233,7 +287,8 @@ class _Flash:
     # ---- the kernel ----
     def build(self) -> tirx.PrimFunc:
         with IRBuilder() as ib, B.prim_func():
-            B.func_name("batch_prefill_paged_kv" if self.paged else "batch_prefill_ragged_kv")
+            B.func_name({"ragged": "batch_prefill_ragged_kv", "paged": "batch_prefill_paged_kv",
+                         "decode": "batch_decode_paged_kv" + ("_sliding_window" if self.sliding else "")}[self.mode])
             self.args()
             B.func_attr({"tirx.noalias": True})
             head, order, tx = B.env_thread("blockIdx.x"), B.env_thread("blockIdx.y"), B.env_thread("threadIdx.x")
@@ -254,7 +309,7 @@ class _Flash:
                 # else: the sync planner takes only an if's condition as thread-invariant; `hit` decided first)
                 with B.While(T.tvm_thread_invariant(b_idx[0] < self.batch_size)):
                     b = b_idx[0]  # read again at each use: only where b_idx does not change in between
-                    _store(n_tiles, 0, tiles_of(self.q_indptr[b + 1] - self.q_indptr[b], self.group, self.tq))
+                    _store(n_tiles, 0, tiles_of(self.q_span(b)[1], self.group, self.tq))
                     _store(hit, 0, tirx.Cast("int32", order < before[0] + n_tiles[0]))
                     with B.If(T.tvm_thread_invariant(hit[0] > 0)), B.Then():
                         self.tile(b, block_order(n_tiles[0], order - before[0]))
@@ -321,7 +376,15 @@ class _Flash:
 
     def tile(self, b, tile) -> None:
         tq, tk, d = self.tq, self.tk, self.d
-        q0, qo_n = self.q_indptr[b], self.q_indptr[b + 1] - self.q_indptr[b]
+        q0, qo_n = self.q_span(b)
+        self.seq = None
+        if self.paged:  # the sequence's first page and window in registers: every copy's address reads them
+            seq = B.alloc_buffer((3,), "int32", scope="local")
+            _store(seq, 0, self.page_indptr[b])
+            if self.sliding:
+                _store(seq, 1, self.length_info[1, b])
+                _store(seq, 2, self.length_info[2, b])
+            self.seq = seq
         kv0, kv_n = self.kv_span(b)
         row0 = tile * tq
         steps = B.alloc_buffer((1,), "int32", scope="local")  # a register: its expression reads indptrs and pages
@@ -338,9 +401,7 @@ class _Flash:
             r = self.warp * 16 + lane % 8 + 8 * ((lane // 8) % 2)
             at = self.stage + r * self.ld_k + kk * 16 + 8 * (lane // 16)
             B.evaluate(T.ptx[LDMATRIX](*(self.q_reg[kk * 4 + j] for j in range(4)), T.address_of(self.smem[at])))
-        for h in range(2):
-            _store(self.m_run, h, _f32(MASKED))
-            _store(self.l_run, h, _f32(1.0))
+        self.start_rows(b, q0, qo_n, kv_n, row0)
         for i in range(self.d_v // 8 * 4):
             _store(self.o_acc, i, _f32(0.0))
         _sync()  # every warp has its Q: the second stage is free
@@ -358,6 +419,31 @@ class _Flash:
             self.pv(step % 2)
             _sync()  # every warp is done with this stage before the step after next overwrites it
         self.epilogue(q0, qo_n, row0)
+
+    def start_rows(self, b, q0, qo_n, kv_n, row0) -> None:
+        """The lane's rows' running max and sum before the first key: TVM's (-5e4, 1), or with attention sinks the
+        row's sink logit in base 2 and 1 (the sink as a key of value 0) where this call folds it in: the ragged kernel
+        always, the decode kernel where its last key is at the query's position (lower/attention_sinks.py)."""
+        if self.d_att is None:
+            for h in range(2):
+                _store(self.m_run, h, _f32(MASKED))
+                _store(self.l_run, h, _f32(1.0))
+            return
+        owns = B.alloc_buffer((1,), "int32", scope="local")
+        if self.mode == "decode":
+            key_at = self.kv_address(b, 0, tirx.max(kv_n - 1, 0), 0) + self.d_att + KEY_POSITION
+            q_at = (q0 * self.h_q + self.by * self.group) * self.d + self.d_att + QUERY_POSITION
+            keys = self.kv_flat[0]
+            same = tirx.all(keys[key_at] == self.q_flat[q_at], keys[key_at + 1] == self.q_flat[q_at + 1])
+            _store(owns, 0, tirx.if_then_else(kv_n > 0, tirx.Cast("int32", same), _i32(0)))
+        else:
+            _store(owns, 0, _i32(1))
+        for h in range(2):
+            rr = row0 + self.warp * 16 + self.g + 8 * h
+            tok, head = tirx.min(rr // self.group, qo_n - 1), self.by * self.group + rr % self.group
+            sink = self.q_flat[((q0 + tok) * self.h_q + head) * self.d + self.d_att + SINK].astype(F32)
+            _store(self.m_run, h, tirx.if_then_else(owns[0] > 0, sink * _f32(math.log2(math.e)), _f32(MASKED)))
+            _store(self.l_run, h, _f32(1.0))
 
     def scores(self, buf) -> None:
         """S = Q·Kᵀ for the warp's 16 rows: per 16 dims, per 16 keys one ldmatrix.x4 of K (two 8-key B fragments)."""

@@ -26,8 +26,10 @@ def locate(order: int, n_tiles: list[int]) -> tuple[int, int] | None:
     return None
 
 
-def emulate(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float, h_kv: int, tile: FlashTile):
-    """(output float16 (Σq, h_q, d_v), lse float32 (Σq, h_q), tiles visited by every block in launch order)."""
+def emulate(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float, h_kv: int, tile: FlashTile, sink_at=None):
+    """(output float16 (Σq, h_q, d_v), lse float32 (Σq, h_q), tiles visited by every block in launch order).
+    `sink_at`: the query rows' column holding their sink logit (attention sinks, the kernel's d_att + SINK): each row
+    starts from it (base 2) with sum 1 instead of (-5e4, 1), as the ragged kernel with d_att does."""
     h_q = q.shape[1]
     d_v, group, rows, keys = v.shape[2], h_q // h_kv, tile.rows, tile.keys
     out = np.full((q.shape[0], h_q, d_v), np.nan, np.float16)
@@ -51,6 +53,8 @@ def emulate(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float, h_kv: int, 
             heads = by * group + head_in_group
             qt = np.where((tok < qo_n)[:, None], q[q0 + np.minimum(tok, qo_n - 1), heads], 0).astype(F32)  # (rows, d)
             m, total, o = np.full(rows, F32(MASKED)), np.ones(rows, F32), np.zeros((rows, d_v), F32)
+            if sink_at is not None:
+                m = q[q0 + np.minimum(tok, qo_n - 1), heads, sink_at].astype(F32) * F32(math.log2(math.e))
             for step in range(steps):
                 key = step * keys + np.arange(keys)
                 inside = (key < kv_n)[:, None]
@@ -70,8 +74,9 @@ def emulate(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float, h_kv: int, 
     return out, lse, visited
 
 
-def reference(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float):
-    """float64 attention of the float16 inputs: per sequence, the query tokens the last of its keys."""
+def reference(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float, sinks=None):
+    """float64 attention of the float16 inputs: per sequence, the query tokens the last of its keys. `sinks`
+    ((Σq, h_q), natural log): one more key per row of that score and value 0 (attention sinks)."""
     h_q, h_kv = q.shape[1], k.shape[1]
     q, k, v = (a.astype(np.float64) for a in (q, k, v))
     out, lse = np.zeros(q.shape[:2] + (v.shape[2],)), np.zeros(q.shape[:2])
@@ -81,9 +86,11 @@ def reference(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float):
             s = q[qs:qs + qn, h] @ k[ks:ks + kn, h // (h_q // h_kv)].T * sm_scale
             if causal:
                 s = np.where(np.arange(kn)[None, :] <= np.arange(qn)[:, None] + kn - qn, s, -np.inf)
-            mx = s.max(axis=1, keepdims=True)
+            sink = np.full(qn, -np.inf) if sinks is None else sinks[qs:qs + qn, h].astype(np.float64)
+            mx = np.maximum(s.max(axis=1), sink)[:, None]
             p = np.exp(s - mx)
-            out[qs:qs + qn, h] = p @ v[ks:ks + kn, h // (h_q // h_kv)] / p.sum(axis=1, keepdims=True)
-            lse[qs:qs + qn, h] = (mx[:, 0] + np.log(p.sum(axis=1))) / np.log(2)
+            total = p.sum(axis=1) + np.exp(sink - mx[:, 0])
+            out[qs:qs + qn, h] = p @ v[ks:ks + kn, h // (h_q // h_kv)] / total[:, None]
+            lse[qs:qs + qn, h] = (mx[:, 0] + np.log(total)) / np.log(2)
         qs, ks = qs + qn, ks + kn
     return out, lse

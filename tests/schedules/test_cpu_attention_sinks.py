@@ -18,7 +18,7 @@ import tvm
 from luce_schedules.cpu.attention_decode import paged_decode_cpu
 from luce_schedules.cpu.attention_prefill import paged_prefill_cpu, ragged_prefill_cpu
 
-from luce_compile.lower.attention_sinks import POSITION_RADIX, SINK_COLUMNS
+from luce_compile.lower.attention_sinks import KEY_POSITION, POSITION_RADIX, QUERY_POSITION, SINK, SINK_COLUMNS
 from tests.schedules.test_cpu_attention_prefill import TOL, _build, _pages, _run, reference
 
 pytestmark = pytest.mark.unit
@@ -44,7 +44,7 @@ def test_ragged_folds_every_rows_sink(h_kv, h_q, d, q_lens):
     k = rng.standard_normal((q_ptr[-1], h_kv, width)).astype(np.float32)
     v = rng.standard_normal((q_ptr[-1], h_kv, width)).astype(np.float32)
     sinks = (rng.standard_normal(h_q) * 2).astype(np.float32)
-    q[:, :, d] = sinks
+    q[:, :, d + SINK] = sinks
     scale = float(1 / np.sqrt(d))
     out, lse = _run(_build(ragged_prefill_cpu(h_kv, h_q, width, d_att=d, sink=True)), q, k, v, q_ptr, q_ptr, scale,
                     True)
@@ -67,13 +67,14 @@ def test_decode_folds_the_sink_where_it_holds_the_querys_key(owns):
     batch = len(kv_lens)
     q = rng.standard_normal((batch, h_q, width)).astype(np.float32)
     sinks = (rng.standard_normal(h_q) * 2).astype(np.float32)
-    q[:, :, d] = sinks
+    q[:, :, d + SINK] = sinks
     # the query's position; the last key sits there (its own key, appended) or one before it (a prefix)
     q_pos = np.array(kv_lens) - 1 + (0 if owns else 1)
-    q[:, :, d + 1:d + 3] = _split(q_pos)[:, None]
+    q[:, :, d + QUERY_POSITION:d + QUERY_POSITION + 2] = _split(q_pos)[:, None]
     for b, n in enumerate(kv_lens):  # the keys' positions, written where the pages hold them (pages of 16)
         for j in range(n):
-            pool[page_ids[page_ptr[b] + j // 16], 0, :, j % 16, d:d + 2] = _split(np.array(j))
+            at = d + KEY_POSITION
+            pool[page_ids[page_ptr[b] + j // 16], 0, :, j % 16, at:at + 2] = _split(np.array(j))
     scale = float(1 / np.sqrt(d))
     lib = _build(paged_decode_cpu(h_kv, h_q, width, False, d_att=d, sink=True))
     dev = tvm.cpu()
@@ -101,7 +102,7 @@ def test_prefix_and_ragged_calls_merge_to_one_sink():
     k_new = rng.standard_normal((n_new, h_kv, width)).astype(np.float32)
     v_new = rng.standard_normal((n_new, h_kv, width)).astype(np.float32)
     sinks = (rng.standard_normal(h_q) * 2).astype(np.float32)
-    q[:, :, d] = sinks
+    q[:, :, d + SINK] = sinks
     scale = float(1 / np.sqrt(d))
     q_ptr = np.array([0, n_new], np.int32)
     ragged_out, ragged_lse = _run(_build(ragged_prefill_cpu(h_kv, h_q, width, d_att=d, sink=True)), q, k_new, v_new,

@@ -168,3 +168,80 @@ def test_the_choice_and_the_swap_of_both_prefill_kernels():
         assert "wmma" in kv_cache._attention_prefill_ragged(8, 32, 128, 128, "float16", {}, CUDA).script()
         assert "T.ptx.cp(" not in kv_cache._attention_prefill(8, 32, 128, "float16", False, {}, CUDA).script()
     assert (kv_cache._attention_prefill_ragged, kv_cache._attention_prefill) == originals
+
+
+# ---- attention sinks (gpt-oss; lower/attention_sinks.py): rows of the head's columns, then the padding ------------
+def _rows_with_sinks(rng, q_lens, kv_lens, h_kv, h_q, d_att):
+    """Q, K, V rows as pad_with_sinks lays them out (float16): the head's d_att columns, then a query's sink logit
+    and position and a key's position in their padding columns, values zero there; the sinks (Σq, h_q)."""
+    from luce_compile.lower.attention_sinks import KEY_POSITION, QUERY_POSITION, SINK, SINK_COLUMNS
+
+    width = d_att + SINK_COLUMNS
+    q, k, v = (np.zeros((sum(n), h, width), np.float16) for n, h in ((q_lens, h_q), (kv_lens, h_kv), (kv_lens, h_kv)))
+    q[..., :d_att], k[..., :d_att], v[..., :d_att] = _inputs(rng, q_lens, kv_lens, h_kv, h_q, d_att, d_att)
+    sinks = (rng.standard_normal((sum(q_lens), h_q)) * 3).astype(np.float16)
+    q[..., d_att + SINK] = sinks
+    split = lambda p: np.stack([p % 1024, p // 1024], -1)  # noqa: E731  (attention_sinks.POSITION_RADIX)
+    q[..., d_att + QUERY_POSITION:d_att + QUERY_POSITION + 2] = split(rng.integers(0, 4000, sum(q_lens)))[:, None]
+    k[..., d_att + KEY_POSITION:d_att + KEY_POSITION + 2] = split(rng.integers(0, 4000, sum(kv_lens)))[:, None]
+    return q, k, v, sinks
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("decode", [False, True], ids=["ragged", "decode"])
+def test_sinks_fold_in_as_the_start_of_every_rows_softmax(decode):
+    """The kernels multiply whole rows (padding included: no column is non-zero in both a query's and a key's) and
+    start each row's online softmax from its sink: against float64 attention over the head's columns with one more
+    key of the sink's score and value 0. Decode: one query token a sequence, its own key the last, the decode tile."""
+    h_kv, h_q, d_att = 8, 64, 64  # gpt-oss-20b's heads
+    q_lens, kv_lens, causal = ((1, 1, 1), (1, 70, 300), False) if decode else ((5, 130), (5, 130), True)
+    tile = fp.decode_tile(h_q // h_kv) if decode else fp.default_tile(d_att + 16, d_att + 16)
+    q, k, v, sinks = _rows_with_sinks(np.random.default_rng(), q_lens, kv_lens, h_kv, h_q, d_att)
+    out, lse, _ = emulate(q, k, v, q_lens, kv_lens, causal, 0.125, h_kv, tile, sink_at=d_att)
+    want, want_lse = reference(q[..., :d_att], k[..., :d_att], v[..., :d_att], q_lens, kv_lens, causal, 0.125,
+                               sinks=sinks)
+    plain, _ = reference(q[..., :d_att], k[..., :d_att], v[..., :d_att], q_lens, kv_lens, causal, 0.125)
+    assert rel_err(out[..., :d_att], want) < OUT_TOL and (out[..., d_att:] == 0).all()
+    assert np.abs(lse - want_lse).max() < LSE_TOL
+    assert not rel_err(out[..., :d_att], plain) < OUT_TOL  # the sinks matter at these values
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("sliding", [False, True])
+def test_the_sink_decode_kernel_has_tvms_signature(sliding):
+    from tvm.relax.frontend.nn.llm import _decode_kernels
+
+    assert_same_signature(fp.paged_decode(8, 64, 80, "float16", sliding, d_att=64),
+                          _decode_kernels._attention_decode(8, 64, 80, "float16", sliding, {}, CUDA))
+    body = _body(fp.paged_decode(8, 64, 80, "float16", sliding, d_att=64))
+    assert "__launch_bounds__(32)" in body  # one warp: the group's 8 heads in one 16-row fragment
+    with pytest.raises(ValueError, match="sinks fold"):
+        fp._Flash(8, 64, 80, 80, "float16", None, mode="paged", d_att=64)
+
+
+@pytest.mark.unit
+def test_a_build_with_sinks_swaps_the_decode_kernel_and_refuses_what_cannot_fold():
+    from tvm.relax.frontend.nn.llm import kv_cache
+
+    from luce_compile.errors import UnsupportedError
+    from luce_compile.gguf.config import ModelConfig
+    from luce_compile.lower.attention_sinks import check_sinks
+    from luce_compile.lower.relax_model import tensor_core_prefill_attention
+
+    decode_tvm = kv_cache._attention_decode
+    with tensor_core_prefill_attention(CUDA, "f16", "flash", d_att=64):
+        assert kv_cache._attention_decode(8, 64, 80, "float16", True, {}, CUDA).attrs["global_symbol"] == \
+            "batch_decode_paged_kv_sliding_window"
+        assert "T.ptx.cp(" in kv_cache._attention_decode(8, 64, 80, "float16", False, {}, CUDA).script()
+        assert "T.ptx.cp(" in kv_cache._attention_prefill_ragged(8, 64, 80, 80, "float16", {}, CUDA).script()
+    with tensor_core_prefill_attention(CUDA, "f16", "flash"):
+        assert kv_cache._attention_decode is decode_tvm  # no sinks: TVM's decode kernel
+    assert kv_cache._attention_decode is decode_tvm
+    c = ModelConfig(arch="gpt-oss", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=64, head_dim_v=64, n_ff=256,
+                    n_vocab=64, n_ctx_train=4096, rms_eps=1e-5, rope_base=1e4, rope_dim=64, rope_layout="neox",
+                    attn_sinks=True)
+    check_sinks(c, "llvm")
+    check_sinks(c, "cuda", "f16", "float16")
+    for precision, dtype in (("f32", "float32"), ("f16", "float32")):
+        with pytest.raises(UnsupportedError, match="--target cpu"):
+            check_sinks(c, "cuda", precision, dtype)
