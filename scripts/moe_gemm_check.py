@@ -32,11 +32,12 @@ sys.path.insert(0, str(ROOT / "runtime"))
 CHECKED = (("q4k_gate", "Q4_K", 8, 192, 512, True, 40, 3), ("q6k_down", "Q6_K", 8, 256, 512, False, 40, 3),
            ("q80_gate", "Q8_0", 8, 64, 256, True, 40, 2), ("iq4xs_gate", "IQ4_XS", 8, 128, 512, True, 40, 3),
            ("q3k_gate", "Q3_K", 8, 128, 512, True, 40, 3), ("q2k_down", "Q2_K", 8, 128, 512, False, 40, 3),
-           ("q4k_decode", "Q4_K", 8, 192, 512, True, 6, 3))
+           ("mxfp4_gate", "MXFP4", 8, 128, 512, True, 40, 3), ("q4k_decode", "Q4_K", 8, 192, 512, True, 6, 3))
 # Qwen3-30B-A3B's expert matmuls at a 512-token prompt (128 experts, 8 used): gate/up (768 x 2048, gathered) and
-# down (2048 x 768), timed only
+# down (2048 x 768); gpt-oss-20b's (32 experts, 4 used, MXFP4: 2880 x 2880 each); timed only
 TIMED = (("a3b_gate", "Q4_K", 128, 768, 2048, True, 512, 8), ("a3b_down_q4k", "Q4_K", 128, 2048, 768, False, 512, 8),
-         ("a3b_down_q6k", "Q6_K", 128, 2048, 768, False, 512, 8))
+         ("a3b_down_q6k", "Q6_K", 128, 2048, 768, False, 512, 8),
+         ("oss20b_gate", "MXFP4", 32, 2880, 2880, True, 512, 4))
 # prepare --tiles M,N ...: each timed case's grouped kernel alone at these tiles too (<case>_m<M>n<N>), to time
 # against the dispatched function's default
 

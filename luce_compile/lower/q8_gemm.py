@@ -41,7 +41,7 @@ Q8_GEMM_ATTR = "luce.q8_gemm"
 Q8_GEMM_ACTIVATIONS: dict[str, str] = {"Q4_0": "Q8_0", "Q4_1": "Q8_1", "Q5_0": "Q8_0", "Q5_1": "Q8_1",
                                        "Q8_0": "Q8_0", "Q4_K": "Q8_1", "Q5_K": "Q8_1", "Q6_K": "Q8_0",
                                        "Q3_K": "Q8_0", "Q2_K": "Q8_0",
-                                       "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}  # codebooks: their int8 values
+                                       "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0", "MXFP4": "Q8_0"}  # codebooks: int8 values
 # what the kernel subtracts from a stored quant before the integer dot (ggml's centring of the signed types; Q3_K's
 # 3 bits with the hmask bit as the third: −4..3, as ggml's q3_K dequantizer)
 Q8_GEMM_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q3_K": 4}

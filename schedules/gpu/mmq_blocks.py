@@ -32,7 +32,14 @@ from tvm.script.ir_builder import tirx as B
 
 from luce_compile.lower.q8_gemm import Q8_GEMM_OFFSET
 from luce_compile.lower.quant_layout import TWO_BIT_SLOTS
-from luce_compile.lower.quant_matmul import CODEBOOKS, byte_perm, exact_int_to_float, table16_bytes, table_words
+from luce_compile.lower.quant_matmul import (
+    CODEBOOKS,
+    byte_perm,
+    e8m0_half,
+    exact_int_to_float,
+    table16_bytes,
+    table_words,
+)
 
 BLOCK = 32  # values per activation scale, per weight block, per m16n8k32
 NIBBLES = 0x0F0F0F0F
@@ -108,7 +115,10 @@ class WeightBlock:
         if t == "Q6_K":
             self._reg("qh", 2, "uint32", n * (k // 16) + 2 * b)
         k_quant = t.endswith("_K") or t == "IQ4_XS"  # a d per 256-value super-block
-        self._reg("d:flat", 1, "float16", n * (k // 256) + sb if k_quant else n * nb + b)
+        if t == "MXFP4":  # an E8M0 exponent a block for d
+            self._reg("e:flat", 1, "uint8", n * nb + b)
+        else:
+            self._reg("d:flat", 1, "float16", n * (k // 256) + sb if k_quant else n * nb + b)
         if t == "IQ4_XS":
             self._reg("sc:flat", 1, "int8", n * nb + b)  # ls − 32 of the block
         if t in ("Q4_1", "Q5_1"):
@@ -161,6 +171,8 @@ class WeightBlock:
         per minimum (`minimums`: none, one per block, or Q2_K's two)), float32, exact: an fp16 times a ≤ 6-bit
         integer."""
         r, itof = self.regs, exact_int_to_float
+        if self.qtype == "MXFP4":  # 2^(e − 128): its codebook values are doubled (kvalues_mxfp4)
+            return [e8m0_half(r["e:flat"][0])], []
         d = r["d:flat"][0].astype("float32")
         if self.qtype in ("Q4_K", "Q5_K", "Q2_K"):
             dmin, count = r["dmin:flat"][0].astype("float32"), minimums(self.qtype)
@@ -276,6 +288,8 @@ def weight_integers(qtype: str, planes: dict[str, np.ndarray]) -> tuple[np.ndarr
         if qtype == "Q6_K":
             q |= _fields(planes["qh"], 2) << 4
     q = q - Q8_GEMM_OFFSET.get(qtype, 0)
+    if qtype == "MXFP4":  # GGML_E8M0_TO_FP32_HALF: 2^(e − 128)
+        return q, np.ldexp(np.float32(1), planes["e"].astype(np.int32) - 128).astype(np.float32), None
     d = f32(planes["d"])
     if qtype in ("Q4_K", "Q5_K"):
         per = np.repeat(d, 8, axis=1)

@@ -39,10 +39,11 @@ def fmt_type(name: str):
 
 
 def test_types_without_the_kernel():
-    assert q8_gemm_format("BF16") is None and q8_gemm_format("MXFP4") is None and q8_gemm_format("F16") is None
-    assert q8_gemm_format("IQ4_XS").name == "Q8_0"  # the codebook types take q8_0 activations (6d5964d)
-    with pytest.raises(ValueError, match="does not take MXFP4"):
-        q8_gemm_matmul("MXFP4", 64, 256, name="g")
+    assert q8_gemm_format("BF16") is None and q8_gemm_format("F32") is None and q8_gemm_format("F16") is None
+    # the codebook types take q8_0 activations (6d5964d), MXFP4 too (its E8M0 exponent for d)
+    assert q8_gemm_format("IQ4_XS").name == "Q8_0" and q8_gemm_format("MXFP4").name == "Q8_0"
+    with pytest.raises(ValueError, match="does not take BF16"):
+        q8_gemm_matmul("BF16", 64, 256, name="g")
 
 
 def test_q3_k_and_q2_k_take_q8_0_activations():

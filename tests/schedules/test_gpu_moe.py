@@ -267,12 +267,12 @@ def test_the_grouped_form_runs_the_gemv_up_to_grouped_above_rows_and_the_mma_gem
 @pytest.mark.unit
 def test_grouped_gemm_refuses_types_the_8_bit_gemm_does_not_take():
     with pytest.raises(ValueError, match="not supported"):
-        grouped_mmq_gemm("MXFP4", 8, 64, 256, True)
+        grouped_mmq_gemm("BF16", 8, 64, 256, True)
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "MXFP4"])
 @pytest.mark.parametrize("gather", [True, False])
 def test_grouped_gemm_on_the_gpu_is_the_emulation_bit_for_bit(qtype, gather):
     """40 tokens x 3 of 8 experts (expert 5 never chosen: a tile's absent expert), 120 sorted rows in tiles of 32,
