@@ -297,8 +297,9 @@ def prefill_attention_kernels(target: tvm.target.Target, precision: str, choice:
 
 def decode_attention_kernel(target: tvm.target.Target, precision: str, sinks: bool, group: int, head_dim: int,
                             dtype: str) -> str:
-    """Which kernel serves the per-op path's decode attention: "flash 1x64" (flash_prefill.paged_decode, warps x keys:
-    CUDA's for attention sinks), "cpu" (schedules/cpu/attention_decode.py) or "tvm"."""
+    """Which kernel serves the per-op path's decode attention: "flash 1x128/8" (flash_prefill.paged_decode, row warps x
+    keys a step / warps sharing them: CUDA's for attention sinks), "cpu" (schedules/cpu/attention_decode.py) or
+    "tvm"."""
     from luce_schedules.cpu.attention_prefill import supports
     from luce_schedules.gpu import flash_prefill
 
@@ -306,7 +307,7 @@ def decode_attention_kernel(target: tvm.target.Target, precision: str, sinks: bo
         return "cpu" if supports(head_dim, head_dim, dtype) else "tvm"
     if sinks and target.kind.name == "cuda" and precision == "f16":
         tile = flash_prefill.decode_tile(group)
-        return f"flash {tile.warps}x{tile.keys}"
+        return f"flash {tile.warps}x{tile.keys}/{tile.splits}"
     return "tvm"
 
 

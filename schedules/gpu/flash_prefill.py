@@ -59,10 +59,15 @@ MAX_HEAD_DIM = 128  # Q fragments (d/4 words) + O (d_v/2) + S (keys/2) a lane: ~
 class FlashTile:
     warps: int = 8  # each warp owns 16 query rows: TQ = 16·warps
     keys: int = 64  # keys a step, a multiple of 16
+    splits: int = 1  # warps sharing a row's keys (decode): each takes keys / splits of a step, merged at the end
 
     @property
     def rows(self) -> int:
         return 16 * self.warps
+
+    @property
+    def warp_keys(self) -> int:
+        return self.keys // self.splits
 
 
 def stage_elems(tile: FlashTile, d: int, d_v: int) -> int:
@@ -148,13 +153,16 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, *, page_size: int = 1
     return _Flash(h_kv, h_q, d, d, dtype, tile, mode="paged", page_size=page_size).build()
 
 
-DECODE_KEYS = 64  # keys a step of the decode kernel
+DECODE_KEYS, DECODE_SPLITS = 128, 8  # keys a step of the decode kernel, warps sharing them (16 keys a warp)
 DECODE_NAMES = {"q": "Q", "page_indptr": "page_table_indptr", "page_values": "page_table_values"}  # TVM's
 
 
 def decode_tile(group: int) -> FlashTile:
-    """One block per (sequence, KV head): the fewest warps whose 16-row fragments hold the group's query heads."""
-    return FlashTile(-(-group // 16), DECODE_KEYS)
+    """One block per (sequence, KV head): the fewest warps whose 16-row fragments hold the group's query heads; where
+    that is one warp, DECODE_SPLITS warps take a step's keys between them (a decode has no other parallelism in a
+    block: one warp would walk a long context alone)."""
+    rows = -(-group // 16)
+    return FlashTile(rows, DECODE_KEYS, DECODE_SPLITS if rows == 1 else 1)
 
 
 def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, *, page_size: int = 16,
@@ -164,7 +172,8 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, 
     sequence against its pages (the token's own key appended: no mask), a sliding window's sink and ring read as
     TVM's kernel reads them. Written for attention sinks (`d_att`): a row folds its sink in where this call's last key
     is at the query's position (lower/attention_sinks.py), so only models with sinks take it; TVM's kernel keeps the
-    others. One block a (sequence, KV head) walks every key: no split of long contexts across blocks yet."""
+    others. One block a (sequence, KV head) walks every key, its warps sharing each step's (decode_tile); no split of
+    a long context across blocks yet."""
     return _Flash(h_kv, h_q, d, d, dtype, decode_tile(h_q // h_kv), mode="decode", page_size=page_size,
                   sliding=sliding_window, d_att=d_att).build()
 
@@ -194,9 +203,11 @@ class _Flash:
         self.h_kv, self.h_q, self.d, self.d_v, self.dtype = h_kv, h_q, d, d_v, dtype
         self.group = h_q // h_kv
         self.tile_shape = tile = tile or default_tile(d, d_v)
-        if tile.keys % 16 or shared_bytes(tile, d, d_v) > MAX_DYNAMIC_SHARED:
-            raise ValueError(f"flash prefill attention: tile {tile} does not fit head dims {d}/{d_v}")
-        self.tq, self.tk, self.threads = tile.rows, tile.keys, 32 * tile.warps
+        if tile.keys % 16 or tile.warp_keys % 16 or shared_bytes(tile, d, d_v) > MAX_DYNAMIC_SHARED or \
+                (tile.splits > 1 and mode != "decode"):
+            raise ValueError(f"flash prefill attention: tile {tile} does not fit head dims {d}/{d_v} ({mode})")
+        self.tq, self.tk, self.threads = tile.rows, tile.keys, 32 * tile.warps * tile.splits
+        self.splits, self.wk = tile.splits, tile.warp_keys
         self.mode, self.page_size, self.sliding = mode, page_size, sliding
         self.paged = mode in ("paged", "decode")  # keys from the pages (decode: one query token a sequence)
         if d_att is not None and (mode == "paged" or d_att + QUERY_POSITION + 2 > d):
@@ -296,7 +307,10 @@ class _Flash:
                     B.launch_thread(order, tile_bound(self.qo_len, self.batch_size, self.group, self.tq)), \
                     B.launch_thread(tx, self.threads):
                 self.by, self.tx = head, tx
-                self.warp, lane = tx // 32, tx % 32
+                lane = tx % 32
+                # the warp's 16 rows and its share of each step's keys (splits > 1: every warp the same rows)
+                self.warp, self.split = (tx // 32, 0) if self.splits == 1 else (tx // 32 % self.tile_shape.warps,
+                                                                                 tx // 32 // self.tile_shape.warps)
                 self.lane, self.g, self.t = lane, lane // 4, lane % 4
                 self.flat_views()
                 self.smem = B.alloc_buffer((shared_bytes(self.tile_shape, self.d, self.d_v) // 2,), F16,
@@ -333,9 +347,9 @@ class _Flash:
                             B.decl_buffer((n * self.d_v,), self.dtype, data=self.v.data)]
 
     def registers(self) -> None:
-        d, d_v, tk = self.d, self.d_v, self.tk
+        d, d_v = self.d, self.d_v
         self.q_reg = B.alloc_buffer((d // 16 * 4,), "uint32", scope="local")  # Q's A fragments, the whole tile
-        self.s_acc = B.alloc_buffer((tk // 8 * 4,), F32, scope="local")  # S, then P (float32), 16 × keys a warp
+        self.s_acc = B.alloc_buffer((self.wk // 8 * 4,), F32, scope="local")  # S, then P (float32), 16 × wk a warp
         self.o_acc = B.alloc_buffer((d_v // 8 * 4,), F32, scope="local")  # O, 16 × d_v a warp
         self.frag = B.alloc_buffer((4,), "uint32", scope="local")  # one ldmatrix.x4
         self.p_frag = B.alloc_buffer((4,), "uint32", scope="local")  # one A fragment of P
@@ -415,10 +429,15 @@ class _Flash:
             B.evaluate(T.ptx.cp.async_.wait_group(1))  # this step's copies are done
             _sync()
             self.scores(step % 2)
-            self.softmax(step * tk)
+            self.softmax(step * tk + self.split * self.wk)
             self.pv(step % 2)
             _sync()  # every warp is done with this stage before the step after next overwrites it
-        self.epilogue(q0, qo_n, row0)
+        if self.splits > 1:
+            self.merge_splits()
+            with B.If(self.split < 1), B.Then():  # the first warp of each row's splits writes (no barrier inside)
+                self.epilogue(q0, qo_n, row0)
+        else:
+            self.epilogue(q0, qo_n, row0)
 
     def start_rows(self, b, q0, qo_n, kv_n, row0) -> None:
         """The lane's rows' running max and sum before the first key: TVM's (-5e4, 1), or with attention sinks the
@@ -442,17 +461,18 @@ class _Flash:
             rr = row0 + self.warp * 16 + self.g + 8 * h
             tok, head = tirx.min(rr // self.group, qo_n - 1), self.by * self.group + rr % self.group
             sink = self.q_flat[((q0 + tok) * self.h_q + head) * self.d + self.d_att + SINK].astype(F32)
-            _store(self.m_run, h, tirx.if_then_else(owns[0] > 0, sink * _f32(math.log2(math.e)), _f32(MASKED)))
+            folds = owns[0] > 0 if self.splits == 1 else tirx.all(owns[0] > 0, self.split < 1)  # once a row
+            _store(self.m_run, h, tirx.if_then_else(folds, sink * _f32(math.log2(math.e)), _f32(MASKED)))
             _store(self.l_run, h, _f32(1.0))
 
     def scores(self, buf) -> None:
         """S = Q·Kᵀ for the warp's 16 rows: per 16 dims, per 16 keys one ldmatrix.x4 of K (two 8-key B fragments)."""
-        lane, tk = self.lane, self.tk
-        for i in range(tk // 8 * 4):
+        lane, wk = self.lane, self.wk
+        for i in range(wk // 8 * 4):
             _store(self.s_acc, i, _f32(0.0))
         for kk in range(self.d // 16):
-            for p in range(tk // 16):
-                key = p * 16 + lane % 8 + 8 * (lane // 16)
+            for p in range(wk // 16):
+                key = self.split * wk + p * 16 + lane % 8 + 8 * (lane // 16)
                 at = buf * self.stage + key * self.ld_k + kk * 16 + 8 * ((lane // 8) % 2)
                 B.evaluate(T.ptx[LDMATRIX](*(self.frag[j] for j in range(4)), T.address_of(self.smem[at])))
                 for n in range(2):
@@ -464,7 +484,7 @@ class _Flash:
         """Online softmax on the accumulators: c0, c1 of key octet n are row g's keys 8n + 2t, +1; c2, c3 row g + 8's.
         A row's max and sum are reduced over its 4 lanes (shuffles); O is rescaled by exp2(m_old - m_new)."""
         scale = self.sm_scale * _f32(math.log2(math.e))
-        octets = self.tk // 8
+        octets = self.wk // 8
         for h in range(2):
             cols = [(n, c) for n in range(octets) for c in range(2)]
             _store(self.visible, h, self.limit[h] - k_start - 2 * self.t)  # the lane's columns below it are seen
@@ -492,18 +512,49 @@ class _Flash:
         """O += P·V: P's A fragment for keys 16kk.. is S octets 2kk and 2kk + 1 rounded to float16; V through
         ldmatrix.x4.trans (matrices: keys 0-7 / 8-15 × dims 0-7, then × dims 8-15)."""
         lane, s = self.lane, self.s_acc
-        for kk in range(self.tk // 16):
+        for kk in range(self.wk // 16):
             for j, (n, h) in enumerate(((2 * kk, 0), (2 * kk, 1), (2 * kk + 1, 0), (2 * kk + 1, 1))):
                 _store(self.p_frag, j, _pack_half(s[n * 4 + 2 * h], s[n * 4 + 2 * h + 1]))
             for p in range(self.d_v // 16):
                 m = lane // 8
-                key, dim = kk * 16 + 8 * (m % 2) + lane % 8, p * 16 + 8 * (m // 2)
+                key, dim = self.split * self.wk + kk * 16 + 8 * (m % 2) + lane % 8, p * 16 + 8 * (m // 2)
                 at = buf * self.stage + self.tk * self.ld_k + key * self.ld_v + dim
                 B.evaluate(T.ptx[LDMATRIX_T](*(self.frag[j] for j in range(4)), T.address_of(self.smem[at])))
                 for n in range(2):
                     acc = [self.o_acc[(2 * p + n) * 4 + j] for j in range(4)]
                     B.evaluate(T.ptx[MMA](*acc, *(self.p_frag[j] for j in range(4)), self.frag[2 * n],
                                           self.frag[2 * n + 1], *acc))
+
+    def merge_splits(self) -> None:
+        """The warps that shared a row's keys merge their states through shared memory into the first one's registers:
+        M = max m_s, L = Σ l_s·2^(m_s − M), O = Σ O_s·2^(m_s − M), as the cache merges partial attention."""
+        rows, width = self.tq, self.d_v + 2  # a row's O, then its m and l
+        merge = B.alloc_buffer((self.splits * rows * width,), F32, scope="shared")
+        cols = [(n, c) for n in range(self.d_v // 8) for c in range(2)]
+        for h in range(2):
+            at = (self.split * rows + self.warp * 16 + self.g + 8 * h) * width
+            for n, c in cols:
+                _store(merge, at + n * 8 + 2 * self.t + c, self.o_acc[n * 4 + 2 * h + c])
+            with B.If(self.t < 1), B.Then():
+                _store(merge, at + self.d_v, self.m_run[h])
+                _store(merge, at + self.d_v + 1, self.l_run[h])
+        _sync()
+        for h in range(2):
+            row = self.warp * 16 + self.g + 8 * h
+            at = [(s * rows + row) * width for s in range(self.splits)]
+            _store(self.m_new, h, merge[at[0] + self.d_v])
+            for a in at[1:]:
+                _store(self.m_new, h, tirx.max(self.m_new[h], merge[a + self.d_v]))
+            weight = [tirx.exp2(merge[a + self.d_v] - self.m_new[h]) for a in at]
+            _store(self.l_run, h, _f32(0.0))
+            for a, w in zip(at, weight, strict=True):
+                _store(self.l_run, h, self.l_run[h] + merge[a + self.d_v + 1] * w)
+            for n, c in cols:
+                i, col = n * 4 + 2 * h + c, n * 8 + 2 * self.t + c
+                _store(self.o_acc, i, _f32(0.0))
+                for a, w in zip(at, weight, strict=True):
+                    _store(self.o_acc, i, self.o_acc[i] + merge[a + col] * w)
+            _store(self.m_run, h, self.m_new[h])
 
     def epilogue(self, q0, qo_n, row0) -> None:
         for h in range(2):

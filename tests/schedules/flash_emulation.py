@@ -52,22 +52,29 @@ def emulate(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float, h_kv: int, 
         for by in range(h_kv):
             heads = by * group + head_in_group
             qt = np.where((tok < qo_n)[:, None], q[q0 + np.minimum(tok, qo_n - 1), heads], 0).astype(F32)  # (rows, d)
-            m, total, o = np.full(rows, F32(MASKED)), np.ones(rows, F32), np.zeros((rows, d_v), F32)
-            if sink_at is not None:
-                m = q[q0 + np.minimum(tok, qo_n - 1), heads, sink_at].astype(F32) * F32(math.log2(math.e))
-            for step in range(steps):
-                key = step * keys + np.arange(keys)
-                inside = (key < kv_n)[:, None]
-                kt = np.where(inside, k[kv0 + np.minimum(key, kv_n - 1), by], 0).astype(F32)  # (keys, d)
-                vt = np.where(inside, v[kv0 + np.minimum(key, kv_n - 1), by], 0).astype(F32)
-                valid = key[None, :] < limit[:, None]  # (rows, keys)
-                s = np.where(valid, (qt @ kt.T) * scale, F32(MASKED))
-                m_new = np.maximum(m, s.max(axis=1))
-                p = np.where(valid, np.exp2(s - m_new[:, None]), F32(0))
-                alpha = np.exp2(m - m_new)
-                total = total * alpha + p.sum(axis=1, dtype=F32)
-                m = m_new
-                o = o * alpha[:, None] + p.astype(np.float16).astype(F32) @ vt
+            states = []  # each warp's split of a step's keys (tile.splits; 1: the step's keys), merged below
+            for split in range(tile.splits):
+                m, total, o = np.full(rows, F32(MASKED)), np.ones(rows, F32), np.zeros((rows, d_v), F32)
+                if sink_at is not None and split == 0:
+                    m = q[q0 + np.minimum(tok, qo_n - 1), heads, sink_at].astype(F32) * F32(math.log2(math.e))
+                for step in range(steps):
+                    key = step * keys + split * tile.warp_keys + np.arange(tile.warp_keys)
+                    inside = (key < kv_n)[:, None]
+                    kt = np.where(inside, k[kv0 + np.minimum(key, kv_n - 1), by], 0).astype(F32)  # (keys, d)
+                    vt = np.where(inside, v[kv0 + np.minimum(key, kv_n - 1), by], 0).astype(F32)
+                    valid = key[None, :] < limit[:, None]  # (rows, keys)
+                    s = np.where(valid, (qt @ kt.T) * scale, F32(MASKED))
+                    m_new = np.maximum(m, s.max(axis=1))
+                    p = np.where(valid, np.exp2(s - m_new[:, None]), F32(0))
+                    alpha = np.exp2(m - m_new)
+                    total = total * alpha + p.sum(axis=1, dtype=F32)
+                    m = m_new
+                    o = o * alpha[:, None] + p.astype(np.float16).astype(F32) @ vt
+                states.append((m, total, o))
+            m = np.max([st[0] for st in states], axis=0)  # the kernel's merge_splits
+            weights = [np.exp2(st[0] - m) for st in states]
+            total = sum(st[1] * w for st, w in zip(states, weights, strict=True))
+            o = sum(st[2] * w[:, None] for st, w in zip(states, weights, strict=True))
             seen = tok < qo_n
             out[q0 + tok[seen], heads[seen]] = (o / total[:, None])[seen].astype(np.float16)
             lse[q0 + tok[seen], heads[seen]] = (m + np.log2(total))[seen]

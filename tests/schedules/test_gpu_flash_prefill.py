@@ -194,7 +194,7 @@ def test_sinks_fold_in_as_the_start_of_every_rows_softmax(decode):
     start each row's online softmax from its sink: against float64 attention over the head's columns with one more
     key of the sink's score and value 0. Decode: one query token a sequence, its own key the last, the decode tile."""
     h_kv, h_q, d_att = 8, 64, 64  # gpt-oss-20b's heads
-    q_lens, kv_lens, causal = ((1, 1, 1), (1, 70, 300), False) if decode else ((5, 130), (5, 130), True)
+    q_lens, kv_lens, causal = ((1, 1, 1, 1), (1, 70, 300, 1000), False) if decode else ((5, 130), (5, 130), True)
     tile = fp.decode_tile(h_q // h_kv) if decode else fp.default_tile(d_att + 16, d_att + 16)
     q, k, v, sinks = _rows_with_sinks(np.random.default_rng(), q_lens, kv_lens, h_kv, h_q, d_att)
     out, lse, _ = emulate(q, k, v, q_lens, kv_lens, causal, 0.125, h_kv, tile, sink_at=d_att)
@@ -214,7 +214,8 @@ def test_the_sink_decode_kernel_has_tvms_signature(sliding):
     assert_same_signature(fp.paged_decode(8, 64, 80, "float16", sliding, d_att=64),
                           _decode_kernels._attention_decode(8, 64, 80, "float16", sliding, {}, CUDA))
     body = _body(fp.paged_decode(8, 64, 80, "float16", sliding, d_att=64))
-    assert "__launch_bounds__(32)" in body  # one warp: the group's 8 heads in one 16-row fragment
+    # the group's 8 heads in one 16-row fragment, 8 warps sharing each step's 128 keys
+    assert fp.decode_tile(8) == FlashTile(1, 128, 8) and "__launch_bounds__(256)" in body
     with pytest.raises(ValueError, match="sinks fold"):
         fp._Flash(8, 64, 80, 80, "float16", None, mode="paged", d_att=64)
 
