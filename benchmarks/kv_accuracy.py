@@ -6,7 +6,7 @@ next-token distribution with a q8_0 or q4_0 KV cache against the f16 one, over r
 
 The text is Python's own documentation (pydoc_data/topics.py: English prose with code, shipped with CPython), cut
 into windows of --window tokens, each evaluated from an empty cache; every position's distribution is compared.
-Writes benchmarks/results/kv-accuracy-<date>.json and .md.
+Writes benchmarks/results/kv-accuracy-<date>-<model>.json and .md.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> int:
     gguf = resolve_model(args.model)
     result = {"model": gguf.name, "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), **measure(gguf, args.tokens, args.window, args.threads)}
-    stem = ROOT / "results" / f"kv-accuracy-{datetime.now(UTC):%Y-%m-%d}"
+    stem = ROOT / "results" / f"kv-accuracy-{datetime.now(UTC):%Y-%m-%d}-{args.model}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     rows = [f"| {t} | {result[t]['kl_mean']:.5f} | {result[t]['kl_p99']:.4f} | {100 * result[t]['top1']:.2f}% |"
             for t in KV_TYPES[1:]]

@@ -925,17 +925,35 @@ ATTENTION_SHAPES = ((3, 9, 64), (8, 32, 64), (8, 16, 128), (8, 32, 128), (1, 4, 
                     (2, 8, 80))
 ATTN_OUT_TOL, ATTN_LSE_TOL = 2e-3, 1e-3  # tests/schedules/test_gpu_flash_prefill.py says why (lse: GPU exp2/log2)
 PAGE = 16
+# (h_kv, h_q, head dim) of models with attention sinks: gpt-oss-20b/120b. Their kernels (flash_prefill.py's ragged
+# with d_att, paged_decode) take the cache's rows, the head + lower/attention_sinks.SINK_COLUMNS; TVM's decode kernel
+# on the same rows (no sinks) is built beside them to time against
+SINK_SHAPES = ((8, 64, 64),)
+SINK_COLUMNS, SINK, KEY_POSITION, QUERY_POSITION = 16, 0, 1, 3  # lower/attention_sinks.py's (no compiler there)
 
 
 def _attention_kernels(h_kv, h_q, d, dtype, info, target, with_tvm: bool) -> dict:
     """name → (PrimFunc, paged, tile) of every kernel built for one shape: the flash kernels (ragged and paged,
     float16 caches), the WMMA one, TVM's (float32 as before, or with_tvm)."""
     from luce_schedules.gpu import attention_prefill, flash_prefill
-    from tvm.relax.frontend.nn.llm import _prefill_kernels
+    from tvm.relax.frontend.nn.llm import _decode_kernels, _prefill_kernels
 
+    from luce_compile.lower import attention_sinks
     from luce_compile.lower.relax_model import prefill_attention_tiles
 
+    assert (SINK_COLUMNS, SINK, KEY_POSITION, QUERY_POSITION) == (attention_sinks.SINK_COLUMNS, attention_sinks.SINK,
+                                                                 attention_sinks.KEY_POSITION,
+                                                                 attention_sinks.QUERY_POSITION)
+
     kernels = {}
+    if (h_kv, h_q, d) in SINK_SHAPES and dtype == "float16":
+        row = d + SINK_COLUMNS
+        kernels["flash_sink"] = (flash_prefill.ragged_prefill(h_kv, h_q, row, row, dtype, d_att=d), False, None)
+        kernels["flash_decode_sink"] = (flash_prefill.paged_decode(h_kv, h_q, row, dtype, False, page_size=PAGE,
+                                                                   d_att=d), "decode", None)
+        kernels["tvm_decode"] = (_decode_kernels._attention_decode(h_kv, h_q, row, dtype, False, {}, target,
+                                                                   page_size=PAGE), "decode", None)
+        return kernels
     if flash_prefill.supports(d, d, dtype):
         tile = flash_prefill.default_tile(d, d)
         kernels["flash"] = (flash_prefill.ragged_prefill(h_kv, h_q, d, d, dtype), False, [tile.warps, tile.keys])
@@ -971,16 +989,19 @@ def build_attention(args: argparse.Namespace) -> int:
     out = Path(args.dir)
     (out / "lib").mkdir(parents=True, exist_ok=True)
     entries = []
-    shapes = [tuple(int(x) for x in a.split(",")) for a in args.shapes] if args.shapes else ATTENTION_SHAPES
+    shapes = [tuple(int(x) for x in a.split(",")) for a in args.shapes] if args.shapes else \
+        ATTENTION_SHAPES + SINK_SHAPES
     for h_kv, h_q, d in shapes:
         for name, (func, paged, tile) in _attention_kernels(h_kv, h_q, d, args.dtype, info, target,
                                                             args.tvm).items():
             lib = f"lib/{name}_{h_kv}_{h_q}_{d}.so"
-            symbol = "batch_prefill_paged_kv" if paged else "batch_prefill_ragged_kv"
+            symbol = {False: "batch_prefill_ragged_kv", True: "batch_prefill_paged_kv",
+                      "decode": "batch_decode_paged_kv"}[paged]
             with gpu_toolchain(info.kind, info.archs, info.name), target:
                 export_checked(tvm.compile(tvm.IRModule({symbol: func}), target=target), info, out / lib)
-            entries.append({"kernel": name, "h_kv": h_kv, "h_q": h_q, "d": d, "dtype": args.dtype, "paged": paged,
-                            "function": symbol, "library": lib, "tile": tile})
+            sinks = {"d_att": d, "d": d + SINK_COLUMNS} if (h_kv, h_q, d) in SINK_SHAPES else {"d": d}
+            entries.append({"kernel": name, "h_kv": h_kv, "h_q": h_q, "dtype": args.dtype, "paged": paged,
+                            "function": symbol, "library": lib, "tile": tile, **sinks})
             print(entries[-1], flush=True)
     (out / "index.json").write_text(json.dumps({"target": info.name, "entries": entries}, indent=1))
     return 0
@@ -1043,10 +1064,82 @@ class _AttentionCall:
                     pages[order[start + j], 1, :, :width] = v[span].transpose(1, 0, 2)
                 start, ks = start + c, ks + n
             last = np.array([n - (c - 1) * PAGE for n, c in zip(kv_lens, counts, strict=True)], np.int32)
-            argv = (self.tensor(q.astype(dtype)), indptr(q_lens), self.tensor(pages), indptr(counts),
-                    self.tensor(order), self.tensor(last), zeros_b, zeros_q, *tail)
+            if self.entry["paged"] == "decode":  # TVM's decode signature: a query a sequence, no indptr, no causal
+                argv = (self.tensor(q.astype(dtype)), self.tensor(pages), indptr(counts), self.tensor(order),
+                        self.tensor(last), zeros_b, zeros_b, out, lse, 0, 1.0, 1e4, float(sm_scale))
+            else:
+                argv = (self.tensor(q.astype(dtype)), indptr(q_lens), self.tensor(pages), indptr(counts),
+                        self.tensor(order), self.tensor(last), zeros_b, zeros_q, *tail)
         fn(*argv)
         return out.numpy().astype(np.float64), lse.numpy(), argv
+
+
+def _sink_inputs(rng, q_lens, kv_lens, h_kv: int, h_q: int, d_att: int, owns: list[bool]):
+    """Q, K, V rows as lower/attention_sinks.pad_with_sinks lays them out (float16): the head's d_att columns, then a
+    query's sink logit and position and a key's position in the padding (values zero there); each sequence's keys at
+    positions 0.., its queries the last of them, or one past its last key where owns[b] is False (the call does not
+    hold the query's own key: no sink folded). Returns q, k, v and the sinks (Σq, h_q) each query row folds in (-inf:
+    none)."""
+    width = d_att + SINK_COLUMNS
+    q, k, v = (np.zeros((sum(n), h, width), np.float16) for n, h in ((q_lens, h_q), (kv_lens, h_kv), (kv_lens, h_kv)))
+    for a, n, h in ((q, q_lens, h_q), (k, kv_lens, h_kv), (v, kv_lens, h_kv)):
+        a[..., :d_att] = rng.standard_normal((sum(n), h, d_att)).astype(np.float16)
+    sink = (rng.standard_normal(h_q) * 3).astype(np.float16)
+    q[..., d_att + SINK] = sink
+    split = lambda pos: np.stack([pos % 1024, pos // 1024], -1)  # noqa: E731  (attention_sinks.POSITION_RADIX)
+    folded = np.full((sum(q_lens), h_q), -np.inf)
+    qs = ks = 0
+    for b, (qn, kn) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        k[ks:ks + kn, :, d_att + KEY_POSITION:d_att + KEY_POSITION + 2] = split(np.arange(kn))[:, None]
+        q_pos = np.arange(kn - qn, kn) + (0 if owns[b] else 1)
+        q[qs:qs + qn, :, d_att + QUERY_POSITION:d_att + QUERY_POSITION + 2] = split(q_pos)[:, None]
+        if owns[b]:
+            folded[qs:qs + qn] = sink.astype(np.float64)
+        qs, ks = qs + qn, ks + kn
+    return q, k, v, folded
+
+
+def _check_sinks(e: dict, fn, call, rng, tokens: list[int], number: int, repeat: int, module, device) -> list[dict]:
+    """A kernel of SINK_SHAPES on the cache's rows with sinks: flash_sink (ragged, every row folds its sink),
+    flash_decode_sink (where the pages end at the query's own key), tvm_decode (no sinks: the padding must add
+    nothing to its scores); against float64 over the head's columns with the sink as one more key of value 0. Then
+    the decode kernels timed at each of `tokens` keys, batch 1 and 8."""
+    h_kv, h_q, d_att = e["h_kv"], e["h_q"], e["d_att"]
+    sm_scale, rows = 1 / np.sqrt(d_att), []
+    decode = e["paged"] == "decode"
+    if decode:
+        kv_cases = [(1, 70, 300, 1000, 5000)]
+        cases = [((1,) * len(kv), kv, [b != 1 for b in range(len(kv))], False) for kv in kv_cases]
+    else:
+        cases = [((1, 17, 100, 300),) * 2 + ([True] * 4, True), ((5, 130),) * 2 + ([True] * 2, True)]
+    for q_lens, kv_lens, owns, causal in cases:
+        q, k, v, folded = _sink_inputs(rng, q_lens, kv_lens, h_kv, h_q, d_att, owns)
+        if e["kernel"].startswith("tvm"):
+            folded[:] = -np.inf  # TVM's kernel has no sink term
+        got, got_lse, _ = call(fn, q, k, v, q_lens, kv_lens, causal, sm_scale)
+        want, want_lse = _attention_reference(q[..., :d_att], k[..., :d_att], v[..., :d_att], q_lens, kv_lens,
+                                              causal, sm_scale)
+        total = np.logaddexp2(want_lse, folded / np.log(2))
+        want, want_lse = want * np.exp2(want_lse - total)[..., None], total
+        row = {**{x: e[x] for x in ("kernel", "h_kv", "h_q", "d", "d_att")}, "q_lens": list(q_lens),
+               "kv_lens": list(kv_lens), "owns": owns, "vs_half": _rel(got[..., :d_att], want),
+               "padding_max": float(np.abs(got[..., d_att:]).max()),
+               "lse_vs_half": float(np.abs(got_lse - want_lse).max())}
+        row["ok"] = row["vs_half"] < ATTN_OUT_TOL and row["lse_vs_half"] < ATTN_LSE_TOL and row["padding_max"] == 0
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if decode:
+        for n in tokens:
+            for batch in (1, 8):
+                q, k, v, _ = _sink_inputs(rng, (1,) * batch, (n,) * batch, h_kv, h_q, d_att, [True] * batch)
+                _, _, argv = call(fn, q, k, v, (1,) * batch, (n,) * batch, False, sm_scale)
+                timer = module.time_evaluator(e["function"], device, number=number, repeat=repeat)
+                seconds = float(np.median(timer(*argv).results))
+                rows.append({**{x: e[x] for x in ("kernel", "h_kv", "h_q", "d", "d_att")}, "tokens": n,
+                             "batch": batch, "us": seconds * 1e6,
+                             "gb_per_s": batch * n * h_kv * 2 * e["d"] * 2 / seconds / 1e9})  # K and V rows read
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def check_attention(args: argparse.Namespace) -> int:
@@ -1073,6 +1166,11 @@ def check_attention(args: argparse.Namespace) -> int:
     for e in index["entries"]:
         module = tvm.runtime.load_module(str((folder / e["library"]).resolve()))
         fn, call = module[e.get("function", "batch_prefill_ragged_kv")], _AttentionCall(e, device, rng)
+        if "d_att" in e:
+            sink_rows = _check_sinks(e, fn, call, rng, args.tokens, args.number, args.repeat, module, device)
+            failed |= not all(r["ok"] for r in sink_rows if "ok" in r)
+            rows += sink_rows
+            continue
         h_kv, h_q, d, dtype = e["h_kv"], e["h_q"], e["d"], e.get("dtype", "float32")
         sm_scale = 1 / np.sqrt(d)
         long = [((args.long,), (args.long,), True)] if args.long and not e["kernel"].startswith("tvm") else []

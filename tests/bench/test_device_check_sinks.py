@@ -1,0 +1,42 @@
+"""scripts/device_check.py's attention check for the kernels with attention sinks (gpt-oss on CUDA): its inputs and
+its float64 reference, run here against the flash kernels' own schedule in numpy (tests/schedules/flash_emulation.py,
+the sink folded where a row's call holds its own key), so that a device call tests the kernels, not the check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from luce_schedules.gpu import flash_prefill as fp
+
+from tests.bench._load import load_script
+from tests.schedules.flash_emulation import emulate
+
+pytestmark = pytest.mark.unit
+
+
+def _check_reference(dc, q, k, v, q_lens, kv_lens, causal, folded, d_att):
+    want, lse = dc._attention_reference(q[..., :d_att], k[..., :d_att], v[..., :d_att], q_lens, kv_lens, causal,
+                                        1 / np.sqrt(d_att))
+    total = np.logaddexp2(lse, folded / np.log(2))
+    return want * np.exp2(lse - total)[..., None]
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["ragged", "decode"])
+def test_the_checks_reference_is_the_kernels_schedule_with_the_sink_where_it_folds(decode):
+    dc = load_script("device_check")
+    h_kv, h_q, d_att = dc.SINK_SHAPES[0]
+    rng = np.random.default_rng()
+    if decode:
+        q_lens, kv_lens, owns, causal, tile = (1, 1, 1), (1, 70, 300), [True, False, True], False, fp.decode_tile(8)
+    else:
+        q_lens, kv_lens, owns, causal, tile = (17, 100), (17, 100), [True, True], True, fp.default_tile(80, 80)
+    q, k, v, folded = dc._sink_inputs(rng, q_lens, kv_lens, h_kv, h_q, d_att, owns)
+    want = _check_reference(dc, q, k, v, q_lens, kv_lens, causal, folded, d_att)
+    out, _, _ = emulate(q, k, v, q_lens, kv_lens, causal, 1 / np.sqrt(d_att), h_kv, tile, sink_at=d_att)
+    plain, _, _ = emulate(q, k, v, q_lens, kv_lens, causal, 1 / np.sqrt(d_att), h_kv, tile)
+    rows = np.concatenate([[o] * n for o, n in zip(owns, q_lens, strict=True)])
+    assert dc._rel(out[rows, :, :d_att].astype(np.float64), want[rows]) < dc.ATTN_OUT_TOL
+    if (~rows).any():  # a decode call whose pages end before the query's key: no sink
+        assert dc._rel(plain[~rows, :, :d_att].astype(np.float64), want[~rows]) < dc.ATTN_OUT_TOL
+    assert not dc._rel(plain[rows, :, :d_att].astype(np.float64), want[rows]) < dc.ATTN_OUT_TOL  # sinks matter
+    assert (out[..., d_att:] == 0).all()  # values are zero in the padding
