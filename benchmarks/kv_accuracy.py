@@ -87,14 +87,14 @@ def main() -> int:
     result = {"model": gguf.name, "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), **measure(gguf, args.tokens, args.window, args.threads)}
     stem = ROOT / "results" / f"kv-accuracy-{datetime.now(UTC):%Y-%m-%d}-{args.model}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    Path(f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     rows = [f"| {t} | {result[t]['kl_mean']:.5f} | {result[t]['kl_p99']:.4f} | {100 * result[t]['top1']:.2f}% |"
             for t in KV_TYPES[1:]]
     md = (f"# KV cache quantization accuracy, {gguf.name} (llama.cpp {result['llama_cpp']})\n\n"
           f"`{result['command']}`: {result['tokens']} tokens of Python's documentation in windows of "
           f"{result['window']}, next-token distributions against the f16 KV cache.\n\n"
           "| KV type | KL mean | KL p99 | top-1 agreement |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    stem.with_suffix(".md").write_text(md)
+    Path(f"{stem}.md").write_text(md)
     print(md)
     return 0
 
