@@ -320,6 +320,26 @@ def test_moe_builds_for_sm_90_with_the_per_op_kernels(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpt_oss_builds_for_sm_90_with_the_sink_kernels(tmp_path):
+    """tiny-gptoss for sm_90 (issue 40): attention sinks fold in flash_prefill.py's ragged and decode kernels (the
+    sliding layers' paged prefill stays TVM's, the rows' padding scoring nothing), its MXFP4 experts' prompt rows
+    take the grouped 8-bit GEMM; the manifest says so. Its numbers are checked on the GPU (device_check)."""
+    from luce_compile.codegen.compile import compile_model
+    from luce_compile.synthetic import cached_synthetic
+
+    artifact = compile_model(cached_synthetic("tiny-gptoss"), "sm_90", tmp_path / "oss")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    kernels_record = manifest["kernels"]
+    assert kernels_record["decode_attention"] == "flash 1x128/8" and kernels_record["kv_cache"] == "f16"
+    assert kernels_record["prefill_gemm"]["moe_q8_types"] == ["MXFP4"]
+    assert manifest["runtime"]["kv_head_dim"] == manifest["config"]["head_dim"] + 16
+    (binary,) = check_library(artifact / "model.so", get_target("sm_90")).binaries
+    kernels = set(binary.kernels["sm_90"])
+    assert {"batch_decode_paged_kv_kernel", "batch_decode_paged_kv_sliding_window_kernel",
+            "batch_prefill_ragged_kv_kernel", "batch_prefill_paged_kv_sliding_window_kernel"} <= kernels
+
+
+@pytest.mark.slow
 def test_prefill_gemm_q8_builds_the_integer_mma_kernels(tmp_path):
     """--prefill-gemm q8: the tiny llama in Q4_1 (its LM head Q8_0) for sm_90: the manifest records the choice and the
     types it served, and every gemm kernel's SASS above the buckets holds integer tensor-core mma (IMMA.16832) fed by
