@@ -246,28 +246,42 @@ def test_the_weight_words_are_the_emulations_integers_in_the_activations_order(q
         assert np.array_equal(shared[..., :16], q.reshape(n_out, nb, 32)[..., elements])
 
 
-def _stager(qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], rows: int, origin: tuple[int, int],
-            step: int, stage: int) -> tirx.PrimFunc:
-    """GemmKernel's load_step then store_step of K step `step` into `stage`, for every thread in turn (a loop on the
-    CPU), the shared buffers being arguments: what the tile's threads leave in shared memory for the mma.sync."""
-    fmt, groups = q8_gemm_format(qtype), mmq_blocks.groups(qtype)
+def stager(qtype: str, weight_rows: int, n_in: int, tile: tuple[int, int, int], x_rows: int, kernel, step: int,
+           stage: int, tokens: int = 0) -> tirx.PrimFunc:
+    """A GEMM kernel's load_step then store_step of K step `step` into `stage`, for every thread in turn (a loop on the
+    CPU), the shared buffers being arguments: what the tile's threads leave in shared memory for the mma.sync.
+    `kernel(views, tx, tokens)` makes the kernel object (mmq_gemm.GemmKernel, moe.ExpertTile); `tokens` > 0: an int32
+    argument of that many rows' token ids after the planes (a grouped tile's gathered rows)."""
+    fmt = q8_gemm_format(qtype)
     (tiles, scales), _ = mmq_gemm._shared_words(qtype, tile)
     with IRBuilder() as ib, B.prim_func():
         B.func_name("stage")
         planes = {pl: B.arg(pl, B.buffer(tuple(tirx.IntImm("int64", d) for d in shape), dt))
-                  for pl, (shape, dt) in plane_specs(qtype, n_out, n_in).items()}
-        x = {"xq": B.arg("xq", B.buffer((rows * n_in // 4,), "uint32"))}
+                  for pl, (shape, dt) in plane_specs(qtype, weight_rows, n_in).items()}
+        ids = B.arg("tokens", B.buffer((tokens,), "int32")) if tokens else None
+        x = {"xq": B.arg("xq", B.buffer((x_rows * n_in // 4,), "uint32"))}
         for name in ("xd", "xs") if fmt.with_sum else ("xd",):
-            x[f"{name}:flat"] = B.arg(name, B.buffer((rows * n_in // 32,), "float32"))
+            x[f"{name}:flat"] = B.arg(name, B.buffer((x_rows * n_in // 32,), "float32"))
         smem = {name: B.arg(name, B.buffer((n,), "uint32")) for name, n in tiles.items()}
         stages = {name: [B.arg(f"{name}{i}", B.buffer((n,), "float32")) for i in range(2)]
                   for name, n in scales.items()}
         views = mmq_blocks.plane_views(planes) | x  # (declared after every argument)
         with B.serial(0, mma_gemm.THREADS) as tx:
-            k = mmq_gemm.GemmKernel(qtype, n_out, n_in, tile, views, rows, tx, origin[0], origin[1], fmt.with_sum)
+            k = kernel(views, tx, ids)
             k.smem, k.stage, k.perm = smem, stages, tir_byte_perm
             k.store_step(stage, k.load_step(tirx.const(step, "int32")))
-    return ib.get(), groups
+    return ib.get()
+
+
+def _stager(qtype: str, n_out: int, n_in: int, tile: tuple[int, int, int], rows: int, origin: tuple[int, int],
+            step: int, stage: int) -> tirx.PrimFunc:
+    """The dense GEMM's stager (GemmKernel over rows x n_out)."""
+    with_sum = q8_gemm_format(qtype).with_sum
+
+    def kernel(views, tx, _tokens):  # noqa: ANN001, ANN202
+        return mmq_gemm.GemmKernel(qtype, n_out, n_in, tile, views, rows, tx, origin[0], origin[1], with_sum)
+
+    return stager(qtype, n_out, n_in, tile, rows, kernel, step, stage), mmq_blocks.groups(qtype)
 
 
 @pytest.mark.unit
@@ -399,9 +413,9 @@ def test_default_tile_and_what_it_refuses():
     assert mmq_gemm.default_tile(1024, 132) == (64, 64, 128)  # the k/v projection: 8 × 16
     assert mmq_gemm.supports("Q6_K", 4096) and mmq_gemm.supports("Q3_K", 4096) and mmq_gemm.supports("Q2_K", 4096)
     assert not mmq_gemm.supports("Q4_K", 4096, "float16") and not mmq_gemm.supports("BF16", 4096)
-    assert not mmq_gemm.supports("MXFP4", 4096)
+    assert mmq_gemm.supports("MXFP4", 4096) and not mmq_gemm.supports("F16", 4096)
     with pytest.raises(ValueError, match="not supported"):
-        mmq_gemm.mmq_gemm("MXFP4", 256, 512)
+        mmq_gemm.mmq_gemm("F16", 256, 512)
 
 
 @pytest.mark.unit

@@ -16,23 +16,19 @@ import pytest
 import tvm
 from gguf import GGMLQuantizationType
 from luce_schedules.gpu import mmq_blocks, mmq_gemm
-from luce_schedules.gpu.mma_gemm import THREADS
 from luce_schedules.gpu.moe import SORT_TILE, ExpertGEMV, ExpertTile, expert_route, expert_sort, grouped_mmq_gemm
 from tvm import tirx
-from tvm.script.ir_builder import IRBuilder
-from tvm.script.ir_builder import tirx as B
 from tvm.target import Target
 
 from luce_compile.codegen.device_binaries import device_sources
 from luce_compile.codegen.gpu_toolchain import gpu_toolchain
 from luce_compile.lower.moe import GROUPED_ATTR, expert_matmul, grouped_above, route_func
 from luce_compile.lower.q8_gemm import q8_gemm_format
-from luce_compile.lower.quant_layout import plane_specs
 from luce_compile.lower.quant_matmul import quant_matmul
 from luce_compile.targets import get_target
 from tests.bench._load import load_script
 from tests.codegen.test_gpu_device import cuda_device_count
-from tests.schedules.test_gpu_mmq_gemm import _run_cpu, activations, random_weights
+from tests.schedules.test_gpu_mmq_gemm import _run_cpu, activations, random_weights, stager
 
 CUDA = get_target("sm_90").tvm_target()
 ROCM = get_target("gfx1201").tvm_target()
@@ -188,28 +184,16 @@ def _expert_planes(planes: dict, e: int, n_out: int) -> dict:
 
 def _tile_stager(qtype: str, n_expert: int, n_out: int, n_in: int, tile: tuple[int, int, int], rows: int,
                  x_rows: int, origin: tuple[int, int], expert: int, step: int) -> tirx.PrimFunc:
-    """ExpertTile's load_step then store_step of K step `step` into stage 0, for every thread in turn on the CPU (the
-    mmq stager's harness, with the rows' tokens and an expert)."""
-    fmt = q8_gemm_format(qtype)
-    (tiles, scales), _ = mmq_gemm._shared_words(qtype, tile)
-    with IRBuilder() as ib, B.prim_func():
-        B.func_name("stage")
-        planes = {pl: B.arg(pl, B.buffer(tuple(tirx.IntImm("int64", d) for d in shape), dt))
-                  for pl, (shape, dt) in plane_specs(qtype, n_expert * n_out, n_in).items()}
-        tokens = B.arg("tokens", B.buffer((rows,), "int32"))
-        x = {"xq": B.arg("xq", B.buffer((x_rows * n_in // 4,), "uint32"))}
-        for name in ("xd", "xs") if fmt.with_sum else ("xd",):
-            x[f"{name}:flat"] = B.arg(name, B.buffer((x_rows * n_in // 32,), "float32"))
-        smem = {name: B.arg(name, B.buffer((n,), "uint32")) for name, n in tiles.items()}
-        stages = {name: [B.arg(f"{name}{i}", B.buffer((n,), "float32")) for i in range(2)]
-                  for name, n in scales.items()}
-        views = mmq_blocks.plane_views(planes) | x
-        with B.serial(0, THREADS) as tx:
-            k = ExpertTile(qtype, n_out, n_in, tile, views, rows, tx, origin[0], origin[1], fmt.with_sum)
-            k.tokens, k.expert = tokens, tirx.const(expert, "int32")
-            k.smem, k.stage = smem, stages
-            k.store_step(0, k.load_step(tirx.const(step, "int32")))
-    return ib.get()
+    """ExpertTile's load_step then store_step of K step `step` into stage 0 (the mmq stager's harness, with the rows'
+    tokens and an expert)."""
+    with_sum = q8_gemm_format(qtype).with_sum
+
+    def kernel(views, tx, tokens):  # noqa: ANN001, ANN202
+        k = ExpertTile(qtype, n_out, n_in, tile, views, rows, tx, origin[0], origin[1], with_sum)
+        k.tokens, k.expert = tokens, tirx.const(expert, "int32")
+        return k
+
+    return stager(qtype, n_expert * n_out, n_in, tile, x_rows, kernel, step, 0, tokens=rows)
 
 
 @pytest.mark.unit
