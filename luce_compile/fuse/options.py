@@ -16,6 +16,8 @@ Q8_ORDER = {"Q4_0": "nibbles", "Q4_1": "nibbles", "Q5_0": "nibbles", "Q5_1": "ni
             "Q4_K": "nibbles", "Q5_K": "nibbles", "Q6_K": "nibbles"}
 # q8_codebooks: the codebook types, whose 4-bit indices the 8-bit bodies look up to signed bytes first
 Q8_CODEBOOK_ORDER = {"IQ4_NL": "nibbles", "IQ4_XS": "nibbles"}
+# q8_low_bits: the 2- and 3-bit K-quants (lower/quant_layout._2bit's slots give their quants in nibbles order)
+Q8_LOW_BIT_ORDER = {"Q3_K": "nibbles", "Q2_K": "nibbles"}
 
 
 def q8_types(options: dict) -> tuple[str, ...]:
@@ -23,7 +25,8 @@ def q8_types(options: dict) -> tuple[str, ...]:
     dict, or an artifact manifest's megakernel options): what the checks' oracle rounds."""
     if not options.get("q8_activations"):
         return ()
-    return tuple(Q8_ORDER) + (tuple(Q8_CODEBOOK_ORDER) if options.get("q8_codebooks") else ())
+    return tuple(Q8_ORDER) + (tuple(Q8_CODEBOOK_ORDER) if options.get("q8_codebooks") else ()) + \
+        (tuple(Q8_LOW_BIT_ORDER) if options.get("q8_low_bits") else ())
 # float_mma: the weight types whose matvecs run on tf32 tensor cores, which hold them exactly (10 mantissa bits and
 # float32's exponent range); their inputs are rounded to tf32 (the oracle emulates it: graph/rounding.tf32)
 MMA_FLOAT_TYPES = ("F16", "BF16")
@@ -116,6 +119,12 @@ class MegakernelOptions:
     # 0.018 / 0.020 of the oracle (bar 0.1), batched = alone; the 8B IQ4_XS 5.7 ms a step at b=1 (the float lanes
     # 11.3, llama.cpp 3.1). A manifest without the key (older builds) ran the float lanes (q8_types)
     q8_codebooks: bool = True
+    # with q8_activations: Q3_K and Q2_K take 8-bit activations too (llama.cpp's vec_dot_q3_K_q8_1 / q2_K_q8_1: the 2
+    # low bits in quant_layout._2bit's slots, Q3_K's third from its hmask, offset 4, a signed scale per 16; Q2_K's
+    # scale and minimum per 16 against the 16 activations' integer sum); without it they run the float lanes. Not
+    # yet run on a GPU (benchmarks/README.md, "The GPU work waiting"): off until megakernel_check's tiny llamas in
+    # Q3_K / Q2_K pass the oracle there
+    q8_low_bits: bool = False
     # with q8_activations: the matvecs' integer dot products on tensor cores (mma.m16n8k32 s8, 16 rows x a block x
     # 8 sequences an instruction) instead of dp4a, at every batch size
     q8_mma: bool = False

@@ -352,6 +352,59 @@ def test_q6_k_high_bits_land_in_their_quants_bytes(rng):
     assert np.array_equal(got, want) and want.max() > 47
 
 
+@pytest.mark.parametrize("quant", ["Q3_K", "Q2_K"])
+def test_low_bit_words_are_the_quants_in_nibbles_order(rng, quant):
+    """The 8-bit path's Q3_K/Q2_K words: granule g's two words from its block's `qs` word g % 2 (quant_layout._2bit's
+    slots, shifted by 2·(g // 2) and 4 more for the odd elements) with Q3_K's hmask bit as bit 2 of each byte, must
+    be the quants dequant_expr reads (quant_matmul.stored_quant: 0..7 / 0..3 before any offset), even elements then
+    odd, for a granule index the kernel computes; on random planes, the same TIR run on the CPU."""
+    import tvm
+    from tvm import te, tirx
+
+    from luce_compile.fuse.emit_cuda.q8 import _fifth_bits, _low_bits
+    from luce_compile.lower.quant_matmul import stored_quant
+
+    n = 64
+    qs = te.placeholder((n, 2), "uint32", name="qs")  # 32 values a row: two words of 2-bit fields
+    qh = te.placeholder((n, 1), "uint32", name="qh")
+
+    def word(i, g, h):
+        w = _low_bits(qs[i, g % 2], g)
+        if quant == "Q3_K":
+            w = [a | e for a, e in zip(w, _fifth_bits(qh[i, 0], g, bit=2), strict=True)]
+        return tirx.Select(h == 0, w[0], w[1])
+
+    words = te.compute((n, 4, 2), word, name="words")
+    planes = {"qs": qs, "qh": qh} if quant == "Q3_K" else {"qs": qs}
+    quants = te.compute((n, 32), lambda i, k: stored_quant(quant, planes, i, k), name="quants")
+    func = tvm.compile(te.create_prim_func([qs, qh, words, quants]), target="llvm")
+    a = rng.integers(0, 2**32, (n, 2), dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, (n, 1), dtype=np.uint64).astype(np.uint32)
+    out = [tvm.runtime.tensor(np.zeros(sh, dt)) for sh, dt in (((n, 4, 2), np.uint32), ((n, 32), np.int32))]
+    func(tvm.runtime.tensor(a), tvm.runtime.tensor(b), *out)
+    got = out[0].numpy().view(np.uint8).reshape(n, 4, 2, 4)  # (row, granule, even/odd, byte i)
+    want = out[1].numpy().reshape(n, 4, 4, 2).transpose(0, 1, 3, 2)  # element 8g + 2i + h
+    assert np.array_equal(got, want) and want.max() == (7 if quant == "Q3_K" else 3)
+
+
+@pytest.mark.parametrize("quant", ["Q3_K", "Q2_K"])
+def test_q8_low_bits_give_integer_dots_to_2_and_3_bit_weights(quant):
+    """q8_low_bits: Q3_K and Q2_K matvecs take 8-bit activations and dp4a (by granule at K 256, by block at 1,024);
+    off by default until the device checks them (their float lanes otherwise), and then what the oracle rounds."""
+    import dataclasses
+
+    from luce_compile.fuse.options import MegakernelOptions, q8_types
+
+    spec = dataclasses.replace(preset("tiny-llama"), n_embd=256, n_ff=1024, quant=quant)
+    graph, _ = open_graph(cached_synthetic(spec))
+    prog = build_program(graph, batch=2, n_sms=8, max_context=64, kv_chunk=16)
+    on = MegakernelOptions(q8_activations=True, q8_low_bits=True)
+    source = cuda_source(emit_megakernel(prog, options=on))
+    assert "__dp4a" in source and divergent_collectives(source) == []
+    assert "__dp4a" not in cuda_source(emit_megakernel(prog, options=MegakernelOptions(q8_activations=True)))
+    assert quant in q8_types(dataclasses.asdict(on)) and quant not in q8_types({"q8_activations": True})
+
+
 def test_codebook_lookup_permutes_bytes_as_llama_cpp(rng):
     """IQ4's lookup of four 4-bit indices (one a byte) to their signed codebook values by three byte permutes: run
     on Python ints with CUDA's documented __byte_perm (byte i of the result: byte s<4i+2:4i> of y:x), it gives

@@ -71,6 +71,7 @@ class EmitterCore:
         self.float_mma_tiles = options.float_mma_tiles
         self.attn_rows, self.attn_rows_slots = options.attn_rows, options.attn_rows_slots
         self.q8_codebooks = options.q8_codebooks
+        self.q8_low_bits = options.q8_low_bits
         self.analyzer = Analyzer()  # _Granule's index simplification
         self.q8_batch = max(options.batches or (self.nb,))  # a stage's q8 choice is the same at every batch size
         # float32 words of shared memory: static up to 48 KiB, dynamic above (TVM's launch raises the limit)

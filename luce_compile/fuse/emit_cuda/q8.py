@@ -14,7 +14,7 @@ from tvm.tirx.script.builder import ir as B
 from luce_compile.fuse import program as P
 from luce_compile.fuse.emit_cuda import intrinsics as ix
 from luce_compile.fuse.emit_cuda.core import F32, f32, i32
-from luce_compile.fuse.options import Q8_CODEBOOK_ORDER, Q8_ORDER
+from luce_compile.fuse.options import Q8_CODEBOOK_ORDER, Q8_LOW_BIT_ORDER, Q8_ORDER
 from luce_compile.lower.quant_matmul import CODEBOOKS, codebook_word, exact_int_to_float, table_words
 
 Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
@@ -23,19 +23,32 @@ QUANT_AHEAD = 4  # quantize_q8: granules a thread loads before it quantizes any 
 
 # the 8-bit path's types stored unsigned with an offset (w = d·(q − offset)): the dot starts at −offset·Σq_x (Q6_K's
 # per 16 values, each sub-block's sum then scaled by its int8 scale)
-Q8_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
+Q8_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q3_K": 4}
+SIXTEENS = ("Q6_K", "Q3_K", "Q2_K")  # a scale per 16 values (an int8, or Q2_K's 4-bit one) times each half's sum
+LOW_BITS = ("Q3_K", "Q2_K")  # quant_layout._2bit's `qs`: 2 words a block; a granule's quants one shift away
+TWO_BITS = 0x03030303
 
 
-def _fifth_bits(qh: tirx.Expr, gg) -> tuple[tirx.Expr, tirx.Expr]:
-    """A Q5 block's fifth bits (qh: bit j of element j of the 32) for granule gg's two nibble words: the even
-    elements 8gg + 2i go to bit 4 of byte i of the low-nibble word, the odd ones 8gg + 2i + 1 of the high one."""
+def _fifth_bits(qh: tirx.Expr, gg, bit: int = 4) -> tuple[tirx.Expr, tirx.Expr]:
+    """A block's high bits (qh: bit j of element j of the 32) for granule gg's two nibble words: the even elements
+    8gg + 2i go to bit `bit` of byte i of the low word, the odd ones of the high one (Q5's fifth bit at 4, Q3_K's
+    third at 2)."""
     u = lambda v: tirx.const(v, "uint32")  # noqa: E731
     x = qh >> (u(8 * gg) if isinstance(gg, int) else (gg * 8).astype("uint32"))
 
-    def spread(v: tirx.Expr) -> tirx.Expr:  # bits 0, 2, 4, 6 → 4, 12, 20, 28
-        return ((v & u(1)) << u(4)) | ((v & u(4)) << u(10)) | ((v & u(16)) << u(16)) | ((v & u(64)) << u(22))
+    def spread(v: tirx.Expr) -> tirx.Expr:  # bits 0, 2, 4, 6 → bit, 8 + bit, 16 + bit, 24 + bit
+        return ((v & u(1)) << u(bit)) | ((v & u(4)) << u(bit + 6)) | ((v & u(16)) << u(bit + 12)) | \
+            ((v & u(64)) << u(bit + 18))
 
     return spread(x), spread(x >> u(1))
+
+
+def _low_bits(word: tirx.Expr, gg) -> list[tirx.Expr]:
+    """Granule gg's (0..3 of its block) two words of 2-bit quants, even elements then odd, from the block's word
+    gg % 2 of the `qs` plane (quant_layout._2bit: shifted by 2·(gg // 2), and by 4 more for the odd ones)."""
+    u = lambda v: tirx.const(v, "uint32")  # noqa: E731
+    shift = u(2 * (gg // 2)) if isinstance(gg, int) else (gg // 2 * 2).astype("uint32")
+    return [(word >> shift) & u(TWO_BITS), (word >> (shift + u(4))) & u(TWO_BITS)]
 
 
 def _sixth_bits(qh: tirx.Expr, shift) -> tuple[tirx.Expr, tirx.Expr]:
@@ -102,6 +115,13 @@ class Q8Mixin:
             y = y + mw * (s if lanes_per_block == 4 else s * f32(4))
         self.store(acc, a, y)
 
+    def _q8_min16(self, acc, a: int, dmin, msum, b: int, blk, k_in: int) -> None:
+        """acc[a] −= dmin·(d_x·Σ mn·Σq_x): Q2_K's minima per 16 values against the integer sums of their activations
+        (exact: the emulating oracle's q8_0 values), after _q8_accumulate's scale term."""
+        d_at, _ = self._q8_scales_at(k_in)
+        dx = self.smem[d_at + b * (k_in // Q8_BLOCK) + blk]
+        self.store(acc, a, acc[a] - dmin * (dx * exact_int_to_float(msum)))
+
     @staticmethod
     def _q8_block_scales(planes, ggml_type: str, layer, row, blk) -> tuple[tirx.Expr, tirx.Expr | None]:
         """A 32-value block's (d_w, m_w) as float32, w = d_w·q + m_w (m_w None: Q4_0/Q8_0/Q6_K have no minimum). A
@@ -113,8 +133,8 @@ class Q8Mixin:
             d = planes["d"][layer, row, sb].astype(F32) * exact_int_to_float(planes["sc"][layer, row, blk])
             m = planes["dmin"][layer, row, sb].astype(F32) * exact_int_to_float(planes["mn"][layer, row, blk])
             return d, f32(0) - m
-        if ggml_type == "Q6_K":  # the int8 scale of each 16 values multiplies the integer sums (the passes)
-            return planes["d"][layer, row, blk // 8].astype(F32), None
+        if ggml_type in SIXTEENS:  # the scale of each 16 values multiplies the integer sums (the passes); Q2_K's
+            return planes["d"][layer, row, blk // 8].astype(F32), None  # minimum: _q8_min16
         if ggml_type == "IQ4_XS":  # d of the super-block times the block's signed 6-bit scale (ls − 32, exact)
             return (planes["d"][layer, row, blk // 8].astype(F32)
                     * exact_int_to_float(planes["sc"][layer, row, blk].astype("int32"))), None
@@ -150,9 +170,10 @@ class Q8Mixin:
                 self.q8_batch * self._q8_words(k_in) > self.shared_floats - self.shared_floats // Q8_RESERVE:
             return None
         types = {t for unit in st.units for t in self._weight_types(unit)}
-        if self.q8_mma and types & {"Q5_0", "Q5_1", "Q5_K", "Q6_K", *Q8_CODEBOOK_ORDER}:  # nor high bits, nor codebooks
-            return None
-        orders = {Q8_ORDER.get(t, Q8_CODEBOOK_ORDER.get(t) if self.q8_codebooks else None) for t in types}
+        if self.q8_mma and types & {"Q5_0", "Q5_1", "Q5_K", "Q6_K", *Q8_CODEBOOK_ORDER, *LOW_BITS}:  # nor high bits,
+            return None  # nor codebooks, nor scales per 16 there
+        extra = {**(Q8_CODEBOOK_ORDER if self.q8_codebooks else {}), **(Q8_LOW_BIT_ORDER if self.q8_low_bits else {})}
+        orders = {Q8_ORDER.get(t, extra.get(t)) for t in types}
         return orders.pop() if len(orders) == 1 and None not in orders else None
 
     def quantize_q8(self, order: str, k_in: int, base, norm) -> None:
@@ -236,7 +257,7 @@ class Q8Mixin:
         for b in range(nb):
             for h in range(2):
                 self.store(xw, 2 * b + h, self.smem_i[(b * 2 + h) * granules + g])
-            if any(t in Q8_OFFSET for t in types):  # Σq_x, for the types stored with an offset
+            if any(t in Q8_OFFSET or t == "Q2_K" for t in types):  # Σq_x: the offsets', Q2_K's minimum's
                 ones = i32(0x01010101)
                 self.store(xsum, b, dp4a(xw[2 * b + 1], ones, dp4a(xw[2 * b], ones, i32(0))))
         for m_i, m in enumerate(unit.matmuls):
@@ -247,6 +268,12 @@ class Q8Mixin:
                 if types[m_i] == "Q8_0":
                     words = self._word_view(planes["qs"], "int32")
                     w = [words[layer, row, 2 * g], words[layer, row, 2 * g + 1]]
+                elif types[m_i] in LOW_BITS:  # 2 low bits (Q3_K: its hmask bit the third)
+                    w = _low_bits(planes["qs"][layer, row, 2 * blk + g % 2], g % 4)
+                    if types[m_i] == "Q3_K":
+                        w = [a | e for a, e in zip(w, _fifth_bits(planes["qh"][layer, row, blk], g % 4, bit=2),
+                                                   strict=True)]
+                    w = [tirx.reinterpret("int32", v) for v in w]
                 else:
                     qs = planes["qs"][layer, row, g]
                     mask = tirx.const(0x0F0F0F0F, "uint32")
@@ -266,9 +293,12 @@ class Q8Mixin:
                     off = Q8_OFFSET.get(types[m_i])
                     start = i32(-off) * xsum[b] if off else i32(0)
                     total = dp4a(wl[1], xw[2 * b + 1], dp4a(wl[0], xw[2 * b], start))
-                    if types[m_i] == "Q6_K":  # a granule lies in one sub-block of 16
+                    if types[m_i] in SIXTEENS:  # a granule lies in one sub-block of 16
                         total = total * planes["sc"][layer, row, g // 2].astype("int32")
                     self._q8_accumulate(acc, a, total, dw, mw, b, blk, k_in, lanes_per_block=4)
+                    if types[m_i] == "Q2_K":
+                        self._q8_min16(acc, a, planes["dmin"][layer, row, blk // 8].astype(F32),
+                                       xsum[b] * planes["mn"][layer, row, g // 2].astype("int32"), b, blk, k_in)
 
     def _q8_block_pass(self, op, unit, rows: int, r0, hi, blk, granules: int, k_in: int, acc) -> None:
         """Block `blk` (32 values) of `rows` rows of each matmul against every sequence's 8-bit activations: the
@@ -284,7 +314,9 @@ class Q8Mixin:
         wq = self.local("uint32", 8 * n_rows)  # 4 words (Q4/Q5/Q6_K) or 8 (Q8_0, as int32 bits) a row
         qh = self.local("uint32", 2 * n_rows)
         dws, mws = self.local(F32, n_rows), self.local(F32, n_rows)
-        sc6 = self.local("int32", 2 * n_rows)  # Q6_K's int8 scale of each half
+        sc6 = self.local("int32", 2 * n_rows)  # the scale of each half (Q6_K, Q3_K: int8; Q2_K: 4 bits)
+        mn2 = self.local("int32", 2 * n_rows)  # Q2_K's minimum of each half (4 bits)
+        dmins = self.local(F32, n_rows)  # Q2_K's super-block dmin
         wi = self.local("int32", 8)
         has_min: set[int] = set()  # the (matmul, row)s whose type has a minimum (mws holds it)
         ones = i32(0x01010101)
@@ -300,6 +332,17 @@ class Q8Mixin:
                     for half in range(2):
                         B.buffer_store(wq, words.vload([layer, row, blk * 8 + half * 4], "uint32x4"),
                                        [tirx.Ramp(i32(at * 8 + half * 4), i32(1), 4)])
+                elif t in LOW_BITS:  # two words a block (quant_layout._2bit), a scale (and minimum) a half
+                    B.buffer_store(wq, planes["qs"].vload([layer, row, blk * 2], "uint32x2"),
+                                   [tirx.Ramp(i32(at * 8), i32(1), 2)])
+                    if t == "Q3_K":
+                        self.store(qh, 2 * at, planes["qh"][layer, row, blk])
+                    for i in range(2):
+                        self.store(sc6, 2 * at + i, planes["sc"][layer, row, 2 * blk + i].astype("int32"))
+                        if t == "Q2_K":
+                            self.store(mn2, 2 * at + i, planes["mn"][layer, row, 2 * blk + i].astype("int32"))
+                    if t == "Q2_K":
+                        self.store(dmins, at, planes["dmin"][layer, row, blk // 8].astype(F32))
                 else:  # one word per granule: the low nibbles are its even features, the high ones its odd
                     B.buffer_store(wq, planes["qs"].vload([layer, row, blk * 4], "uint32x4"),
                                    [tirx.Ramp(i32(at * 8), i32(1), 4)])
@@ -318,7 +361,7 @@ class Q8Mixin:
             for h in range(2):
                 for gg in range(4):
                     self.store(xw, b * 8 + h * 4 + gg, self.smem_i[(b * 2 + h) * granules + blk * 4 + gg])
-            if any(t in Q8_OFFSET for t in types):  # Σq_x of each half (16 values), for the types with an offset
+            if any(t in Q8_OFFSET or t == "Q2_K" for t in types):  # Σq_x of each half: offsets, Q2_K's minima
                 for half in range(2):
                     total = i32(0)
                     for gg in (2 * half, 2 * half + 1):
@@ -333,6 +376,13 @@ class Q8Mixin:
                 if t == "Q8_0":
                     for j in range(8):
                         self.store(wi, j, tirx.reinterpret("int32", wq[at * 8 + j]))
+                elif t in LOW_BITS:
+                    for gg in range(4):
+                        w = _low_bits(wq[at * 8 + gg % 2], gg)
+                        if t == "Q3_K":
+                            w = [a | e for a, e in zip(w, _fifth_bits(qh[2 * at], gg, bit=2), strict=True)]
+                        self.store(wi, 2 * gg, tirx.reinterpret("int32", w[0]))
+                        self.store(wi, 2 * gg + 1, tirx.reinterpret("int32", w[1]))
                 else:
                     for gg in range(4):
                         w = [wq[at * 8 + gg] & mask, (wq[at * 8 + gg] >> four) & mask]
@@ -352,8 +402,11 @@ class Q8Mixin:
                     for gg in range(4):
                         halves[gg // 2] = dp4a(wi[2 * gg + 1], xw[b * 8 + 4 + gg],
                                                dp4a(wi[2 * gg], xw[b * 8 + gg], halves[gg // 2]))
-                    if t == "Q6_K":
+                    if t in SIXTEENS:
                         total = halves[0] * sc6[2 * at] + halves[1] * sc6[2 * at + 1]
                     else:
                         total = halves[0] + halves[1]
                     self._q8_accumulate(acc, a, total, dws[at], mw, b, blk, k_in, lanes_per_block=1)
+                    if t == "Q2_K":
+                        self._q8_min16(acc, a, dmins[at],
+                                       xsum[2 * b] * mn2[2 * at] + xsum[2 * b + 1] * mn2[2 * at + 1], b, blk, k_in)
