@@ -529,7 +529,10 @@ class _Flash:
         """The warps that shared a row's keys merge their states through shared memory into the first one's registers:
         M = max m_s, L = Σ l_s·2^(m_s − M), O = Σ O_s·2^(m_s − M), as the cache merges partial attention."""
         rows, width = self.tq, self.d_v + 2  # a row's O, then its m and l
-        merge = B.alloc_buffer((self.splits * rows * width,), F32, scope="shared")
+        # the stages' dynamic shared memory, free after the last step's barrier, as float32 (a static buffer of its
+        # own would take 41 KiB more: past sm_86/sm_120's 99 KiB a block)
+        assert 4 * self.splits * rows * width <= shared_bytes(self.tile_shape, self.d, self.d_v)
+        merge = B.decl_buffer((self.splits * rows * width,), F32, data=self.smem.data, scope="shared.dyn")
         cols = [(n, c) for n in range(self.d_v // 8) for c in range(2)]
         for h in range(2):
             at = (self.split * rows + self.warp * 16 + self.g + 8 * h) * width

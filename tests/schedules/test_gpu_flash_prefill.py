@@ -214,8 +214,11 @@ def test_the_sink_decode_kernel_has_tvms_signature(sliding):
     assert_same_signature(fp.paged_decode(8, 64, 80, "float16", sliding, d_att=64),
                           _decode_kernels._attention_decode(8, 64, 80, "float16", sliding, {}, CUDA))
     body = _body(fp.paged_decode(8, 64, 80, "float16", sliding, d_att=64))
-    # the group's 8 heads in one 16-row fragment, 8 warps sharing each step's 128 keys
+    # the group's 8 heads in one 16-row fragment, 8 warps sharing each step's 128 keys; their merge reuses the
+    # stages' dynamic shared memory (88 KiB: within sm_86/sm_120's 99 KiB a block, with no static buffer beside it)
     assert fp.decode_tile(8) == FlashTile(1, 128, 8) and "__launch_bounds__(256)" in body
+    assert fp.shared_bytes(fp.decode_tile(8), 80, 80) <= fp.MAX_DYNAMIC_SHARED
+    assert not re.search(r"__shared__[^;]*\[\d+\]", body)
     with pytest.raises(ValueError, match="sinks fold"):
         fp._Flash(8, 64, 80, 80, "float16", None, mode="paged", d_att=64)
 
