@@ -1,6 +1,9 @@
 """Prefill attention on mma.sync tensor cores, FlashAttention-2 style: the ragged kernel (a prefill from an empty
 cache, batch_prefill_ragged_kv) and the paged one (a later chunk against its cached pages, batch_prefill_paged_kv),
-drop-ins for TVM's kernels of those names (relax/frontend/nn/llm/_prefill_kernels.py).
+drop-ins for TVM's kernels of those names (relax/frontend/nn/llm/_prefill_kernels.py). For attention sinks (gpt-oss:
+lower/attention_sinks.py) the ragged kernel folds each row's sink in, and the same tile serves TVM's decode signature
+(paged_decode: a query token a sequence, several warps sharing each step's keys, merged at the end), which folds it
+where its pages end at the query's own key.
 
 Why a second kernel beside attention_prefill.py (WMMA 16×16×16, 48 KiB static shared memory, 4 warps × 32 keys at
 head dim 128): on an H100 the 8B's 32K prefill spent ~8.4 s of 13.1 in it (~34 TFLOP/s, issue 38). Here:
