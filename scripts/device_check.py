@@ -268,6 +268,10 @@ def _rounding_oracle(gguf: Path, half_above: int | None = None, q8_types: tuple[
             self._kv[op.attrs["layer"]] = (k, v, self._kv[op.attrs["layer"]][2])
             return out
 
+        def _sinks(self, op):  # attention sinks ride in the cache's query rows (lower/attention_sinks.py)
+            sinks = super()._sinks(op)
+            return _half(sinks) if half_kv and sinks is not None else sinks
+
         def _lm_head(self, op, x):  # the build computes only the last row's logits in a prefill
             y = self._plain_or_rounded(op, x.reshape(-1, x.shape[-1]))
             return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -40,11 +40,13 @@ def round_kv(oracle: Oracle, kv_cache: str) -> Oracle:
     if kv_cache not in KV_ROUNDING:
         raise ValueError(f"rounding: no KV rounding {kv_cache!r}; known: f32, {', '.join(KV_ROUNDING)}")
     kv, query, output = KV_ROUNDING[kv_cache]
-    plain = oracle._attention
+    plain, plain_sinks = oracle._attention, oracle._sinks
 
     def attention(op, q, k, v, positions):  # noqa: ANN001, ANN202  (Oracle._attention's signature)
         out = plain(op, query(q), kv(k), kv(v), positions)
         return output(out) if output else out
 
     oracle._attention = attention
+    if kv_cache == "f16":  # attention sinks ride in the cache's query rows (lower/attention_sinks.py): float16 too
+        oracle._sinks = lambda op: None if (s := plain_sinks(op)) is None else f16(s)
     return oracle

@@ -240,8 +240,11 @@ class Oracle:
         else:
             k_pos = positions
         self._kv[a["layer"]] = (k, v, k_pos)
-        sinks = self.weight(op.weights["sinks"]) if "sinks" in op.weights else None
-        return attention(q, k, v, positions, k_pos, a["scale"], a["sliding_window"], a["softcap"], sinks)
+        return attention(q, k, v, positions, k_pos, a["scale"], a["sliding_window"], a["softcap"], self._sinks(op))
+
+    def _sinks(self, op: Op) -> np.ndarray | None:
+        """The attention's sink logits (gpt-oss), or None."""
+        return self.weight(op.weights["sinks"]) if "sinks" in op.weights else None
 
     def _add(self, op: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return a + b

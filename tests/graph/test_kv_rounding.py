@@ -37,3 +37,16 @@ def test_round_kv_rounds_the_stored_keys_and_values(synthetic):
     assert round_kv(plain, "f32") is plain and plain._attention.__func__ is Oracle._attention
     with pytest.raises(ValueError, match="no KV rounding 'q5_1'"):
         round_kv(plain, "q5_1")
+
+
+def test_an_f16_cache_rounds_the_sinks_that_ride_in_its_query_rows(synthetic):
+    """gpt-oss's sink logits travel in the padding of the cache's query rows (lower/attention_sinks.py), so an f16
+    cache rounds them as it rounds the queries; the plain oracle keeps them as the file has them."""
+    model = synthetic("tiny-gptoss")
+    plain, rounded = Oracle(model), round_kv(Oracle(model), "f16")
+    op = next(o for o in plain.graph.ops if "sinks" in o.weights)
+    want = plain._sinks(op)
+    assert not np.array_equal(want, want.astype(np.float16))  # the file's sinks are not float16 values already
+    np.testing.assert_array_equal(rounded._sinks(op), want.astype(np.float16).astype(want.dtype))
+    assert round_kv(Oracle(model), "q8_0")._sinks(op) is not None
+    np.testing.assert_array_equal(round_kv(Oracle(model), "q8_0")._sinks(op), want)  # llama.cpp's: a float32 tensor
