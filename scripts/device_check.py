@@ -143,8 +143,10 @@ def reference_tree(ids: list[int], logits: np.ndarray) -> list[int]:
 
 def _reference_cache(key: tuple, rounding: dict) -> Path:
     """Where the build cache keeps an oracle reference: by its key (model, prompt, ...), its rounding and the
-    oracle's own source, so a workload prepared again after a kernel change reuses it."""
+    oracle's own source (with _rounding_oracle's, which lives here), so a workload prepared again after a kernel
+    change reuses it and one after an oracle change does not."""
     import hashlib
+    import inspect
 
     from luce_compile.models import cache_dir
 
@@ -152,6 +154,7 @@ def _reference_cache(key: tuple, rounding: dict) -> Path:
     for folder in ("graph", "gguf"):  # the graph builders, the oracle and its roundings, the block formats
         for source in sorted((ROOT / "luce_compile" / folder).rglob("*.py")):
             digest.update(source.read_bytes())
+    digest.update(inspect.getsource(_rounding_oracle).encode())  # the build's roundings, written here
     return cache_dir() / "references" / f"{digest.hexdigest()[:24]}.npz"
 
 
