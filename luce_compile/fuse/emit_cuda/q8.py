@@ -15,6 +15,7 @@ from luce_compile.fuse import program as P
 from luce_compile.fuse.emit_cuda import intrinsics as ix
 from luce_compile.fuse.emit_cuda.core import F32, f32, i32
 from luce_compile.fuse.options import Q8_CODEBOOK_ORDER, Q8_LOW_BIT_ORDER, Q8_ORDER
+from luce_compile.lower.q8_gemm import Q8_GEMM_OFFSET
 from luce_compile.lower.quant_matmul import CODEBOOKS, codebook_word, exact_int_to_float, table_words
 
 Q8_BLOCK = 32  # activations per 8-bit block (ggml's QK8_0 = QK8_1)
@@ -22,8 +23,10 @@ QUANT_AHEAD = 4  # quantize_q8: granules a thread loads before it quantizes any 
 
 
 # the 8-bit path's types stored unsigned with an offset (w = d·(q − offset)): the dot starts at −offset·Σq_x (Q6_K's
-# per 16 values, each sub-block's sum then scaled by its int8 scale)
-Q8_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q3_K": 4}
+# per 16 values, each sub-block's sum then scaled by its int8 scale); the prefill GEMM's centring, the same ggml offsets
+Q8_OFFSET = Q8_GEMM_OFFSET
+# the types whose dots need the activations' integer sums: the offsets' start, Q2_K's minima per 16 values
+X_SUM_TYPES = (*Q8_OFFSET, "Q2_K")
 SIXTEENS = ("Q6_K", "Q3_K", "Q2_K")  # a scale per 16 values (an int8, or Q2_K's 4-bit one) times each half's sum
 LOW_BITS = ("Q3_K", "Q2_K")  # quant_layout._2bit's `qs`: 2 words a block; a granule's quants one shift away
 TWO_BITS = 0x03030303
@@ -257,7 +260,7 @@ class Q8Mixin:
         for b in range(nb):
             for h in range(2):
                 self.store(xw, 2 * b + h, self.smem_i[(b * 2 + h) * granules + g])
-            if any(t in Q8_OFFSET or t == "Q2_K" for t in types):  # Σq_x: the offsets', Q2_K's minimum's
+            if any(t in X_SUM_TYPES for t in types):  # Σq_x
                 ones = i32(0x01010101)
                 self.store(xsum, b, dp4a(xw[2 * b + 1], ones, dp4a(xw[2 * b], ones, i32(0))))
         for m_i, m in enumerate(unit.matmuls):
@@ -361,7 +364,7 @@ class Q8Mixin:
             for h in range(2):
                 for gg in range(4):
                     self.store(xw, b * 8 + h * 4 + gg, self.smem_i[(b * 2 + h) * granules + blk * 4 + gg])
-            if any(t in Q8_OFFSET or t == "Q2_K" for t in types):  # Σq_x of each half: offsets, Q2_K's minima
+            if any(t in X_SUM_TYPES for t in types):  # Σq_x of each half (16 values)
                 for half in range(2):
                     total = i32(0)
                     for gg in (2 * half, 2 * half + 1):
