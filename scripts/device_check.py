@@ -1106,6 +1106,14 @@ def _sink_inputs(rng, q_lens, kv_lens, h_kv: int, h_q: int, d_att: int, owns: li
     return q, k, v, folded
 
 
+def _sink_reference(q, k, v, q_lens, kv_lens, causal: bool, sm_scale: float, folded, d_att: int):
+    """float64 attention over the head's d_att columns with each row's folded sink (natural log, -inf: none) as one
+    more key of value 0: (output, base-2 log-sum-exp)."""
+    want, lse = _attention_reference(q[..., :d_att], k[..., :d_att], v[..., :d_att], q_lens, kv_lens, causal, sm_scale)
+    total = np.logaddexp2(lse, folded / np.log(2))
+    return want * np.exp2(lse - total)[..., None], total
+
+
 def _check_sinks(e: dict, fn, call, rng, tokens: list[int], number: int, repeat: int, module, device) -> list[dict]:
     """A kernel of SINK_SHAPES on the cache's rows with sinks: flash_sink (ragged, every row folds its sink),
     flash_decode_sink (where the pages end at the query's own key), tvm_decode (no sinks: the padding must add
@@ -1124,10 +1132,7 @@ def _check_sinks(e: dict, fn, call, rng, tokens: list[int], number: int, repeat:
         if e["kernel"].startswith("tvm"):
             folded[:] = -np.inf  # TVM's kernel has no sink term
         got, got_lse, _ = call(fn, q, k, v, q_lens, kv_lens, causal, sm_scale)
-        want, want_lse = _attention_reference(q[..., :d_att], k[..., :d_att], v[..., :d_att], q_lens, kv_lens,
-                                              causal, sm_scale)
-        total = np.logaddexp2(want_lse, folded / np.log(2))
-        want, want_lse = want * np.exp2(want_lse - total)[..., None], total
+        want, want_lse = _sink_reference(q, k, v, q_lens, kv_lens, causal, sm_scale, folded, d_att)
         row = {**{x: e[x] for x in ("kernel", "h_kv", "h_q", "d", "d_att")}, "q_lens": list(q_lens),
                "kv_lens": list(kv_lens), "owns": owns, "vs_half": _rel(got[..., :d_att], want),
                "padding_max": float(np.abs(got[..., d_att:]).max()),

@@ -14,13 +14,6 @@ from tests.schedules.flash_emulation import emulate
 pytestmark = pytest.mark.unit
 
 
-def _check_reference(dc, q, k, v, q_lens, kv_lens, causal, folded, d_att):
-    want, lse = dc._attention_reference(q[..., :d_att], k[..., :d_att], v[..., :d_att], q_lens, kv_lens, causal,
-                                        1 / np.sqrt(d_att))
-    total = np.logaddexp2(lse, folded / np.log(2))
-    return want * np.exp2(lse - total)[..., None]
-
-
 @pytest.mark.parametrize("decode", [False, True], ids=["ragged", "decode"])
 def test_the_checks_reference_is_the_kernels_schedule_with_the_sink_where_it_folds(decode):
     dc = load_script("device_check")
@@ -31,7 +24,7 @@ def test_the_checks_reference_is_the_kernels_schedule_with_the_sink_where_it_fol
     else:
         q_lens, kv_lens, owns, causal, tile = (17, 100), (17, 100), [True, True], True, fp.default_tile(80, 80)
     q, k, v, folded = dc._sink_inputs(rng, q_lens, kv_lens, h_kv, h_q, d_att, owns)
-    want = _check_reference(dc, q, k, v, q_lens, kv_lens, causal, folded, d_att)
+    want, _ = dc._sink_reference(q, k, v, q_lens, kv_lens, causal, 1 / np.sqrt(d_att), folded, d_att)
     out, _, _ = emulate(q, k, v, q_lens, kv_lens, causal, 1 / np.sqrt(d_att), h_kv, tile, sink_at=d_att)
     plain, _, _ = emulate(q, k, v, q_lens, kv_lens, causal, 1 / np.sqrt(d_att), h_kv, tile)
     rows = np.concatenate([[o] * n for o, n in zip(owns, q_lens, strict=True)])

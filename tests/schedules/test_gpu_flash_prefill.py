@@ -24,6 +24,7 @@ from tvm.target import Target
 
 from luce_compile.checks import rel_err
 from luce_compile.codegen.gpu_toolchain import cuda_source
+from tests.bench._load import load_script
 from tests.schedules import flash_emulation
 from tests.schedules._signature import assert_same_signature
 from tests.schedules.flash_emulation import emulate, reference
@@ -172,19 +173,16 @@ def test_the_choice_and_the_swap_of_both_prefill_kernels():
 
 # ---- attention sinks (gpt-oss; lower/attention_sinks.py): rows of the head's columns, then the padding ------------
 def _rows_with_sinks(rng, q_lens, kv_lens, h_kv, h_q, d_att):
-    """Q, K, V rows as pad_with_sinks lays them out (float16): the head's d_att columns, then a query's sink logit
-    and position and a key's position in their padding columns, values zero there; the sinks (Σq, h_q)."""
-    from luce_compile.lower.attention_sinks import KEY_POSITION, QUERY_POSITION, SINK, SINK_COLUMNS
+    """Q, K, V rows as pad_with_sinks lays them out (float16), each query at its own key's position, and the sinks
+    (Σq, h_q): scripts/device_check.py's inputs for the same kernels on the device, its layout constants the
+    lowering's."""
+    from luce_compile.lower import attention_sinks
 
-    width = d_att + SINK_COLUMNS
-    q, k, v = (np.zeros((sum(n), h, width), np.float16) for n, h in ((q_lens, h_q), (kv_lens, h_kv), (kv_lens, h_kv)))
-    q[..., :d_att], k[..., :d_att], v[..., :d_att] = _inputs(rng, q_lens, kv_lens, h_kv, h_q, d_att, d_att)
-    sinks = (rng.standard_normal((sum(q_lens), h_q)) * 3).astype(np.float16)
-    q[..., d_att + SINK] = sinks
-    split = lambda p: np.stack([p % 1024, p // 1024], -1)  # noqa: E731  (attention_sinks.POSITION_RADIX)
-    q[..., d_att + QUERY_POSITION:d_att + QUERY_POSITION + 2] = split(rng.integers(0, 4000, sum(q_lens)))[:, None]
-    k[..., d_att + KEY_POSITION:d_att + KEY_POSITION + 2] = split(rng.integers(0, 4000, sum(kv_lens)))[:, None]
-    return q, k, v, sinks
+    dc = load_script("device_check")
+    assert (dc.SINK_COLUMNS, dc.SINK, dc.KEY_POSITION, dc.QUERY_POSITION) == (
+        attention_sinks.SINK_COLUMNS, attention_sinks.SINK, attention_sinks.KEY_POSITION,
+        attention_sinks.QUERY_POSITION)
+    return dc._sink_inputs(rng, q_lens, kv_lens, h_kv, h_q, d_att, [True] * len(q_lens))
 
 
 @pytest.mark.unit
