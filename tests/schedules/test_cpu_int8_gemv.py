@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from luce_schedules.cpu.int8_gemv import Int8GEMV, int8_gemv
+from luce_schedules.cpu.int8_gemv import Int8GEMV, e8m0_times, int8_gemv
 from luce_schedules.cpu.quant_matmul import QuantGEMV
 
+from luce_compile.gguf.quants import e8m0_half
 from luce_compile.lower.cpu_int8 import INT8_FORMATS, int8_format, int8_isa, int8_matmul, quantize_q8
 from luce_compile.lower.quant_layout import repack
 from luce_compile.lower.quant_matmul import quant_matmul
@@ -129,6 +130,31 @@ def test_each_isa_emits_its_byte_dot_in_a_parallel_loop(isa, kind):
             assert 'T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256"' in script
             assert "vpdpbusd" in asm and "ymm" in asm and "vpmaddubsw" not in asm, batch
             assert ("{vex}\tvpdpbusd" in asm) == (isa == "avxvnni"), batch
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 4])
+def test_e8m0_times_is_the_rounded_product_for_every_exponent(lanes, rng):
+    """MXFP4's block scale times the activations' scale: float32 x · GGML_E8M0_TO_FP32_HALF(e), rounded once, for
+    all 256 exponents (e < 2: subnormal factors; high ones: products that overflow) and x from subnormal to large,
+    as the kernel computes it without a subnormal factor."""
+    from tvm.script import tirx as T
+
+    n = 256 * 64
+    e = np.tile(np.arange(256, dtype=np.uint8), 64)
+    x = (rng.standard_normal(n) * np.exp2(rng.integers(-140, 40, n))).astype(np.float32)
+    x[:8] = [0, -0.0, 1, -1, np.float32(1e-45), np.float32(3e38), np.float32(1.2e-38), np.float32(7e-39)]
+
+    @T.prim_func(s_tir=True)
+    def times(eb: T.Buffer((n,), "uint8"), xb: T.Buffer((n,), "float32"), yb: T.Buffer((n,), "float32")):
+        for i in range(n // lanes):
+            yb[T.Ramp(i * lanes, 1, lanes) if lanes > 1 else i] = e8m0_times(
+                eb[T.Ramp(i * lanes, 1, lanes) if lanes > 1 else i],
+                xb[T.Ramp(i * lanes, 1, lanes) if lanes > 1 else i], lanes)
+
+    (y,) = run(times, e, x, outs=[((n,), "float32")])
+    with np.errstate(over="ignore"):
+        want = x * e8m0_half(e)
+    np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
 
 
 def test_declines_functions_it_does_not_own():
