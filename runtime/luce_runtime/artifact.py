@@ -171,6 +171,8 @@ class Artifact:
                 if os.fstat(f.fileno()).st_size == 0:
                     return bytearray()  # mmap cannot map an empty file; only zero-size params can point here
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            if hasattr(mmap, "MADV_WILLNEED"):  # start reading the file ahead of the first kernels (not on Windows)
+                self._map.madvise(mmap.MADV_WILLNEED)
         return self._map
 
     def close(self) -> None:

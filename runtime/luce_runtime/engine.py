@@ -33,6 +33,7 @@ from tvm.runtime import vm as tvm_vm  # noqa: E402
 
 from luce_runtime.artifact import Artifact, load_artifact  # noqa: E402
 from luce_runtime.contract import OPTIONAL_FUNCTIONS, REQUIRED_FUNCTIONS, Fn, KVCacheArgs, RuntimeContract  # noqa: E402
+from luce_runtime.device_views import mapped_tensor  # noqa: E402
 from luce_runtime.errors import ArtifactError, LuceError  # noqa: E402
 from luce_runtime.kv_memory import check_context, sliding_window  # noqa: E402
 from luce_runtime.kv_pages import KVPages  # noqa: E402
@@ -247,7 +248,7 @@ class Engine:
         # the megakernel's stacked weights are the per-op kernels' too where they can be (device_views.py)
         shared = self.megakernel.layer_views if self.megakernel is not None else {}
         self.params = [shared[p["name"]] if p["name"] in shared else
-                       tvm.runtime.tensor(np.ascontiguousarray(weights[p["name"]]), self.device)
+                       mapped_tensor(weights[p["name"]], self.device)
                        for p in manifest["weights"]["params"]]
         self._mk_sizes: set[int] = set()  # numbers of sequences whose decode steps run the megakernel
         # rows of a verify the megakernel takes (each fed token a row, at its own position of its sequence's pages)

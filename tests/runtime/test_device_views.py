@@ -9,7 +9,8 @@ import gc
 import numpy as np
 import pytest
 import tvm
-from luce_runtime.device_views import layer_view, layer_views
+from luce_runtime.artifact import load_artifact
+from luce_runtime.device_views import layer_view, layer_views, mapped_tensor
 from tvm.script import tirx as T
 
 
@@ -48,3 +49,38 @@ def test_unaligned_layers_get_no_view():
     assert layer_view(stacked, 1) is None
     assert layer_views(stacked, ["a", "b", "c", "d"]) == {}  # all or none: the caller copies the weight
     assert layer_view(stacked, 4) is None  # past the last layer
+
+
+def test_mapped_tensor_is_the_artifacts_map_not_a_copy(tmp_path, plus_one):
+    """A CPU weight is a tensor on the artifact's mapped weights.bin: same address, the file's bytes, taken by a
+    generated kernel, alive after the artifact drops its map; an unaligned array or another device gets a copy."""
+    from tests.artifact._build import make_artifact
+
+    artifact = load_artifact(make_artifact(tmp_path), expect_target="cpu")
+    weights = artifact.weights()
+    for name, array in weights.items():
+        tensor = mapped_tensor(array, tvm.cpu())
+        np.testing.assert_array_equal(tensor.numpy(), array, err_msg=name)
+        assert _data_pointer(tensor) == array.ctypes.data, name  # no copy
+    host = np.zeros(8 * 16 + 1, np.float32)
+    start = (-host.ctypes.data // 4) % 16 + 1  # one float past a 64-byte boundary
+    unaligned = host[start : start + 8 * 16].reshape(8, 16)
+    assert _data_pointer(mapped_tensor(unaligned, tvm.cpu())) != unaligned.ctypes.data
+    square = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    kept = {"w": mapped_tensor(square, tvm.cpu())}
+    del square
+    gc.collect()
+    out = tvm.runtime.tensor(np.zeros((8, 16), np.float32))
+    plus_one(kept["w"], out)
+    np.testing.assert_array_equal(out.numpy(), np.arange(8 * 16, dtype=np.float32).reshape(8, 16) + 1)
+    first = next(iter(weights.values()))
+    tensor = mapped_tensor(first, tvm.cpu())
+    want = first.copy()
+    del weights, first
+    artifact.close()
+    gc.collect()
+    np.testing.assert_array_equal(tensor.numpy(), want)  # the tensor holds the map open
+
+
+def _data_pointer(tensor) -> int:
+    return np.from_dlpack(tensor).ctypes.data
