@@ -121,10 +121,10 @@ class MegakernelOptions:
     q8_codebooks: bool = True
     # with q8_activations: Q3_K and Q2_K take 8-bit activations too (llama.cpp's vec_dot_q3_K_q8_1 / q2_K_q8_1: the 2
     # low bits in quant_layout._2bit's slots, Q3_K's third from its hmask, offset 4, a signed scale per 16; Q2_K's
-    # scale and minimum per 16 against the 16 activations' integer sum); without it they run the float lanes. Not
-    # yet run on a GPU (benchmarks/README.md, "The GPU work waiting"): off until megakernel_check's tiny llamas in
-    # Q3_K / Q2_K pass the oracle there
-    q8_low_bits: bool = False
+    # scale and minimum per 16 against the 16 activations' integer sum); without it they run the float lanes.
+    # Checked on the H100 (2026-12-07): tiny llamas in Q2_K / Q3_K within 0.027 / 0.021 of the oracle (bar 0.1),
+    # batched = alone. A manifest without the key (older builds) ran the float lanes (q8_types)
+    q8_low_bits: bool = True
     # with q8_activations: the matvecs' integer dot products on tensor cores (mma.m16n8k32 s8, 16 rows x a block x
     # 8 sequences an instruction) instead of dp4a, at every batch size
     q8_mma: bool = False

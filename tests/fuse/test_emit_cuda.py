@@ -390,7 +390,7 @@ def test_low_bit_words_are_the_quants_in_nibbles_order(rng, quant):
 @pytest.mark.parametrize("quant", ["Q3_K", "Q2_K"])
 def test_q8_low_bits_give_integer_dots_to_2_and_3_bit_weights(quant):
     """q8_low_bits: Q3_K and Q2_K matvecs take 8-bit activations and dp4a (by granule at K 256, by block at 1,024);
-    off by default until the device checks them (their float lanes otherwise), and then what the oracle rounds."""
+    on by default (checked on the H100), their float lanes when off, and then what the oracle rounds."""
     import dataclasses
 
     from luce_compile.fuse.options import MegakernelOptions, q8_types
@@ -401,7 +401,9 @@ def test_q8_low_bits_give_integer_dots_to_2_and_3_bit_weights(quant):
     on = MegakernelOptions(q8_activations=True, q8_low_bits=True)
     source = cuda_source(emit_megakernel(prog, options=on))
     assert "__dp4a" in source and divergent_collectives(source) == []
-    assert "__dp4a" not in cuda_source(emit_megakernel(prog, options=MegakernelOptions(q8_activations=True)))
+    off = MegakernelOptions(q8_activations=True, q8_low_bits=False)
+    assert "__dp4a" not in cuda_source(emit_megakernel(prog, options=off))
+    assert MegakernelOptions().q8_low_bits
     assert quant in q8_types(dataclasses.asdict(on)) and quant not in q8_types({"q8_activations": True})
 
 
