@@ -42,10 +42,10 @@ from luce_compile.lower.quant_matmul import GGML_TYPE_ATTR, TENSOR_CORE_TWIN
 from luce_compile.lower.relax_model import (
     PLANE_SEP,
     LowerOptions,
-    cpu_prefill_applies_window,
     decode_attention_kernel,
     exported_functions,
     lower_graph,
+    prefill_applies_window,
     prefill_attention_kernels,
 )
 from luce_compile.models import cache_dir
@@ -240,8 +240,9 @@ def _build(gguf: GGUFFile, graph: Graph, info: TargetInfo, gguf_sha: str, say: P
     c = graph.config
     kv_head = kv_head_dim(c) if c.attn_sinks else 0  # the cache's rows, where wider than the head (attention sinks)
     contract = RuntimeContract(kv_dtype=kv_dtype, kv_head_dim=kv_head,
-                               sliding_prefill_chunks=cpu_prefill_applies_window(
-                                   target, kv_head or c.head_dim, kv_head or c.head_dim_v, kv_dtype),
+                               sliding_prefill_chunks=prefill_applies_window(
+                                   target, kv_head or c.head_dim, kv_head or c.head_dim_v, kv_dtype,
+                                   sinks=bool(c.attn_sinks)),
                                functions=tuple(str(f) for f in exported_functions(options.precision)))
     manifest = {
         "source": {"file_name": gguf.path.name, "gguf_sha256": gguf_sha, "size": gguf.path.stat().st_size},

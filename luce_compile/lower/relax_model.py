@@ -406,11 +406,17 @@ def cpu_attention(target: tvm.target.Target, d_att: int | None = None, sinks: bo
         yield
 
 
-def cpu_prefill_applies_window(target: tvm.target.Target, head_dim: int, head_dim_v: int, dtype: str) -> bool:
-    """Whether the cache's prefill over cached keys is cpu_attention's kernel, which applies sliding windows there
-    (the runtime contract's sliding_prefill_chunks): on the CPU, for a head size and cache dtype it takes."""
+def prefill_applies_window(target: tvm.target.Target, head_dim: int, head_dim_v: int, dtype: str,
+                           sinks: bool) -> bool:
+    """Whether the cache's prefill over cached keys applies sliding windows, so that prompts past a window may go in
+    chunks (the runtime contract's sliding_prefill_chunks; else a token a call past the window). On the CPU:
+    cpu_attention's kernel, for a head size and cache dtype it takes. On CUDA: checked on the H100 for Gemma 3
+    (scripts/device_check.py window_prefill, 2026-12-07: chunks past the window equal a token a call within the f16
+    build's tolerance, ids equal); not yet with attention sinks (gpt-oss), whose check waits for a device."""
     from luce_schedules.cpu.attention_prefill import supports
 
+    if target.kind.name == "cuda":
+        return not sinks
     return target.kind.name == "llvm" and supports(head_dim, head_dim_v, dtype)
 
 

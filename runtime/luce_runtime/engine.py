@@ -470,11 +470,11 @@ class Engine:
         most the window long: every key in it is then inside each of its queries' windows. TVM 0.27's CPU prefill
         kernel for the keys already cached is wrong on sliding-window layers (NaN or wrong rows, seen on a tiny
         gemma3 with window 8); artifacts whose kernel applies the window there (the contract's
-        sliding_prefill_chunks: the CPU build's own kernels) take such chunks at every call, the others one token
-        per call after the first chunk (the decode kernel, which applies the window correctly). TVM's CUDA kernel
-        masks each row to its window since apache/tvm#20121 (luce_compile/lower/kv_layers.py) but has not been
-        checked on a GPU yet: CUDA artifacts keep one token a call. A verify on the megakernel is not bound by
-        this (verify_limit): its rows each apply their own window.
+        sliding_prefill_chunks: the CPU build's own kernels, and TVM's CUDA kernel, which masks each row to its
+        window since apache/tvm#20121 and was checked on the H100 without attention sinks) take such chunks at
+        every call, the others one token per call after the first chunk (the decode kernel, which applies the
+        window correctly). A verify on the megakernel is not bound by this (verify_limit): its rows each apply their
+        own window.
         """
         self._check(seq_id)
         if not self.sliding_window:
