@@ -353,9 +353,20 @@ def generate_gguf(folder: Path, path: Path) -> None:
 
     spec = json.loads((folder / "spec.json").read_text())
     keys = json.loads((folder / "artifact" / "tokenizer.json").read_text())
-    tokenizer = {k: v for k, v in keys.items() if k.startswith("tokenizer.")}
+    tokenizer = source_tokenizer({k: v for k, v in keys.items() if k.startswith("tokenizer.")})
     synthetic.tokenizer_metadata = lambda: tokenizer
     synthetic.write_synthetic(synthetic.preset(spec["preset"]), path)
+
+
+def source_tokenizer(keys: dict) -> dict:
+    """An artifact's tokenizer keys as the generator's source had them: its vocabulary cut before the rows the
+    generator adds (the padding "[PAD<id>]" to n_vocab, gpt-oss's harmony tokens on the first of them), which the
+    generator then adds again as it did on the build machine."""
+    from luce_compile.synthetic_harmony import HARMONY_TOKENS
+
+    tokens = keys["tokenizer.ggml.tokens"]
+    n = next((i for i, t in enumerate(tokens) if t == f"[PAD{i}]" or t in HARMONY_TOKENS), len(tokens))
+    return {k: v[:n] if isinstance(v, list) and len(v) == len(tokens) else v for k, v in keys.items()}
 
 
 def check_oracle(engine, ref, tol: float = REL_TOL) -> dict:

@@ -130,22 +130,15 @@ def _scratch_specs(qtype: str, n_in: int) -> list[tuple[tuple, str]]:
 
 
 def _timed_inputs(c: dict, rng: np.random.Generator) -> tuple[dict, np.ndarray, np.ndarray, np.ndarray]:
-    """Random bytes as the stacked weights (finite small f16 scales), routing and activations of a timed case."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    """Random stacked weights with trained weights' scales (synthetic_blocks: any type, its scales finite, none
+    subnormal), routing and activations of a timed case."""
+    from gguf import GGMLQuantizationType
 
     from luce_compile.lower.quant_layout import repack
+    from luce_compile.synthetic_blocks import random_blocks
 
     qtype = GGMLQuantizationType[c["type"]]
-    block, size = GGML_QUANT_SIZES[qtype]
-    rows = c["experts"] * c["n_out"]
-    raw = rng.integers(0, 256, (rows, c["n_in"] // block * size), dtype=np.uint8)
-    scale_bytes = {"Q4_K": 4, "Q6_K": 0, "Q8_0": 2}[c["type"]]  # Q6_K's d is its last 2 bytes
-    half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    blocks = raw.reshape(rows, -1, size)
-    if scale_bytes:
-        blocks[..., :scale_bytes] = np.tile(half, scale_bytes // 2)
-    else:
-        blocks[..., -2:] = half
+    raw = random_blocks(rng, qtype, (c["experts"] * c["n_out"], c["n_in"]), std=0.02)
     experts, rows_token = routed_rows(rng, c["tokens"], c["used"], c["experts"])
     x = rng.standard_normal((c["tokens"] if c["gather"] else len(experts), c["n_in"])).astype(np.float32)
     return repack(raw, qtype), experts, rows_token, x
