@@ -27,6 +27,8 @@ are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from luce_schedules.cpu.int8_gemv import (
     GROUPS,
     LANES,
@@ -203,44 +205,61 @@ def super_terms(st: Staged, bufs: Bufs, a: tirx.Expr, s: tirx.Expr, v: int, isum
 def gemm_body(isa: str, kind: str, bufs: Bufs, y: tirx.Buffer, n_out: int, n_in: int, row_tile: int) -> None:
     """y (R, n_out) for R > TILE activation rows: parallel over strips of 8·V weight rows, `row_tile` activation
     rows at a time (independent accumulators), then the rows left one at a time."""
-    vectors = strip_vectors(n_out)
-    width = LANES * vectors
-    units = n_in // (QK_K if superblocked(kind) else QK8)
-    xq = bufs["xq"]
-    xw = T.decl_buffer((xq.shape[0], n_in // 4), "int32", data=xq.data)  # the activations as 4-byte quads
+    strip = Strip(isa, kind, bufs, y, n_out, n_in)
     total = T.Cast("int32", y.shape[0])
-    with T.parallel(0, n_out // width) as c:
-        st = Staged(isa, kind, n_in, width)
-        st.stage(bufs, c * width)
-        acc = T.decl_buffer((row_tile * vectors, LANES), "float32", scope="local")
-        isum = T.decl_buffer((row_tile * vectors, LANES), "int32", scope="local")
-        every = T.Ramp(0, 1, LANES)
-        full = T.Bind(total // row_tile)
+    with T.parallel(0, n_out // strip.width) as c:
+        strip.start(row_tile)
+        strip.st.stage(bufs, c * strip.width)
+        strip.run(c * strip.width, 0, total, row_tile, lambda r: r)
 
-        def rows(first: tirx.Expr, count: int) -> None:
-            for k in range(count * vectors):
-                T.buffer_store(acc, T.Broadcast(T.float32(0), LANES), [k, every])
-            slots = [(r, v, r * vectors + v) for r in range(count) for v in range(vectors)]
-            if not superblocked(kind):
-                with T.serial(0, units) as u:
-                    for r, v, k in slots:
-                        T.buffer_store(acc, block_terms(st, bufs, xw, first + r, u, v, acc[k, every]), [k, every])
-            else:  # a super-block's groups in a loop, their integer sums in isum
-                with T.serial(0, units) as u:
-                    for _, _, k in slots:
-                        T.buffer_store(isum, T.Broadcast(T.int32(0), LANES), [k, every])
-                    with T.serial(0, GROUPS) as j8:
-                        for r, v, k in slots:
-                            value = group_terms(st, bufs, xw, first + r, u * GROUPS + j8, v, isum[k, every])
-                            T.buffer_store(isum, value, [k, every])
-                    for r, v, k in slots:
-                        value = super_terms(st, bufs, first + r, u, v, isum[k, every], acc[k, every])
-                        T.buffer_store(acc, value, [k, every])
-            for r in range(count):
-                for v in range(vectors):
-                    T.buffer_store(y, acc[r * vectors + v, every], [first + r, T.Ramp(c * width + v * LANES, 1, LANES)])
 
+class Strip:
+    """A task's strip of 8·V output columns: its staged weights (Staged) and accumulators, and `run`, which takes
+    output rows first..end against them, `row_tile` rows at a time, then the rows left one at a time."""
+
+    def __init__(self, isa: str, kind: str, bufs: Bufs, y: tirx.Buffer, n_out: int, n_in: int):
+        self.isa, self.kind, self.bufs, self.y, self.n_in = isa, kind, bufs, y, n_in
+        self.vectors = strip_vectors(n_out)
+        self.width = LANES * self.vectors
+        self.units = n_in // (QK_K if superblocked(kind) else QK8)
+        xq = bufs["xq"]
+        self.xw = T.decl_buffer((xq.shape[0], n_in // 4), "int32", data=xq.data)  # the activations as 4-byte quads
+
+    def start(self, row_tile: int) -> None:
+        """The task's local buffers (inside its parallel loop)."""
+        self.st = Staged(self.isa, self.kind, self.n_in, self.width)
+        self.acc = T.decl_buffer((row_tile * self.vectors, LANES), "float32", scope="local")
+        self.isum = T.decl_buffer((row_tile * self.vectors, LANES), "int32", scope="local")
+
+    def run(self, col: tirx.Expr, first: tirx.Expr, end: tirx.Expr, row_tile: int,
+            x_row: Callable[[tirx.Expr], tirx.Expr]) -> None:
+        """Output rows first..end − 1 of the strip's columns col.., output row r against activation row x_row(r)."""
+        full = T.Bind((end - first) // row_tile)
         with T.serial(0, full) as t:
-            rows(t * row_tile, row_tile)
-        with T.serial(full * row_tile, total) as a:
-            rows(a, 1)
+            self._rows(col, first + t * row_tile, row_tile, x_row)
+        with T.serial(first + full * row_tile, end) as a:
+            self._rows(col, a, 1, x_row)
+
+    def _rows(self, col: tirx.Expr, first: tirx.Expr, count: int, x_row: Callable[[tirx.Expr], tirx.Expr]) -> None:
+        st, bufs, xw, acc, isum, vectors = self.st, self.bufs, self.xw, self.acc, self.isum, self.vectors
+        every = T.Ramp(0, 1, LANES)
+        for k in range(count * vectors):
+            T.buffer_store(acc, T.Broadcast(T.float32(0), LANES), [k, every])
+        slots = [(x_row(first + r), v, r * vectors + v) for r in range(count) for v in range(vectors)]
+        if not superblocked(self.kind):
+            with T.serial(0, self.units) as u:
+                for a, v, k in slots:
+                    T.buffer_store(acc, block_terms(st, bufs, xw, a, u, v, acc[k, every]), [k, every])
+        else:  # a super-block's groups in a loop, their integer sums in isum
+            with T.serial(0, self.units) as u:
+                for _, _, k in slots:
+                    T.buffer_store(isum, T.Broadcast(T.int32(0), LANES), [k, every])
+                with T.serial(0, GROUPS) as j8:
+                    for a, v, k in slots:
+                        T.buffer_store(isum, group_terms(st, bufs, xw, a, u * GROUPS + j8, v, isum[k, every]),
+                                       [k, every])
+                for a, v, k in slots:
+                    T.buffer_store(acc, super_terms(st, bufs, a, u, v, isum[k, every], acc[k, every]), [k, every])
+        for r in range(count):
+            for v in range(vectors):
+                T.buffer_store(self.y, acc[r * vectors + v, every], [first + r, T.Ramp(col + v * LANES, 1, LANES)])

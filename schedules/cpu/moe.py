@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from luce_schedules.cpu import int8_gemm
 from luce_schedules.cpu.int8_gemv import (
     GROUPS,
     LANES,
+    ROW_TILE,
     _byte_view,
     _lane_sum,
     _stage_weights,
@@ -38,11 +40,15 @@ from tvm.tirx.script.builder import ir as T
 from luce_compile.lower.cpu_int8 import QK8, QK_K, int8_isa, superblocked
 from luce_compile.lower.moe import EXPERT_ATTR
 
+# rows an expert on average (rows / n_expert) past which a call takes expert_gemm_body: a prompt's (gpt-oss-20b's 512
+# tokens: 64), not a decode step's (8 sequences: 1)
+GEMM_ROWS_PER_EXPERT = 4
+
 
 class ExpertMatmul(KnobbedRule):
     name = "cpu.moe_expert"
-    DEFAULTS: ClassVar[dict[str, int]] = {"chunk": 16}
-    SPACE: ClassVar[dict[str, tuple[int, ...]]] = {"chunk": (4, 16, 64)}
+    DEFAULTS: ClassVar[dict[str, int]] = {"chunk": 16, "block_rows": 64}
+    SPACE: ClassVar[dict[str, tuple[int, ...]]] = {"chunk": (4, 16, 64), "block_rows": (32, 64, 128)}
 
     def apply(self, func: tirx.PrimFunc, target: Target, knobs: Knobs | bool | None = None) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not func.attrs or EXPERT_ATTR not in func.attrs:
@@ -51,7 +57,8 @@ class ExpertMatmul(KnobbedRule):
             return None
         isa = int8_isa(target)
         if "xq" in [p.name for p in func.params] and isa is not None:  # int8: the GEMV's vector body, gathered
-            kernel = expert_gemv(func, isa, self.knobs(knobs)["chunk"])
+            knobs = self.knobs(knobs)
+            kernel = expert_gemv(func, isa, knobs["chunk"], block_rows=knobs["block_rows"])
             return s_tir.Schedule(kernel.with_attr("global_symbol", func.attrs["global_symbol"]))
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
@@ -65,15 +72,40 @@ class ExpertMatmul(KnobbedRule):
         return sch
 
 
-def expert_gemv(func: tirx.PrimFunc, isa: str, chunk: int, unroll_blocks: int = 8) -> tirx.PrimFunc:
+def expert_gemv(func: tirx.PrimFunc, isa: str, chunk: int, unroll_blocks: int = 8, block_rows: int = 64
+                ) -> tirx.PrimFunc:
     """lower/moe.int8_expert_matmul's function (same arguments) with int8_gemv.py's decode body: a parallel task per
     (sorted row q, `chunk` output columns); row q dots its token's quantized activations with weight rows
     experts[q]·n_out + n, unpacked into registers unit by unit (`_unit_terms`: the GEMV's integer dots and scales,
-    so each output is the GEMV's value for that row)."""
+    so each output is the GEMV's value for that row). Past GEMM_ROWS_PER_EXPERT rows an expert on average (a
+    prompt's), `expert_gemm_body` instead: each expert's strip of weights unpacked once for all its rows."""
     kind = str(func.attrs[EXPERT_ATTR])
     y_param = func.params[-1]
     n_out = int(y_param.shape[1])
     n_in = int(func.params[0].shape[1])
+    n_expert = int(func.params[-2].shape[0]) // n_out  # the last plane's rows: n_expert · n_out
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("main")
+        T.func_attr({"tirx.noalias": True})
+        bufs = {b.name: T.arg(b.name, T.buffer(tuple(b.shape), b.dtype, layout=None)) for b in func.params}
+        y = bufs[y_param.name]
+        for name in ("qs", "qh"):
+            if name in bufs and bufs[name].dtype == "uint32":
+                bufs[name] = _byte_view(bufs[name])
+        if not int8_gemm.supports(n_out):
+            _gemv_body(isa, kind, bufs, y, n_out, n_in, chunk, unroll_blocks)
+        else:
+            with T.If(T.Cast("int32", y.shape[0]) > GEMM_ROWS_PER_EXPERT * n_expert):
+                with T.Then():
+                    expert_gemm_body(isa, kind, bufs, y, n_out, n_in, block_rows)
+                with T.Else():
+                    _gemv_body(isa, kind, bufs, y, n_out, n_in, chunk, unroll_blocks)
+    return builder.get()
+
+
+def _gemv_body(isa: str, kind: str, bufs: dict, y: tirx.Buffer, n_out: int, n_in: int, chunk: int,
+               unroll_blocks: int) -> None:
+    experts, tokens = bufs["experts"], bufs.get("tokens")
     k_quant = superblocked(kind)
     lanes = LANES if k_quant else block_group(n_in)
     per_unit = GROUPS if k_quant else lanes
@@ -81,30 +113,48 @@ def expert_gemv(func: tirx.PrimFunc, isa: str, chunk: int, unroll_blocks: int = 
     unit = QK_K if k_quant else QK8 * lanes
     unroll = _unroll(units, max(1, unroll_blocks * QK8 // unit))
     chunk = fit(n_out, chunk)
-    with IRBuilder() as builder, T.prim_func(s_tir=True):
-        T.func_name("main")
-        T.func_attr({"tirx.noalias": True})
-        bufs = {b.name: T.arg(b.name, T.buffer(tuple(b.shape), b.dtype, layout=None)) for b in func.params}
-        y, experts, tokens = bufs[y_param.name], bufs["experts"], bufs.get("tokens")
-        for name in ("qs", "qh"):
-            if name in bufs and bufs[name].dtype == "uint32":
-                bufs[name] = _byte_view(bufs[name])
-        tasks = n_out // chunk
-        with T.parallel(0, T.Cast("int32", y.shape[0]) * tasks) as c:
-            acc = T.decl_buffer((1, lanes), "float32", scope="local")
-            every = T.Ramp(0, 1, lanes) if lanes > 1 else 0
-            zero = T.Broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0)
-            q = T.Bind(c // tasks)
-            a = T.Bind(tokens[q] if tokens is not None else q)
-            with T.serial(0, chunk) as g:
-                col = T.Bind((c % tasks) * chunk + g)
-                n = T.Bind(experts[q] * n_out + col)
-                T.buffer_store(acc, zero, [0, every])
-                with T.serial(0, units // unroll) as u0:
-                    weights = _stage_weights(isa, kind, bufs, n, u0 * unroll * per_unit, None)
-                    total = acc[0, every]
-                    for j in range(unroll):
-                        total = _unit_terms(isa, kind, bufs, a, n, u0 * unroll + j, total, weights)
-                    T.buffer_store(acc, total, [0, every])
-                T.buffer_store(y, _lane_sum(acc, 0, lanes), [q, col])
-    return builder.get()
+    tasks = n_out // chunk
+    with T.parallel(0, T.Cast("int32", y.shape[0]) * tasks) as c:
+        acc = T.decl_buffer((1, lanes), "float32", scope="local")
+        every = T.Ramp(0, 1, lanes) if lanes > 1 else 0
+        zero = T.Broadcast(T.float32(0), lanes) if lanes > 1 else T.float32(0)
+        q = T.Bind(c // tasks)
+        a = T.Bind(tokens[q] if tokens is not None else q)
+        with T.serial(0, chunk) as g:
+            col = T.Bind((c % tasks) * chunk + g)
+            n = T.Bind(experts[q] * n_out + col)
+            T.buffer_store(acc, zero, [0, every])
+            with T.serial(0, units // unroll) as u0:
+                weights = _stage_weights(isa, kind, bufs, n, u0 * unroll * per_unit, None)
+                total = acc[0, every]
+                for j in range(unroll):
+                    total = _unit_terms(isa, kind, bufs, a, n, u0 * unroll + j, total, weights)
+                T.buffer_store(acc, total, [0, every])
+            T.buffer_store(y, _lane_sum(acc, 0, lanes), [q, col])
+
+
+def expert_gemm_body(isa: str, kind: str, bufs: dict, y: tirx.Buffer, n_out: int, n_in: int, block_rows: int
+                     ) -> None:
+    """int8_gemm.py's output-lane body over the sorted rows: a parallel task per (strip of 8·V output columns,
+    `block_rows` consecutive rows); the task's rows of one expert (a run: moe.sort_func groups the rows by expert)
+    share one unpacking of that expert's strip (int8_gemm.Staged), each row then its vpdpbusd per 4-byte quad. The
+    integers are the GEMV's; the float sums go in the dense GEMM's order."""
+    experts, tokens = bufs["experts"], bufs.get("tokens")
+    strip = int8_gemm.Strip(isa, kind, bufs, y, n_out, n_in)
+    strips = n_out // strip.width
+    total = T.Bind(T.Cast("int32", y.shape[0]))
+    with T.parallel(0, strips * ((total + block_rows - 1) // block_rows)) as task:
+        col = T.Bind(task % strips * strip.width)
+        first = T.Bind(task // strips * block_rows)
+        end = T.Bind(T.min(first + block_rows, total))
+        strip.start(ROW_TILE)
+        run = T.decl_buffer((2,), "int32", scope="local")  # the run's first row, and one past its last
+        T.buffer_store(run, first, [0])
+        with T.While(run[0] < end):
+            expert = T.Bind(experts[run[0]])
+            T.buffer_store(run, run[0] + 1, [1])
+            with T.While(T.And(run[1] < end, experts[T.min(run[1], end - 1)] == expert)):
+                T.buffer_store(run, run[1] + 1, [1])
+            strip.st.stage(bufs, expert * n_out + col)
+            strip.run(col, run[0], run[1], ROW_TILE, (lambda r: tokens[r]) if tokens is not None else (lambda r: r))
+            T.buffer_store(run, run[1], [0])

@@ -97,3 +97,47 @@ def test_declines_other_functions():
     assert ExpertMatmul().apply(quant_matmul("Q4_K", 64, 256), HOST) is None
     func = expert_matmul(GGMLQuantizationType.Q8_0, N_EXPERT, N_OUT, N_IN, False, "experts")
     assert ExpertMatmul().apply(func, tvm.target.Target({"kind": "cuda", "arch": "sm_90"})) is None
+
+
+@pytest.mark.skipif(int8_isa(HOST) is None, reason="no int8 CPU path here (x86 with AVX2 or VNNI)")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q5_0", "Q6_K", "IQ4_XS", "MXFP4"])
+@pytest.mark.parametrize("gather,block_rows", [(True, 64), (True, 8), (False, 8)], ids=["gate", "blocks-of-8", "down"])
+def test_prompt_rows_take_the_dense_gemms_numbers(qtype, gather, block_rows, rng):
+    """A prompt's many rows an expert (past GEMM_ROWS_PER_EXPERT) take the output-lane GEMM body: row q is, to the
+    bit, the dense int8 GEMM's output (Int8GEMV past 16 rows: int8_gemm's body) of token tokens[q] against expert
+    experts[q]'s rows, however the rows fall into the tasks' blocks (runs of one expert split across blocks, an
+    expert absent, blocks ending mid-run); within the reference's bound of llama.cpp's arithmetic."""
+    from luce_schedules.cpu.moe import GEMM_ROWS_PER_EXPERT
+
+    from tests.lower.test_cpu_int8 import emulated_activations, reference_gemv
+    from tests.lower.test_quant_matmul import random_raw
+
+    qtype = GGMLQuantizationType[qtype]
+    tokens_n, used = 40, 3
+    rows_n = tokens_n * used
+    assert rows_n > GEMM_ROWS_PER_EXPERT * N_EXPERT
+    experts = np.sort(rng.choice([0, 1, 3], rows_n, p=[0.2, 0.5, 0.3])).astype(np.int32)  # expert 2 chosen by none
+    tokens = rng.integers(0, tokens_n, rows_n).astype(np.int32)
+    n_in = 512
+    raw = random_raw(qtype.name, N_EXPERT * N_OUT, n_in, rng)
+    planes = list(repack(raw, qtype).values())
+    x = rng.standard_normal((tokens_n, n_in)).astype(np.float32)
+    fmt = int8_format(qtype)
+    quantize = tvm.compile(tvm.IRModule({"main": quantize_q8(n_in, fmt, batch="dynamic")}), target=HOST)["main"]
+    acts = [tvm.runtime.tensor(np.zeros(s, d), tvm.cpu()) for s, d in fmt.specs(n_in, tokens_n).values()]
+    quantize(tvm.runtime.tensor(x, tvm.cpu()), *acts)
+    acts = [a.numpy() for a in acts]
+    func = int8_expert_matmul(qtype, N_EXPERT, N_OUT, n_in, gather, "experts")
+    kernel = tvm.compile(tvm.IRModule({"main": ExpertMatmul().apply(func, HOST, {"block_rows": block_rows})
+                                       .mod["main"]}), target=HOST)["main"]
+    row_acts = acts if gather else [a[tokens] for a in acts]  # down: the rows' activations in sorted order
+    got = _call(kernel, [*row_acts, experts, *([tokens] if gather else []), *planes], (rows_n, N_OUT))
+    dense = tvm.compile(tvm.IRModule({"main": Int8GEMV().apply(
+        int8_matmul(qtype, N_EXPERT * N_OUT, n_in, batch="dynamic"), HOST).mod["main"]}), target=HOST)["main"]
+    every = _call(dense, [*acts, *planes], (tokens_n, N_EXPERT * N_OUT)).reshape(tokens_n, N_EXPERT, N_OUT)
+    np.testing.assert_array_equal(got, every[tokens, experts])
+    for t in np.unique(tokens)[:4]:
+        want, bound = reference_gemv(raw, qtype.name, emulated_activations(x[t:t + 1], qtype.name))
+        want, bound = want.reshape(N_EXPERT, N_OUT), bound.reshape(N_EXPERT, N_OUT)
+        for q in np.flatnonzero(tokens == t):
+            assert np.all(np.abs(got[q] - want[experts[q]]) <= bound[experts[q]]), (t, q)
