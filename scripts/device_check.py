@@ -948,6 +948,10 @@ PAGE = 16
 # on the same rows (no sinks) is built beside them to time against
 SINK_SHAPES = ((8, 64, 64),)
 SINK_COLUMNS, SINK, KEY_POSITION, QUERY_POSITION = 16, 0, 1, 3  # lower/attention_sinks.py's (no compiler there)
+# (h_kv, h_q, head dim) whose per-op decode (MoE models, batches past the megakernel's) may take paged_decode without
+# sinks instead of TVM's decode kernel (10-12x slower at gpt-oss's shape on the H100): Qwen3-30B-A3B, Llama-3.1-8B,
+# Qwen2.5-7B (a group of 7), Qwen2.5-14B (5), SmolLM2 (3, head 64). Both built and timed the sink shapes' way
+DECODE_SHAPES = ((4, 32, 128), (8, 32, 128), (4, 28, 128), (8, 40, 128), (3, 9, 64))
 
 
 def _attention_kernels(h_kv, h_q, d, dtype, info, target, with_tvm: bool) -> dict:
@@ -970,6 +974,12 @@ def _attention_kernels(h_kv, h_q, d, dtype, info, target, with_tvm: bool) -> dic
         kernels["flash_decode_sink"] = (flash_prefill.paged_decode(h_kv, h_q, row, dtype, False, page_size=PAGE,
                                                                    d_att=d), "decode", None)
         kernels["tvm_decode"] = (_decode_kernels._attention_decode(h_kv, h_q, row, dtype, False, {}, target,
+                                                                   page_size=PAGE), "decode", None)
+        return kernels
+    if (h_kv, h_q, d) in DECODE_SHAPES and dtype == "float16":
+        kernels["flash_decode"] = (flash_prefill.paged_decode(h_kv, h_q, d, dtype, False, page_size=PAGE), "decode",
+                                   None)
+        kernels["tvm_decode"] = (_decode_kernels._attention_decode(h_kv, h_q, d, dtype, False, {}, target,
                                                                    page_size=PAGE), "decode", None)
         return kernels
     if flash_prefill.supports(d, d, dtype):
@@ -1008,7 +1018,7 @@ def build_attention(args: argparse.Namespace) -> int:
     (out / "lib").mkdir(parents=True, exist_ok=True)
     entries = []
     shapes = [tuple(int(x) for x in a.split(",")) for a in args.shapes] if args.shapes else \
-        ATTENTION_SHAPES + SINK_SHAPES
+        ATTENTION_SHAPES + SINK_SHAPES + DECODE_SHAPES
     for h_kv, h_q, d in shapes:
         for name, (func, paged, tile) in _attention_kernels(h_kv, h_q, d, args.dtype, info, target,
                                                             args.tvm).items():
@@ -1017,7 +1027,8 @@ def build_attention(args: argparse.Namespace) -> int:
                       "decode": "batch_decode_paged_kv"}[paged]
             with gpu_toolchain(info.kind, info.archs, info.name), target:
                 export_checked(tvm.compile(tvm.IRModule({symbol: func}), target=target), info, out / lib)
-            sinks = {"d_att": d, "d": d + SINK_COLUMNS} if (h_kv, h_q, d) in SINK_SHAPES else {"d": d}
+            sinks = {"d_att": d, "d": d + SINK_COLUMNS} if (h_kv, h_q, d) in SINK_SHAPES else \
+                {"d_att": d, "d": d} if paged == "decode" else {"d": d}
             entries.append({"kernel": name, "h_kv": h_kv, "h_q": h_q, "dtype": args.dtype, "paged": paged,
                             "function": symbol, "library": lib, "tile": tile, **sinks})
             print(entries[-1], flush=True)
@@ -1092,16 +1103,18 @@ class _AttentionCall:
         return out.numpy().astype(np.float64), lse.numpy(), argv
 
 
-def _sink_inputs(rng, q_lens, kv_lens, h_kv: int, h_q: int, d_att: int, owns: list[bool]):
+def _sink_inputs(rng, q_lens, kv_lens, h_kv: int, h_q: int, d_att: int, owns: list[bool], columns: int = SINK_COLUMNS):
     """Q, K, V rows as lower/attention_sinks.pad_with_sinks lays them out (float16): the head's d_att columns, then a
     query's sink logit and position and a key's position in the padding (values zero there); each sequence's keys at
     positions 0.., its queries the last of them, or one past its last key where owns[b] is False (the call does not
     hold the query's own key: no sink folded). Returns q, k, v and the sinks (Σq, h_q) each query row folds in (-inf:
-    none)."""
-    width = d_att + SINK_COLUMNS
+    none). `columns` 0: plain rows of a model without sinks (none folded)."""
+    width = d_att + columns
     q, k, v = (np.zeros((sum(n), h, width), np.float16) for n, h in ((q_lens, h_q), (kv_lens, h_kv), (kv_lens, h_kv)))
     for a, n, h in ((q, q_lens, h_q), (k, kv_lens, h_kv), (v, kv_lens, h_kv)):
         a[..., :d_att] = rng.standard_normal((sum(n), h, d_att)).astype(np.float16)
+    if not columns:
+        return q, k, v, np.full((sum(q_lens), h_q), -np.inf)
     sink = (rng.standard_normal(h_q) * 3).astype(np.float16)
     q[..., d_att + SINK] = sink
     split = lambda pos: np.stack([pos % 1024, pos // 1024], -1)  # noqa: E731  (attention_sinks.POSITION_RADIX)
@@ -1129,8 +1142,10 @@ def _check_sinks(e: dict, fn, call, rng, tokens: list[int], number: int, repeat:
     """A kernel of SINK_SHAPES on the cache's rows with sinks: flash_sink (ragged, every row folds its sink),
     flash_decode_sink (where the pages end at the query's own key), tvm_decode (no sinks: the padding must add
     nothing to its scores); against float64 over the head's columns with the sink as one more key of value 0. Then
-    the decode kernels timed at each of `tokens` keys, batch 1 and 8."""
+    the decode kernels timed at each of `tokens` keys, batch 1 and 8. DECODE_SHAPES' kernels (rows of the head
+    alone, d_att = d) the same way, no sink anywhere."""
     h_kv, h_q, d_att = e["h_kv"], e["h_q"], e["d_att"]
+    columns = e["d"] - d_att
     sm_scale, rows = 1 / np.sqrt(d_att), []
     decode = e["paged"] == "decode"
     if decode:
@@ -1139,14 +1154,14 @@ def _check_sinks(e: dict, fn, call, rng, tokens: list[int], number: int, repeat:
     else:
         cases = [((1, 17, 100, 300),) * 2 + ([True] * 4, True), ((5, 130),) * 2 + ([True] * 2, True)]
     for q_lens, kv_lens, owns, causal in cases:
-        q, k, v, folded = _sink_inputs(rng, q_lens, kv_lens, h_kv, h_q, d_att, owns)
+        q, k, v, folded = _sink_inputs(rng, q_lens, kv_lens, h_kv, h_q, d_att, owns, columns)
         if e["kernel"].startswith("tvm"):
             folded[:] = -np.inf  # TVM's kernel has no sink term
         got, got_lse, _ = call(fn, q, k, v, q_lens, kv_lens, causal, sm_scale)
         want, want_lse = _sink_reference(q, k, v, q_lens, kv_lens, causal, sm_scale, folded, d_att)
         row = {**{x: e[x] for x in ("kernel", "h_kv", "h_q", "d", "d_att")}, "q_lens": list(q_lens),
                "kv_lens": list(kv_lens), "owns": owns, "vs_half": _rel(got[..., :d_att], want),
-               "padding_max": float(np.abs(got[..., d_att:]).max()),
+               "padding_max": float(np.abs(got[..., d_att:]).max()) if columns else 0.0,
                "lse_vs_half": float(np.abs(got_lse - want_lse).max())}
         row["ok"] = row["vs_half"] < ATTN_OUT_TOL and row["lse_vs_half"] < ATTN_LSE_TOL and row["padding_max"] == 0
         rows.append(row)
@@ -1154,7 +1169,7 @@ def _check_sinks(e: dict, fn, call, rng, tokens: list[int], number: int, repeat:
     if decode:
         for n in tokens:
             for batch in (1, 8):
-                q, k, v, _ = _sink_inputs(rng, (1,) * batch, (n,) * batch, h_kv, h_q, d_att, [True] * batch)
+                q, k, v, _ = _sink_inputs(rng, (1,) * batch, (n,) * batch, h_kv, h_q, d_att, [True] * batch, columns)
                 _, _, argv = call(fn, q, k, v, (1,) * batch, (n,) * batch, False, sm_scale)
                 timer = module.time_evaluator(e["function"], device, number=number, repeat=repeat)
                 seconds = float(np.median(timer(*argv).results))

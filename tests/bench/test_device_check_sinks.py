@@ -33,3 +33,18 @@ def test_the_checks_reference_is_the_kernels_schedule_with_the_sink_where_it_fol
         assert dc._rel(plain[~rows, :, :d_att].astype(np.float64), want[~rows]) < dc.ATTN_OUT_TOL
     assert not dc._rel(plain[rows, :, :d_att].astype(np.float64), want[rows]) < dc.ATTN_OUT_TOL  # sinks matter
     assert (out[..., d_att:] == 0).all()  # values are zero in the padding
+
+
+@pytest.mark.parametrize("shape", load_script("device_check").DECODE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_decode_shapes_without_sinks_check_against_the_decode_tiles_schedule(shape):
+    """DECODE_SHAPES: plain rows (no padding, no sink folded) through the same inputs and reference; the decode
+    tile's schedule (its warps sharing each step's keys, merged at the end) gives the reference's rows."""
+    dc = load_script("device_check")
+    h_kv, h_q, d = shape
+    rng = np.random.default_rng()
+    q_lens, kv_lens = (1, 1, 1), (1, 70, 300)
+    q, k, v, folded = dc._sink_inputs(rng, q_lens, kv_lens, h_kv, h_q, d, [True] * 3, columns=0)
+    assert q.shape[-1] == d and np.isneginf(folded).all()
+    want, _ = dc._sink_reference(q, k, v, q_lens, kv_lens, False, 1 / np.sqrt(d), folded, d)
+    out, _, _ = emulate(q, k, v, q_lens, kv_lens, False, 1 / np.sqrt(d), h_kv, fp.decode_tile(h_q // h_kv))
+    assert dc._rel(out.astype(np.float64), want) < dc.ATTN_OUT_TOL
