@@ -306,7 +306,7 @@ def decode_attention_kernel(target: tvm.target.Target, precision: str, sinks: bo
     if target.kind.name == "llvm":
         return "cpu" if supports(head_dim, head_dim, dtype) else "tvm"
     if sinks and target.kind.name == "cuda" and precision == "f16":
-        tile = flash_prefill.decode_tile(group)
+        tile = flash_prefill.decode_tile(group, head_dim)
         return f"flash {tile.warps}x{tile.keys}/{tile.splits}"
     return "tvm"
 

@@ -156,16 +156,19 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, *, page_size: int = 1
     return _Flash(h_kv, h_q, d, d, dtype, tile, mode="paged", page_size=page_size).build()
 
 
-DECODE_KEYS, DECODE_SPLITS = 128, 8  # keys a step of the decode kernel, warps sharing them (16 keys a warp)
+# (keys a step, warps sharing them) of the decode kernel, best first: 16 keys a warp; head dims past 80 take 64 keys a
+# step (two stages of 128 keys of a head of 128 are 136 KiB, past sm_86/sm_120's 99)
+DECODE_STEPS = ((128, 8), (64, 4))
 DECODE_NAMES = {"q": "Q", "page_indptr": "page_table_indptr", "page_values": "page_table_values"}  # TVM's
 
 
-def decode_tile(group: int) -> FlashTile:
+def decode_tile(group: int, d: int) -> FlashTile:
     """One block per (sequence, KV head): the fewest warps whose 16-row fragments hold the group's query heads; where
-    that is one warp, DECODE_SPLITS warps take a step's keys between them (a decode has no other parallelism in a
-    block: one warp would walk a long context alone)."""
+    that is one warp, several warps take a step's keys between them (a decode has no other parallelism in a block:
+    one warp would walk a long context alone): DECODE_STEPS' first whose stages fit head dim d."""
     rows = -(-group // 16)
-    return FlashTile(rows, DECODE_KEYS, DECODE_SPLITS if rows == 1 else 1)
+    tiles = [FlashTile(rows, keys, splits if rows == 1 else 1) for keys, splits in DECODE_STEPS]
+    return next((t for t in tiles if shared_bytes(t, d, d) <= MAX_DYNAMIC_SHARED), tiles[-1])
 
 
 def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, *, page_size: int = 16,
@@ -177,7 +180,7 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, sliding_window: bool, 
     is at the query's position (lower/attention_sinks.py), so only models with sinks take it; TVM's kernel keeps the
     others. One block a (sequence, KV head) walks every key, its warps sharing each step's (decode_tile); no split of
     a long context across blocks yet."""
-    return _Flash(h_kv, h_q, d, d, dtype, decode_tile(h_q // h_kv), mode="decode", page_size=page_size,
+    return _Flash(h_kv, h_q, d, d, dtype, decode_tile(h_q // h_kv, d), mode="decode", page_size=page_size,
                   sliding=sliding_window, d_att=d_att).build()
 
 

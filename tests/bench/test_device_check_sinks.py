@@ -20,7 +20,7 @@ def test_the_checks_reference_is_the_kernels_schedule_with_the_sink_where_it_fol
     h_kv, h_q, d_att = dc.SINK_SHAPES[0]
     rng = np.random.default_rng()
     if decode:
-        q_lens, kv_lens, owns, causal, tile = (1, 1, 1), (1, 70, 300), [True, False, True], False, fp.decode_tile(8)
+        q_lens, kv_lens, owns, causal, tile = (1, 1, 1), (1, 70, 300), [True, False, True], False, fp.decode_tile(8, 80)
     else:
         q_lens, kv_lens, owns, causal, tile = (17, 100), (17, 100), [True, True], True, fp.default_tile(80, 80)
     q, k, v, folded = dc._sink_inputs(rng, q_lens, kv_lens, h_kv, h_q, d_att, owns)
@@ -46,5 +46,5 @@ def test_decode_shapes_without_sinks_check_against_the_decode_tiles_schedule(sha
     q, k, v, folded = dc._sink_inputs(rng, q_lens, kv_lens, h_kv, h_q, d, [True] * 3, columns=0)
     assert q.shape[-1] == d and np.isneginf(folded).all()
     want, _ = dc._sink_reference(q, k, v, q_lens, kv_lens, False, 1 / np.sqrt(d), folded, d)
-    out, _, _ = emulate(q, k, v, q_lens, kv_lens, False, 1 / np.sqrt(d), h_kv, fp.decode_tile(h_q // h_kv))
+    out, _, _ = emulate(q, k, v, q_lens, kv_lens, False, 1 / np.sqrt(d), h_kv, fp.decode_tile(h_q // h_kv, d))
     assert dc._rel(out.astype(np.float64), want) < dc.ATTN_OUT_TOL

@@ -193,7 +193,7 @@ def test_sinks_fold_in_as_the_start_of_every_rows_softmax(decode):
     key of the sink's score and value 0. Decode: one query token a sequence, its own key the last, the decode tile."""
     h_kv, h_q, d_att = 8, 64, 64  # gpt-oss-20b's heads
     q_lens, kv_lens, causal = ((1, 1, 1, 1), (1, 70, 300, 1000), False) if decode else ((5, 130), (5, 130), True)
-    tile = fp.decode_tile(h_q // h_kv) if decode else fp.default_tile(d_att + 16, d_att + 16)
+    tile = fp.decode_tile(h_q // h_kv, d_att + 16) if decode else fp.default_tile(d_att + 16, d_att + 16)
     q, k, v, sinks = _rows_with_sinks(np.random.default_rng(), q_lens, kv_lens, h_kv, h_q, d_att)
     out, lse, _ = emulate(q, k, v, q_lens, kv_lens, causal, 0.125, h_kv, tile, sink_at=d_att)
     want, want_lse = reference(q[..., :d_att], k[..., :d_att], v[..., :d_att], q_lens, kv_lens, causal, 0.125,
@@ -214,8 +214,8 @@ def test_the_sink_decode_kernel_has_tvms_signature(sliding):
     body = _body(fp.paged_decode(8, 64, 80, "float16", sliding, d_att=64))
     # the group's 8 heads in one 16-row fragment, 8 warps sharing each step's 128 keys; their merge reuses the
     # stages' dynamic shared memory (88 KiB: within sm_86/sm_120's 99 KiB a block, with no static buffer beside it)
-    assert fp.decode_tile(8) == FlashTile(1, 128, 8) and "__launch_bounds__(256)" in body
-    assert fp.shared_bytes(fp.decode_tile(8), 80, 80) <= fp.MAX_DYNAMIC_SHARED
+    assert fp.decode_tile(8, 80) == FlashTile(1, 128, 8) and "__launch_bounds__(256)" in body
+    assert fp.shared_bytes(fp.decode_tile(8, 80), 80, 80) <= fp.MAX_DYNAMIC_SHARED
     assert not re.search(r"__shared__[^;]*\[\d+\]", body)
     with pytest.raises(ValueError, match="sinks fold"):
         fp._Flash(8, 64, 80, 80, "float16", None, mode="paged", d_att=64)
@@ -247,3 +247,24 @@ def test_a_build_with_sinks_swaps_the_decode_kernel_and_refuses_what_cannot_fold
     for precision, dtype in (("f32", "float32"), ("f16", "float32")):
         with pytest.raises(UnsupportedError, match="--target cpu"):
             check_sinks(c, "cuda", precision, dtype)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("h_kv,h_q,d", [(4, 32, 128), (8, 40, 128), (4, 28, 128), (3, 9, 64)])
+def test_the_decode_kernel_builds_for_heads_without_sinks(h_kv, h_q, d):
+    """Models without sinks (device_check's DECODE_SHAPES): heads of 128 take 64 keys a step (4 warps), whose two
+    stages fit sm_86/sm_120's 99 KiB; the kernel keeps TVM's signature; the tile's schedule gives float64 attention."""
+    from tvm.relax.frontend.nn.llm import _decode_kernels
+
+    tile = fp.decode_tile(h_q // h_kv, d)
+    assert tile == (FlashTile(1, 64, 4) if d == 128 else FlashTile(1, 128, 8))
+    assert fp.shared_bytes(tile, d, d) <= fp.MAX_DYNAMIC_SHARED
+    assert_same_signature(fp.paged_decode(h_kv, h_q, d, "float16", False),
+                          _decode_kernels._attention_decode(h_kv, h_q, d, "float16", False, {}, CUDA))
+    rng = np.random.default_rng()
+    q_lens, kv_lens = (1, 1, 1), (1, 70, 1000)
+    q, k, v = (rng.standard_normal((sum(n), h, d)).astype(np.float16) for n, h in ((q_lens, h_q), (kv_lens, h_kv),
+                                                                                  (kv_lens, h_kv)))
+    out, _, _ = emulate(q, k, v, q_lens, kv_lens, False, 1 / np.sqrt(d), h_kv, tile)
+    want, _ = reference(q, k, v, q_lens, kv_lens, False, 1 / np.sqrt(d))
+    assert rel_err(out, want) < OUT_TOL
