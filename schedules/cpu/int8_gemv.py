@@ -148,7 +148,10 @@ def _nibbles(qs: tirx.Buffer, n: tirx.Expr, g: tirx.Expr) -> tirx.Expr:
     127 → 95 µs on the 2-core Zen 3 (benchmarks/README.md, issue 13)."""
     raw = qs[n, T.Ramp(g * 16, 1, 16)]
     both = T.Shuffle([raw, raw], [i % 16 for i in range(32)])
-    blended = T.Shuffle([both, both >> T.Broadcast(T.uint8(4), 32)], list(range(16)) + list(range(48, 64)))
+    # x86 has no byte shift: shifted as 16-bit words (one vpsrlw; the bits a byte takes from its neighbour land above
+    # the nibble the mask keeps), where a byte shift became vpmovzxbw + vpsrlvw + vpmovwb on 512-bit registers
+    words = T.reinterpret("uint16x16", both) >> T.Broadcast(T.uint16(4), 16)
+    blended = T.Shuffle([both, T.reinterpret("uint8x32", words)], list(range(16)) + list(range(48, 64)))
     return blended & T.Broadcast(T.uint8(15), 32)
 
 
