@@ -62,8 +62,8 @@ def test_mapped_tensor_is_the_artifacts_map_not_a_copy(tmp_path, plus_one):
         tensor = mapped_tensor(array, tvm.cpu())
         np.testing.assert_array_equal(tensor.numpy(), array, err_msg=name)
         assert _data_pointer(tensor) == array.ctypes.data, name  # no copy
-    host = np.zeros(8 * 16 + 1, np.float32)
-    start = (-host.ctypes.data // 4) % 16 + 1  # one float past a 64-byte boundary
+    host = np.zeros(8 * 16 + 17, np.float32)
+    start = (-host.ctypes.data % 64) // 4 + 1  # one float past a 64-byte boundary
     unaligned = host[start : start + 8 * 16].reshape(8, 16)
     assert _data_pointer(mapped_tensor(unaligned, tvm.cpu())) != unaligned.ctypes.data
     square = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
