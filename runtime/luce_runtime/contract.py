@@ -73,8 +73,9 @@ class RuntimeContract:
     prefill_chunk: int = 512  # tokens per prefill call: longer prompts go in chunks
     kv_dtype: str = "float32"
     # the prefill kernels apply a sliding window to the keys already cached (luce_schedules' CPU kernels and TVM's
-    # CUDA kernel do; TVM 0.27's CPU kernel is wrong there): a sliding-window sequence then prefills in chunks of up to the window after
-    # its first, where it otherwise takes one token a call (Engine.chunk_limit). False for artifacts built before.
+    # CUDA kernel do; TVM 0.27's CPU kernel is wrong there): a sliding-window sequence then prefills in chunks of up
+    # to the window after its first, where it otherwise takes one token a call (Engine.chunk_limit). False for
+    # artifacts built before.
     sliding_prefill_chunks: bool = False
     # the width of a head's row in the KV cache where it is not the config's head_dim (attention sinks ride in 16
     # more columns: luce_compile/lower/attention_sinks.py); 0: head_dim. Sizes the KV pool (kv_memory).

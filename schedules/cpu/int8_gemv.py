@@ -201,7 +201,7 @@ def e8m0_half(e: tirx.Expr, lanes: int) -> tirx.Expr:
     e32 = T.Cast(u32, e)
 
     def const(v: int) -> tirx.Expr:
-        return T.Broadcast(T.uint32(v), lanes) if lanes > 1 else T.uint32(v)
+        return _splat(T.uint32(v), lanes)
 
     return T.reinterpret(f32, T.Select(e32 < const(2), const(0x00200000) << e32, (e32 - const(1)) << const(23)))
 
@@ -216,10 +216,9 @@ def e8m0_times(e: tirx.Expr, x: tirx.Expr, lanes: int) -> tirx.Expr:
     e32 = T.Cast(u32, e)
 
     def const(v: int) -> tirx.Expr:
-        return T.Broadcast(T.uint32(v), lanes) if lanes > 1 else T.uint32(v)
+        return _splat(T.uint32(v), lanes)
 
-    one = T.Broadcast(T.float32(1), lanes) if lanes > 1 else T.float32(1)
-    low = T.Select(e32 < const(2), T.reinterpret(f32, (e32 + const(125)) << const(23)), one)  # 2^(e − 2) below 2
+    low = T.Select(e32 < const(2), T.reinterpret(f32, (e32 + const(125)) << const(23)), _splat(T.float32(1), lanes))
     high = T.reinterpret(f32, (T.max(e32, const(2)) - const(1)) << const(23))
     return x * low * high
 

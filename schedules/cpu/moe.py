@@ -143,6 +143,7 @@ def expert_gemm_body(isa: str, kind: str, bufs: dict, y: tirx.Buffer, n_out: int
     strip = int8_gemm.Strip(isa, kind, bufs, y, n_out, n_in)
     strips = n_out // strip.width
     total = T.Bind(T.Cast("int32", y.shape[0]))
+    x_row = (lambda r: tokens[r]) if tokens is not None else (lambda r: r)  # the row's token (gate/up) or itself
     with T.parallel(0, strips * ((total + block_rows - 1) // block_rows)) as task:
         col = T.Bind(task % strips * strip.width)
         first = T.Bind(task // strips * block_rows)
@@ -156,5 +157,5 @@ def expert_gemm_body(isa: str, kind: str, bufs: dict, y: tirx.Buffer, n_out: int
             with T.While(T.And(run[1] < end, experts[T.min(run[1], end - 1)] == expert)):
                 T.buffer_store(run, run[1] + 1, [1])
             strip.st.stage(bufs, expert * n_out + col)
-            strip.run(col, run[0], run[1], ROW_TILE, (lambda r: tokens[r]) if tokens is not None else (lambda r: r))
+            strip.run(col, run[0], run[1], ROW_TILE, x_row)
             T.buffer_store(run, run[1], [0])
